@@ -1,0 +1,37 @@
+# Two commands on a fresh machine with only Python 3.11:
+#   make demo   set up .venv and train the demo model on the built-in corpus
+#   make test   set up .venv and run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build that is available locally; GPU users: make demo TORCH_SPEC="torch==2.13.0" with their index.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.lmforge-installed
+
+.PHONY: setup demo test lint format clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/lmforge demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format src tests bench
+	$(VENV)/bin/ruff check --fix src tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,0 +1,59 @@
+"""The ``lmforge`` command line: wiring only.
+
+Each subcommand lives in its own module of this package and exposes ``register(subparsers)``, which
+adds its parser and sets ``func`` (a callable taking the parsed ``argparse.Namespace`` and returning
+an exit status). To add a subcommand, write the module and add its name to ``SUBCOMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+
+from lmforge import __version__
+from lmforge.errors import LmforgeError
+
+# Order is the order shown in ``lmforge --help``.
+SUBCOMMANDS: list[str] = []
+
+EXIT_USER_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmforge",
+        description="Train large language models from one YAML file.",
+    )
+    parser.add_argument("--version", action="version", version=f"lmforge {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show Python tracebacks for user errors (for bug reports)"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"lmforge.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # ``--debug`` is accepted anywhere on the line, not only before the subcommand.
+    debug = "--debug" in argv
+    if debug:
+        argv = [a for a in argv if a != "--debug"]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.debug = debug
+    try:
+        status = args.func(args)
+    except LmforgeError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"lmforge {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"lmforge {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0 if status is None else int(status)
