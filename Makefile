@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/lmforge demo
+	$(VENV)/bin/lmforge check --config configs/demo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q
