@@ -1,0 +1,231 @@
+"""``lmforge check``: validate a train.yaml, print it resolved, and the quantities derived from it.
+
+Exit 0 when the configuration is valid, 2 (via the CLI's LmforgeError handling) when it is not.
+Missing data files are warnings here; the trainer refuses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from lmforge.config import derive, read_raw
+from lmforge.config.load import apply_overrides, split_key, validate_config
+from lmforge.errors import ConfigError
+
+# Validation owned by the building blocks (which scheduler keys a scheduler takes, which model types
+# exist, Muon's rules...). Each entry is (module, function, section attribute); the function takes the
+# section and raises an LmforgeError. Missing modules or functions are skipped, so this list can name
+# hooks before they land.
+BUILDER_CHECKS: list[tuple[str, str, str]] = [
+    ("lmforge.models", "validate_model_section", "model"),
+    ("lmforge.optim", "validate_optimizer_section", "optimizer"),
+    ("lmforge.lr", "validate_scheduler_section", "lr_scheduler"),
+    ("lmforge.data", "validate_dataset_section", "train_dataset"),
+]
+
+
+def _bool_flag(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "check",
+        help="validate a train.yaml and show the resolved configuration",
+        description=(
+            "Validate a train.yaml without training: print every value with defaults filled in, marked "
+            "[file], [--set] or [default], then the derived quantities (data-parallel degree, "
+            "gradient-accumulation steps, warm-up steps). Exit 0 when valid, 2 when not."
+        ),
+    )
+    parser.add_argument("--config", required=True, metavar="FILE", help="the train.yaml to check")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a value, e.g. --set training.steps=20 --set optimizer.betas=[0.9,0.99] "
+        "(values are YAML; repeatable)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="number of processes to derive the data-parallel degree for (default: $WORLD_SIZE or 1)",
+    )
+    parser.add_argument(
+        "--mode",
+        type=int,
+        default=1,
+        metavar="M",
+        help="the original's execution mode flag: 1 (PyNative, eager) is what lmforge always runs; "
+        "0 (MindSpore graph mode) is not supported",
+    )
+    parser.add_argument(
+        "--use_parallel",
+        "--use-parallel",
+        type=_bool_flag,
+        default=None,
+        metavar="B",
+        help="the original's flag: False means one process (world size 1); True means a distributed "
+        "launch (lmforge reads the world size from torchrun or --world-size)",
+    )
+    parser.set_defaults(func=run)
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    if args.mode != 1:
+        raise ConfigError(
+            f"--mode {args.mode}: lmforge runs eager PyTorch only, the equivalent of the original's "
+            "PyNative mode (--mode 1); graph mode (--mode 0) is not supported. Use --mode 1 or omit it."
+        )
+    world = args.world_size
+    if world is None:
+        env = os.environ.get("WORLD_SIZE", "1")
+        world = int(env) if env.isdigit() else 1
+    if world < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {world}")
+    if args.use_parallel is False and world > 1:
+        raise ConfigError(
+            f"--use_parallel False means a single process, but the world size is {world}; drop "
+            "--use_parallel False or use --world-size 1."
+        )
+    return world
+
+
+def _leaves(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(data, Mapping) and data and all(isinstance(k, str) for k in data):
+        out: list[tuple[str, Any]] = []
+        for key, value in data.items():
+            out.extend(_leaves(value, f"{prefix}.{key}" if prefix else key))
+        return out
+    return [(prefix, data)]
+
+
+def _lookup(raw: Any, dotted: str) -> tuple[bool, Any]:
+    node = raw
+    for part in split_key(dotted, dotted):
+        if isinstance(part, int):
+            if not isinstance(node, list) or part >= len(node):
+                return False, None
+            node = node[part]
+        elif isinstance(node, Mapping) and part in node:
+            node = node[part]
+        else:
+            return False, None
+    return True, node
+
+
+def _format_value(value: Any) -> str:
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    if text.endswith("\n..."):
+        text = text[: -len("\n...")]
+    return text.removesuffix("...").strip()
+
+
+def _source_of(key: str, value: Any, file_raw: Mapping[str, Any], set_keys: list[str]) -> str:
+    for set_key in set_keys:
+        # A --set key can be deeper than the printed leaf (a list item) or shallower (a whole mapping).
+        if key == set_key or key.startswith(set_key + ".") or set_key.startswith((key + ".", key + "[")):
+            return "--set"
+    present, raw_value = _lookup(file_raw, key)
+    if not present:
+        # callbacks[i] items are lists of mappings; their keys all come from the file.
+        top = key.split(".")[0].split("[")[0]
+        if top == "callbacks" and file_raw.get("callbacks"):
+            return "file"
+        return "default"
+    if raw_value != value and not (isinstance(raw_value, Mapping) and not raw_value):
+        return "file, adjusted"
+    return "file"
+
+
+def _data_file_warnings(cfg: Any) -> list[str]:
+    loader = cfg.train_dataset.dataloader.to_dict()
+    inner = loader.get("config") if isinstance(loader.get("config"), Mapping) else {}
+    candidates: list[tuple[str, Any]] = []
+    for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if key in inner:
+            candidates.append((f"train_dataset.dataloader.config.{key}", inner[key]))
+    for key in ("dataset_files", "dataset_dir", "data_path"):
+        if key in loader:
+            candidates.append((f"train_dataset.dataloader.{key}", loader[key]))
+    warnings = []
+    for label, value in candidates:
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if not isinstance(item, str) or re.fullmatch(r"\s*[-+]?[\d.eE]+\s*", item):
+                continue  # blend weights ('1', 0.3) sit between the prefixes
+            if os.path.exists(item) or (os.path.exists(item + ".bin") and os.path.exists(item + ".idx")):
+                continue
+            warnings.append(
+                f"{label}: {item!r} not found (neither the path nor {item}.bin/.idx exists); training will "
+                "refuse to start until it does"
+            )
+    return warnings
+
+
+def _builder_checks(cfg: Any) -> None:
+    for module_name, function_name, attribute in BUILDER_CHECKS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        check = getattr(module, function_name, None)
+        if callable(check):
+            check(getattr(cfg, attribute))
+
+
+def run(args: argparse.Namespace) -> int:
+    world = _world_size(args)
+    file_raw, source = read_raw(args.config)
+    merged = apply_overrides(file_raw, args.overrides)
+    cfg = validate_config(merged, source)
+    _builder_checks(cfg)
+    derived = derive(cfg, world)
+    set_keys = [item.split("=", 1)[0].strip() for item in args.overrides]
+
+    lines = [f"{source}: valid configuration.", "", "Resolved configuration ([file] / [--set] / [default]):"]
+    for key, value in _leaves(cfg.to_dict()):
+        lines.append(f"  {key}: {_format_value(value)}  [{_source_of(key, value, file_raw, set_keys)}]")
+    lines += ["", f"Derived quantities (world size {world}):"]
+    lines.append(
+        f"  data parallel: {derived.data_parallel} (replicate {derived.data_parallel_replicate} x shard "
+        f"{derived.data_parallel_shard}); tensor {cfg.parallelism.tensor_parallel}, pipeline "
+        f"{cfg.parallelism.pipeline_parallel}, context {cfg.parallelism.context_parallel}, expert "
+        f"{cfg.parallelism.expert_parallel}; sequence parallel "
+        f"{'on' if cfg.parallelism.sequence_parallel else 'off'}"
+    )
+    lines.append(
+        f"  gradient accumulation steps: {derived.accumulation_steps} = global_batch_size "
+        f"{cfg.training.global_batch_size} // (local_batch_size {cfg.training.local_batch_size} x data "
+        f"parallel {derived.data_parallel})"
+    )
+    lines.append(f"  effective global batch: {derived.effective_global_batch_size} samples per step")
+    if derived.micro_batch_tokens is not None:
+        tokens = derived.effective_global_batch_size * cfg.model.seq_length
+        lines.append(f"  tokens per step: {tokens} (seq_length {cfg.model.seq_length})")
+    lines.append(f"  total steps: {derived.total_steps}")
+    if derived.warmup_steps is None:
+        lines.append("  warm-up steps: none given (the scheduler's default applies)")
+    else:
+        lines.append(f"  warm-up steps: {derived.warmup_steps}")
+    warnings = list(cfg.warnings) + derived.warnings + _data_file_warnings(cfg)
+    if warnings:
+        lines += ["", "Warnings:"] + [f"  - {w}" for w in warnings]
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,71 @@
+"""Fields that lmforge accepts (so the original's files load) but that have no effect here.
+
+DESIGN.md §2.5: never silently ignore a setting. Each entry says why the field does nothing; a
+warning is emitted when a file sets it to anything but its default, or, for whole sections that do
+nothing, when the file writes the section at all. ``docs/compatibility.md`` lists the same fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# dotted key -> why it has no effect in lmforge
+INERT_FIELDS: dict[str, str] = {
+    "context.mode": "MindSpore's execution mode; lmforge always runs eager PyTorch (the PyNative equivalent)",
+    "context.max_device_memory": "a MindSpore device-memory cap; use PYTORCH_CUDA_ALLOC_CONF or "
+    "torch.cuda.set_per_process_memory_fraction instead",
+    "context.device_target": "MindSpore's device choice; lmforge uses CUDA when available, otherwise the CPU",
+    "checkpoint.load_worker_number": "declared but never read by the original either",
+    "checkpoint.save_global_layout_cache": "a MindSpore layout cache; torch.distributed.checkpoint needs none",
+    "checkpoint.reshard_worker_num": "resharding on load is done by torch.distributed.checkpoint itself",
+    "parallelism.npu_nums_per_device": "only used by the alltoall_deredundancy rule; lmforge's MoE dispatch "
+    "does not deduplicate per device",
+    "parallelism.enable_mc2": "Ascend's fused matmul+communication kernels (MC2) do not exist in PyTorch",
+    "parallelism.expert_parallel_async_d2h": "an Ascend device-to-host copy option",
+    "parallelism.pipeline_parallel_microbatch_size": "set at run time to the number of gradient-accumulation "
+    "steps (as the original does)",
+    "parallelism.pipeline_parallel_p2p_transport": "torch.distributed.pipelining chooses its own transport",
+    "train_dataset.numa_enable": "NUMA binding of MindSpore's data pipeline",
+    "profiler.mstx": "Ascend's lightweight marker collection; use torch.profiler record_function ranges",
+}
+
+# Sections that lmforge accepts but does not implement yet: a warning whenever the file writes them.
+INERT_SECTIONS: dict[str, str] = {
+    "lora_config": "LoRA fine-tuning is not implemented in lmforge yet; the model trains all parameters",
+}
+
+
+def _lookup(raw: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
+    node: Any = raw
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def collect_warnings(raw: Mapping[str, Any], cfg: Any) -> list[str]:
+    """Warnings about ``raw`` (the file after overrides) that do not make it invalid."""
+    from lmforge.config.schema import SECTION_CLASSES
+
+    warnings: list[str] = []
+    for dotted, why in INERT_FIELDS.items():
+        present, value = _lookup(raw, dotted)
+        if not present:
+            continue
+        section, name = dotted.rsplit(".", 1)
+        cls = SECTION_CLASSES[section.split(".")[0]]
+        default = cls.model_fields[name].default if name in cls.model_fields else None
+        if value != default:
+            warnings.append(f"{dotted} = {value!r} has no effect in lmforge: {why}.")
+    for section, why in INERT_SECTIONS.items():
+        if raw.get(section) is not None:
+            warnings.append(f"{section} is accepted but has no effect: {why}.")
+    present, sp = _lookup(raw, "parallelism.sequence_parallel")
+    if present and sp is False and cfg.parallelism.tensor_parallel > 1:
+        warnings.append(
+            "parallelism.sequence_parallel: False is overridden: sequence parallel is always on when "
+            f"tensor_parallel > 1 (here {cfg.parallelism.tensor_parallel}), as the spec says."
+        )
+    return warnings

@@ -1,0 +1,102 @@
+"""Reading and writing ``train.yaml``: YAML 1.1 (PyYAML safe loader) with two additions.
+
+* ``1e-8`` is a float. YAML 1.1 reads an exponent without a dot as a string, a trap users of the
+  original fell into (its loader then rejected the "string" in a float field); scientific notation
+  without a dot is resolved as a float here.
+* Mapping nesting deeper than 10 levels is refused before the document is constructed, as in the
+  original (sequences do not count).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lmforge.errors import ConfigError
+
+MAX_MAPPING_DEPTH = 10
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-8`` / ``3E5`` as floats."""
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _mapping_depth(node: yaml.Node | None) -> int:
+    # Iterative, so that a hostile file cannot exhaust the Python stack before the limit is reached.
+    deepest = 0
+    stack: list[tuple[yaml.Node, int]] = [(node, 0)] if node is not None else []
+    seen: set[int] = set()
+    while stack:
+        current, depth = stack.pop()
+        if id(current) in seen:  # anchors/aliases share nodes
+            continue
+        seen.add(id(current))
+        if isinstance(current, yaml.MappingNode):
+            depth += 1
+            deepest = max(deepest, depth)
+            for key, value in current.value:
+                stack.append((key, depth))
+                stack.append((value, depth))
+        elif isinstance(current, yaml.SequenceNode):
+            stack.extend((item, depth) for item in current.value)
+    return deepest
+
+
+def _syntax_error(source: str, exc: yaml.YAMLError) -> ConfigError:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc)
+    context = getattr(exc, "context", None)
+    detail = f"{context}; {problem}" if context else problem
+    return ConfigError(
+        f"YAML parse error in {source}{where}: {detail}. Fix the YAML syntax there (indentation, a "
+        "missing ':' or an unclosed bracket or quote are the usual causes)."
+    )
+
+
+def parse_yaml_text(text: str, source: str = "<string>") -> Any:
+    """Parse one YAML document with the depth check; syntax errors become ConfigError with a line."""
+    try:
+        node = yaml.compose(text, Loader=ConfigLoader)
+    except yaml.YAMLError as exc:
+        raise _syntax_error(source, exc) from None
+    depth = _mapping_depth(node)
+    if depth > MAX_MAPPING_DEPTH:
+        raise ConfigError(
+            f"YAML nesting depth {depth} exceeds the maximum allowed value of {MAX_MAPPING_DEPTH} in {source}: "
+            "a train.yaml never needs more than a few levels of mappings."
+        )
+    try:
+        return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - ConfigLoader is a SafeLoader
+    except yaml.YAMLError as exc:
+        raise _syntax_error(source, exc) from None
+
+
+def read_yaml_file(path: str | Path) -> Any:
+    """The parsed document of a YAML file; missing or unreadable files are ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise ConfigError(
+            f"Config file not found: {path} ({what}). Pass the path of a train.yaml to --config."
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"Cannot read config file {path}: {exc}") from None
+    return parse_yaml_text(text, str(path))
+
+
+def dump_yaml_text(data: Any) -> str:
+    """YAML text that :func:`parse_yaml_text` (and plain PyYAML) reads back to the same data."""
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, default_flow_style=False, width=100)
