@@ -1,0 +1,348 @@
+"""Recompute, comm recompute and swap: identical gradients, less saved activation memory, validation."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
+
+from lmforge.errors import ConfigError
+from lmforge.parallel.activation import (
+    _comm_recompute_policy,
+    apply_activation_memory,
+    count_saved_activation_bytes,
+    find_decoder_layers,
+    plan_activation_memory,
+)
+
+from .tiny_decoder import TinyDecoder
+
+NUM_LAYERS = 4
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (2, 16), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def _run(model):
+    """Loss, gradients by name and saved-activation bytes of one forward+backward (dropout on)."""
+    model.train()
+    ids, labels = _batch()
+    torch.manual_seed(123)  # the same dropout masks in every run
+    with count_saved_activation_bytes(model) as saved:
+        loss = model(ids, labels)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads, saved["bytes"]
+
+
+def _pair():
+    torch.manual_seed(0)
+    base = TinyDecoder(num_layers=NUM_LAYERS)
+    return base, copy.deepcopy(base)
+
+
+def _assert_bitwise(a, b):
+    loss_a, grads_a, _ = a
+    loss_b, grads_b, _ = b
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+def test_find_decoder_layers_uses_container_keys():
+    model = TinyDecoder(num_layers=3)
+    layers = find_decoder_layers(model, 3)
+    assert [(d.layer_id, d.name) for d in layers] == [(i, f"decoder.layers.{i}") for i in range(3)]
+
+
+def test_full_recompute_identical_gradients_less_saved_memory():
+    base, other = _pair()
+    reference = _run(base)
+    summary = apply_activation_memory(
+        other, {"mode": "full", "full_recompute_layer": ["0-2"]}, None, None, NUM_LAYERS
+    )
+    assert "recompute full: layers 0-2" in summary
+    names_before = [n for n, _ in base.named_parameters()]
+    assert [n for n, _ in other.named_parameters()] == names_before  # names unchanged
+    result = _run(other)
+    _assert_bitwise(reference, result)
+    assert result[2] < reference[2] * 0.6, (result[2], reference[2])
+
+
+def test_select_recompute_with_graph_mode_alias_and_decoder_relative_pattern():
+    base, other = _pair()
+    reference = _run(base)
+    plan = plan_activation_memory(
+        other,
+        {"mode": "select", "select_module": {"attention": ["0-1"], "layers.*\\.mlp": ["2"]}},
+        None,
+        None,
+        NUM_LAYERS,
+    )
+    assert plan.selected_paths == [
+        "decoder.layers.0.self_attention",
+        "decoder.layers.1.self_attention",
+        "decoder.layers.2.mlp",
+    ]
+    result = _run(other)
+    _assert_bitwise(reference, result)
+    assert result[2] < reference[2]
+
+
+def test_select_skips_children_of_recomputed_modules_and_full_layers():
+    _, model = _pair()
+    plan = plan_activation_memory(
+        model,
+        {
+            "mode": "select",
+            "full_recompute_layer": ["0"],
+            "select_module": {"self_attention": ["0-1"], "self_attention\\.linear_.*": ["1"]},
+        },
+        None,
+        None,
+        NUM_LAYERS,
+    )
+    assert plan.full_layers == [0]
+    assert plan.selected_paths == ["decoder.layers.1.self_attention"]
+
+
+def test_select_pattern_matching_nothing_lists_available_paths():
+    _, model = _pair()
+    with pytest.raises(ConfigError) as err:
+        apply_activation_memory(
+            model, {"mode": "select", "select_module": {"attn": ["0"]}}, None, None, NUM_LAYERS
+        )
+    msg = str(err.value)
+    assert "recompute.select_module['attn']" in msg
+    assert "self_attention.linear_qkv" in msg and "mlp.linear_fc1" in msg
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.name in str(func):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _mm_in_backward(model):
+    ids, labels = _batch()
+    torch.manual_seed(123)
+    loss = model(ids, labels)
+    with _CountOps("aten.mm") as counter:
+        loss.backward()
+    return counter.count
+
+
+def test_exclude_op_saves_matching_ops_instead_of_recomputing():
+    base, full = _pair()
+    sac = copy.deepcopy(base)
+    reference = _run(base)
+    apply_activation_memory(full, {"mode": "full", "full_recompute_layer": ["0-3"]}, None, None, NUM_LAYERS)
+    apply_activation_memory(
+        sac, {"mode": "full", "full_recompute_layer": ["0-3"], "exclude_op": ["mm"]}, None, None, NUM_LAYERS
+    )
+    _assert_bitwise(reference, _run(sac))
+    for m in (base, full, sac):
+        m.zero_grad(set_to_none=True)
+    plain, recomputed, selective = (_mm_in_backward(m) for m in (base, full, sac))
+    # Full recompute re-runs the forward matmuls in backward (qkv, proj and fc1 of each layer; the
+    # recompute stops early before fc2, whose output backward does not need); exclude_op=['mm'] keeps them.
+    assert recomputed == plain + 3 * NUM_LAYERS
+    assert selective == plain
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_layer_swap_identical_gradients_less_device_memory_and_prefetch_order(prefetch):
+    base, other = _pair()
+    reference = _run(base)
+    plan = plan_activation_memory(
+        other,
+        None,
+        None,
+        {"enable": True, "default_prefetch": prefetch, "layer_swap": [{"layers": ["0-1"]}]},
+        4,
+    )
+    result = _run(other)
+    _assert_bitwise(reference, result)
+    assert plan.swapper.swapped_bytes > 0
+    assert result[2] < reference[2]
+    # Backward reaches layer 1 first; its copy back and then layer 0's (prefetched) start.
+    assert plan.swapper.fetches_started == [1, 0]
+
+
+def test_op_swap_identical_gradients():
+    base, other = _pair()
+    reference = _run(base)
+    plan = plan_activation_memory(
+        other,
+        None,
+        None,
+        {
+            "enable": True,
+            "op_swap": [{"op_name": "attention", "layers": ["0"]}, {"op_name": "mlp", "layers": ["1"]}],
+        },
+        NUM_LAYERS,
+    )
+    assert plan.swapped_paths == ["decoder.layers.0.self_attention", "decoder.layers.1.mlp"]
+    result = _run(other)
+    _assert_bitwise(reference, result)
+    assert plan.swapper.swapped_bytes > 0
+    assert result[2] < reference[2]
+
+
+@pytest.mark.parametrize(
+    ("swap", "needle"),
+    [
+        (
+            {"enable": True, "default_prefetch": 0, "layer_swap": [{"layers": ["0"]}]},
+            "default_prefetch must be",
+        ),
+        ({"enable": True, "default_prefetch": 4, "layer_swap": [{"layers": ["0"]}]}, "in [1, 3]"),
+        (
+            {"enable": True, "default_prefetch": 2, "layer_swap": [{"layers": ["0-2"]}]},
+            "highest swapped layer (2)",
+        ),
+        ({"enable": True, "layer_swap": [{"layers": ["0-4"]}]}, "out of range [0, 3]"),
+        ({"enable": True, "layer_swap": [{"layers": ["2", "1"]}]}, "strictly ascending"),
+        ({"enable": True, "op_swap": [{"op_name": "nothing_here", "layers": ["0"]}]}, "Available paths"),
+    ],
+)
+def test_swap_validation(swap, needle):
+    _, model = _pair()
+    with pytest.raises(ConfigError) as err:
+        apply_activation_memory(model, None, None, swap, NUM_LAYERS)
+    assert needle in str(err.value)
+
+
+def test_swap_with_pipeline_parallel_is_rejected():
+    _, model = _pair()
+    with pytest.raises(ConfigError, match="swap is not supported with pipeline parallel"):
+        apply_activation_memory(
+            model,
+            None,
+            None,
+            {"enable": True, "layer_swap": [{"layers": ["0"]}]},
+            NUM_LAYERS,
+            pipeline_parallel=2,
+        )
+
+
+@pytest.mark.parametrize(
+    ("recompute", "needle"),
+    [
+        ({"mode": "some"}, "must be 'None', 'full', or 'select'"),
+        ({"mode": "full"}, "recompute.full_recompute_layer is required"),
+        ({"mode": "select"}, "recompute.select_module is required"),
+        ({"mode": "full", "full_recompute_layer": ["1-0"]}, "range start must be <= end"),
+        ({"mode": "full", "full_recompute_layer": ["x"]}, "invalid layer spec"),
+        ({"mode": "select", "select_module": {"(": ["0"]}}, "not a valid regular expression"),
+    ],
+)
+def test_recompute_validation(recompute, needle):
+    _, model = _pair()
+    with pytest.raises(ConfigError) as err:
+        apply_activation_memory(model, recompute, None, None, NUM_LAYERS)
+    assert needle in str(err.value)
+
+
+def test_recompute_comm_without_collectives_warns_and_changes_nothing():
+    base, other = _pair()
+    with pytest.warns(UserWarning, match="no communication ops"):
+        summary = apply_activation_memory(
+            other, None, {"enable": True, "select_module": {"self_attention": ["0-3"]}}, None, NUM_LAYERS
+        )
+    assert "no effect" in summary
+    assert not any(getattr(m, "_lmforge_recompute", False) for m in other.modules())
+    with pytest.raises(ConfigError, match="recompute_comm.select_module is required"):
+        apply_activation_memory(other, None, {"enable": True}, None, NUM_LAYERS)
+
+
+def test_comm_recompute_policy_recomputes_only_collectives():
+    assert _comm_recompute_policy(None, torch.ops._c10d_functional.all_gather_into_tensor.default) == (
+        CheckpointPolicy.PREFER_RECOMPUTE
+    )
+    assert _comm_recompute_policy(None, torch.ops.aten.mm.default) == CheckpointPolicy.MUST_SAVE
+
+
+def test_disabled_sections_change_nothing():
+    base, other = _pair()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summary = apply_activation_memory(
+            other, {"mode": "None"}, {"enable": False}, {"enable": False}, NUM_LAYERS
+        )
+    assert summary.startswith("activation memory: no recompute")
+    assert not any(getattr(m, "_lmforge_recompute", False) for m in other.modules())
+
+
+class _TPLikeAttention(torch.nn.Module):
+    """An attention stand-in whose forward runs a collective, as tensor parallelism does."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+        self.linear_qkv = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        from torch.distributed import _functional_collectives as funcol
+
+        return torch.tanh(self.linear_qkv(funcol.all_reduce(x, "sum", self.group)))
+
+
+def test_recompute_comm_re_runs_collectives_in_backward_only(tmp_path):
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+
+        def build():
+            torch.manual_seed(0)
+            model = torch.nn.Module()
+            model.decoder = torch.nn.Module()
+            model.decoder.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+            for layer in model.decoder.layers:
+                layer.self_attention = _TPLikeAttention(group)
+            return model
+
+        def step(model):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+            y = x
+            for layer in model.decoder.layers:
+                y = layer.self_attention(y)
+            with _CountOps("all_reduce") as collectives, _CountOps("aten.mm") as matmuls:
+                y.square().sum().backward()
+            return collectives.count, matmuls.count, {n: p.grad for n, p in model.named_parameters()}
+
+        plain, comm = build(), build()
+        plan = plan_activation_memory(
+            comm,
+            None,
+            {"enable": True, "select_module": {"self_attention": ["0"]}},
+            None,
+            2,
+            has_comm_ops=True,
+        )
+        assert plan.comm_paths == ["decoder.layers.0.self_attention"]
+        c0, m0, g0 = step(plain)
+        c1, m1, g1 = step(comm)
+        assert c1 == c0 + 1  # layer 0's forward all_reduce runs again in backward
+        assert m1 == m0  # and nothing else is recomputed
+        for name in g0:
+            assert torch.equal(g0[name], g1[name])
+    finally:
+        dist.destroy_process_group()
