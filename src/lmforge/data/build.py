@@ -1,0 +1,250 @@
+"""``build_dataloader``: the ``train_dataset`` section in, a resumable micro-batch loader out."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lmforge.errors import ConfigError, DataError
+from lmforge.utils.logging import get_logger
+from lmforge.utils.sections import section_to_dict
+
+from .blended import BlendedDataset, build_split_dataset
+from .config import CONFIG_PATH, GPTDatasetConfig, no_effect_keys, parse_gpt_config
+from .gpt_dataset import SPLIT_NAMES, GPTDataset
+from .loader import COLUMN_DTYPES, MegatronDataLoader
+
+log = get_logger("lmforge.data")
+
+SUPPORTED_TYPES = ("BlendedMegatronDatasetDataLoader",)
+# Loader types of MindSpore Transformers that lmforge does not implement (named in the error).
+KNOWN_UNSUPPORTED_TYPES = ("HFDataLoader", "MindDataset", "OrderedIndexDataLoader")
+PHASES = {"train": 0, "valid": 1, "test": 2}
+# Scanning .bin files up to this size for out-of-vocabulary ids takes well under a second; larger
+# data are checked batch by batch instead.
+FULL_VOCAB_SCAN_BYTES = 1 << 30
+
+_DATALOADER_KEYS = {
+    "type",
+    "datasets_type",
+    "sizes",
+    "config",
+    "column_names",
+    "shuffle",
+    "python_multiprocessing",
+    "tokenizer",
+}
+
+
+def _check_type(loader: dict[str, Any]) -> None:
+    kind = loader.get("type")
+    if kind in SUPPORTED_TYPES:
+        return
+    what = "is missing" if kind is None else f"is '{kind}'"
+    extra = (
+        f" lmforge does not implement MindSpore Transformers' {kind} (it reads Megatron .bin/.idx data only);"
+        " convert the data with 'lmforge data preprocess'."
+        if kind in KNOWN_UNSUPPORTED_TYPES
+        else ""
+    )
+    raise ConfigError(
+        f"train_dataset.dataloader.type {what}.{extra} Supported: {', '.join(SUPPORTED_TYPES)} "
+        f"(Unsupported dataloader type: {kind})."
+    )
+
+
+def _parse_sizes(value: Any) -> list[int | None]:
+    key = "train_dataset.dataloader.sizes"
+    if value is None:
+        return [None, None, None]
+    if not isinstance(value, (list, tuple)) or len(value) > 3:
+        raise ConfigError(
+            f"{key} must be a list [train, valid, test] of sample counts (or null); got {value!r}."
+        )
+    out: list[int | None] = []
+    for i, v in enumerate(list(value) + [None] * (3 - len(value))):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ConfigError(f"{key}[{i}] must be a sample count >= 0 or null; got {v!r}.")
+        out.append(v)
+    return out
+
+
+def _check_columns(columns: Any, cfg: GPTDatasetConfig) -> list[str]:
+    key = "train_dataset.dataloader.column_names"
+    if columns is None:
+        columns = ["input_ids", "labels"]
+    if not isinstance(columns, (list, tuple)) or not all(isinstance(c, str) for c in columns) or not columns:
+        raise ConfigError(f"{key} must be a list of column names; got {columns!r}.")
+    available = ["input_ids", "labels", "loss_mask", "position_ids"]
+    if cfg.create_compressed_eod_mask:
+        available.append("actual_seq_len")
+    elif cfg.create_attention_mask:
+        available.append("attention_mask")
+    for c in columns:
+        if c in available:
+            continue
+        if c == "attention_mask":
+            why = (
+                f"{CONFIG_PATH}.create_compressed_eod_mask is true (it replaces the mask by actual_seq_len)"
+                if cfg.create_compressed_eod_mask
+                else f"{CONFIG_PATH}.create_attention_mask is false"
+            )
+            raise ConfigError(f"{key} asks for attention_mask but {why}.")
+        if c == "actual_seq_len":
+            raise ConfigError(
+                f"{key} asks for actual_seq_len, which needs {CONFIG_PATH}.create_compressed_eod_mask: true."
+            )
+        raise ConfigError(f"{key} contains '{c}'; this dataset provides: {', '.join(available)}.")
+    if len(set(columns)) != len(columns):
+        raise ConfigError(f"{key} names a column twice: {list(columns)}.")
+    return list(columns)
+
+
+def _check_vocab_upfront(dataset: GPTDataset | BlendedDataset, vocab_size: int) -> None:
+    members = dataset.datasets if isinstance(dataset, BlendedDataset) else [dataset]
+    for member in members:
+        indexed = member.indexed
+        if os.path.getsize(f"{indexed.prefix}.bin") > FULL_VOCAB_SCAN_BYTES:
+            continue
+        top = indexed.max_token()
+        if top >= vocab_size:
+            raise DataError(
+                f"{indexed.prefix}.bin holds token id {top}, but model.vocab_size is {vocab_size} "
+                f"(valid ids 0 .. {vocab_size - 1}): the data was tokenized with a different tokenizer "
+                "than the model expects."
+            )
+
+
+def build_dataset(
+    dataset_section: Any,
+    *,
+    phase: str = "train",
+    vocab_size: int | None = None,
+    seq_length: int | None = None,
+) -> tuple[GPTDataset | BlendedDataset | None, dict[str, Any]]:
+    """The GPTDataset/BlendedDataset of one phase (None if that split is empty) and the section dict."""
+    section = section_to_dict(dataset_section)
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {sorted(PHASES)}, got {phase!r}")
+    loader = section.get("dataloader")
+    if not isinstance(loader, dict):
+        raise ConfigError(
+            "train_dataset.dataloader is required: a mapping with type: BlendedMegatronDatasetDataLoader, "
+            "datasets_type, sizes, column_names and config."
+        )
+    loader = section_to_dict(loader)
+    _check_type(loader)
+    kind = loader.get("datasets_type", "GPTDataset")
+    if kind != "GPTDataset":
+        raise ConfigError(
+            f"train_dataset.dataloader.datasets_type is '{kind}'; the only supported value is GPTDataset."
+        )
+    unknown = sorted(set(loader) - _DATALOADER_KEYS)
+    if unknown:
+        log.warning(
+            "train_dataset.dataloader.%s is not used by BlendedMegatronDatasetDataLoader; ignored", unknown[0]
+        )
+    raw_config = loader.get("config")
+    if raw_config is None:
+        raise ConfigError(
+            f"{CONFIG_PATH} is required for BlendedMegatronDatasetDataLoader: at least seq_length, "
+            "data_path and split (or train_data_path / valid_data_path)."
+        )
+    raw_config = section_to_dict(raw_config)
+    cfg = parse_gpt_config(raw_config, vocab_size=vocab_size)
+    for key in no_effect_keys(raw_config):
+        log.warning("%s.%s has no effect in lmforge (see docs/data.md)", CONFIG_PATH, key)
+    if seq_length is not None and cfg.seq_length != seq_length:
+        raise ConfigError(
+            f"{CONFIG_PATH}.seq_length ({cfg.seq_length}) must equal model.seq_length ({seq_length})."
+        )
+    if 0 <= cfg.pad == cfg.eod:
+        # Megatron: a pad id equal to EOD would mask every EOD label; it is dropped with a warning.
+        log.warning("%s.pad equals eod (%d); treating pad as unset (-1)", CONFIG_PATH, cfg.pad)
+        from dataclasses import replace
+
+        cfg = replace(cfg, pad=-1)
+    sizes = _parse_sizes(loader.get("sizes"))
+    dataset = build_split_dataset(cfg, sizes, PHASES[phase])
+    if dataset is not None and vocab_size is not None:
+        _check_vocab_upfront(dataset, vocab_size)
+    section["_parsed"] = {"config": cfg, "loader": loader}
+    return dataset, section
+
+
+def build_dataloader(
+    dataset_section: Any,
+    *,
+    local_batch_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    seq_length: int | None = None,
+    phase: str = "train",
+    consumed_samples: int = 0,
+) -> MegatronDataLoader | None:
+    """The micro-batch loader of ``phase`` for this data-parallel rank, or None if the split is empty.
+
+    ``dataset_section`` is ``train_dataset`` (pydantic section or dict). Tensor/context-parallel
+    peers pass the same ``dp_rank`` and so read the same shard. ``seed`` (training.seed) seeds only
+    the optional ``dataloader.shuffle``; the sample order itself comes from ``config.seed`` as in
+    Megatron. Training loaders run forever across epochs; valid/test loaders run one epoch per
+    ``iter()``.
+    """
+    if local_batch_size < 1:
+        raise ConfigError(f"training.local_batch_size must be >= 1; got {local_batch_size}.")
+    dataset, section = build_dataset(
+        dataset_section, phase=phase, vocab_size=vocab_size, seq_length=seq_length
+    )
+    if dataset is None:
+        return None
+    parsed = section.pop("_parsed")
+    loader = parsed["loader"]
+    columns = _check_columns(loader.get("column_names"), parsed["config"])
+    workers = section.get("num_parallel_workers", 8)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ConfigError(f"train_dataset.num_parallel_workers must be an integer >= 0; got {workers!r}.")
+    prefetch = section.get("prefetch_size", 1)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ConfigError(f"train_dataset.prefetch_size must be an integer >= 1; got {prefetch!r}.")
+    cpus = os.cpu_count() or 1
+    if workers > cpus:
+        log.warning(
+            "train_dataset.num_parallel_workers = %d exceeds the %d CPUs here; using %d worker processes",
+            workers,
+            cpus,
+            cpus,
+        )
+        workers = cpus
+    # One worker process would only add a hop: read in the training process instead.
+    num_workers = workers if workers > 1 else 0
+    for flag in ("numa_enable", "use_distribute_dataset"):
+        if section.get(flag):
+            log.warning("train_dataset.%s has no effect in lmforge (see docs/data.md)", flag)
+    drop_remainder = section.get("drop_remainder", True)
+    name = f"the {SPLIT_NAMES[PHASES[phase]]} dataset ({', '.join(_prefixes(dataset))})"
+    return MegatronDataLoader(
+        dataset,
+        columns=columns,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        drop_remainder=bool(drop_remainder),
+        num_workers=num_workers,
+        prefetch_size=prefetch,
+        shuffle=bool(loader.get("shuffle", False)),
+        seed=seed,
+        consumed_samples=consumed_samples if phase == "train" else 0,
+        infinite=phase == "train",
+        vocab_size=vocab_size,
+        name=name,
+    )
+
+
+def _prefixes(dataset: GPTDataset | BlendedDataset) -> list[str]:
+    members = dataset.datasets if isinstance(dataset, BlendedDataset) else [dataset]
+    return [m.indexed.prefix for m in members]
+
+
+__all__ = ["COLUMN_DTYPES", "KNOWN_UNSUPPORTED_TYPES", "SUPPORTED_TYPES", "build_dataloader", "build_dataset"]

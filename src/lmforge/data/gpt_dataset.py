@@ -1,0 +1,248 @@
+"""GPTDataset: fixed-length causal-LM samples cut across documents, in Megatron's order.
+
+A sample is ``seq_length + 1`` consecutive tokens of the shuffled, epoch-repeated document stream
+(the last token is shared with the next sample); ``input_ids = text[:-1]``, ``labels = text[1:]``.
+Masks and position ids follow Megatron's ``_get_ltor_masks_and_position_ids`` and MindSpore
+Transformers' compressed EOD mask (``actual_seq_len``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from lmforge.errors import DataError
+from lmforge.utils.logging import get_logger
+
+from .config import GPTDatasetConfig
+from .indexed import IndexedDataset
+from .indices import (
+    build_document_index,
+    build_sample_index,
+    build_shuffle_index,
+    num_epochs_for,
+    separate_final_epoch,
+)
+
+SPLIT_NAMES = ("train", "valid", "test")
+log = get_logger("lmforge.data")
+
+
+def default_cache_dir(prefix: str) -> str:
+    """Megatron's default: ``<dir of the prefix>/cache/GPTDataset_indices``."""
+    return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", "GPTDataset_indices")
+
+
+class IndexCache:
+    """Index arrays kept as ``<dir>/<md5 of description>-<kind>-<split>-<name>.npy``.
+
+    Writes are atomic (temp file + rename) so ranks that build the same arrays at once never see a
+    partial file; an unwritable directory falls back to keeping the arrays in memory.
+    """
+
+    def __init__(self, directory: str, kind: str, split: str, description: dict) -> None:
+        self.description = json.dumps(description, indent=2, sort_keys=True)
+        digest = hashlib.md5(self.description.encode("utf-8"), usedforsecurity=False).hexdigest()
+        self.stem = os.path.join(directory, f"{digest}-{kind}-{split}")
+        self.directory = directory
+
+    def path(self, name: str) -> str:
+        return f"{self.stem}-{name}.npy"
+
+    def load(self, names: tuple[str, ...]) -> dict[str, np.ndarray] | None:
+        if not all(os.path.isfile(self.path(n)) for n in names):
+            return None
+        try:
+            return {n: np.load(self.path(n), mmap_mode="r", allow_pickle=False) for n in names}
+        except (OSError, ValueError):
+            return None  # a damaged cache entry is rebuilt
+
+    def save(self, arrays: dict[str, np.ndarray]) -> None:
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            for name, array in arrays.items():
+                tmp = f"{self.path(name)}.{os.getpid()}.tmp.npy"
+                np.save(tmp, array, allow_pickle=False)
+                os.replace(tmp, self.path(name))
+            desc = f"{self.stem}-description.txt"
+            with open(f"{desc}.{os.getpid()}.tmp", "w") as f:
+                f.write(self.description)
+            os.replace(f"{desc}.{os.getpid()}.tmp", desc)
+        except OSError as exc:
+            log.warning(
+                "cannot write the dataset index cache in %s (%s); keeping it in memory", self.directory, exc
+            )
+
+
+class GPTDataset:
+    """Samples of one split of one indexed dataset; ``dataset[k]`` is a dict of numpy arrays."""
+
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        sequence_ids: np.ndarray,
+        num_samples: int | None,
+        split: int,
+        config: GPTDatasetConfig,
+    ) -> None:
+        self.indexed = indexed
+        self.sequence_ids = sequence_ids
+        self.num_samples = num_samples
+        self.split = split
+        self.config = config
+        if len(sequence_ids) == 0:
+            raise DataError(
+                f"the {SPLIT_NAMES[split]} split of {indexed.prefix} holds no sequences "
+                f"({len(indexed)} in the file); change train_dataset.dataloader.config.split or use more data."
+            )
+        self._build_indices()
+        if len(self) < 1:
+            raise DataError(
+                f"{indexed.prefix} ({SPLIT_NAMES[split]} split) has {self.tokens_per_epoch} tokens, too few "
+                f"for one sample of seq_length {config.seq_length} + {config.extra_token}."
+            )
+        if num_samples is not None and len(self) < num_samples:  # pragma: no cover - guaranteed by epochs
+            raise DataError(
+                f"{indexed.prefix}: built {len(self)} samples, fewer than the {num_samples} requested"
+            )
+        self._cached_masks: dict[str, np.ndarray] | None = None
+
+    # -- indices ----------------------------------------------------------------------------
+    def _build_indices(self) -> None:
+        cfg = self.config
+        sizes = self.indexed.sequence_lengths
+        self.tokens_per_epoch = int(sizes[self.sequence_ids].sum(dtype=np.int64))
+        x = cfg.extra_token
+        drop_last = True if self.split != 1 else cfg.drop_last_partial_validation_sequence
+        description = {
+            "class": "GPTDataset",
+            "dataset_path": os.path.abspath(self.indexed.prefix),
+            "index_split": SPLIT_NAMES[self.split],
+            "sequence_ids": [int(self.sequence_ids[0]), int(self.sequence_ids[-1]) + 1],
+            "num_samples": self.num_samples,
+            "random_seed": cfg.seed,
+            "sequence_length": cfg.seq_length,
+            "add_extra_token_to_sequence": cfg.add_extra_token_to_sequence,
+            "drop_last_partial_sequence": drop_last,
+            "idx_size": os.path.getsize(f"{self.indexed.prefix}.idx"),
+            "idx_mtime_ns": os.stat(f"{self.indexed.prefix}.idx").st_mtime_ns,
+        }
+        cache_dir = cfg.path_to_cache or default_cache_dir(self.indexed.prefix)
+        cache = IndexCache(cache_dir, "GPTDataset", SPLIT_NAMES[self.split], description)
+        names = ("document_index", "sample_index", "shuffle_index")
+        arrays = cache.load(names)
+        if arrays is None:
+            epochs = num_epochs_for(self.tokens_per_epoch, self.num_samples, cfg.seq_length, x)
+            separate, sans_final = separate_final_epoch(
+                self.tokens_per_epoch, epochs, self.num_samples, cfg.seq_length, x
+            )
+            rng = np.random.RandomState(cfg.seed)
+            document_index = build_document_index(self.sequence_ids, epochs, rng, separate)
+            sample_index = build_sample_index(
+                sizes, document_index, cfg.seq_length, epochs, self.tokens_per_epoch, drop_last, x
+            )
+            total = sample_index.shape[0] - 1
+            shuffle_index = build_shuffle_index(sans_final if separate else total, total, rng)
+            arrays = {
+                "document_index": document_index,
+                "sample_index": sample_index,
+                "shuffle_index": shuffle_index,
+            }
+            cache.save(arrays)
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+    # -- samples ----------------------------------------------------------------------------
+    def text(self, k: int) -> np.ndarray:
+        """The ``seq_length + extra`` raw tokens of sample ``k`` (after the shuffle), right-padded."""
+        j = int(self.shuffle_index[k])
+        doc_first, off_first = (int(v) for v in self.sample_index[j])
+        doc_last, off_last = (int(v) for v in self.sample_index[j + 1])
+        x = self.config.extra_token
+        pieces = []
+        if doc_first == doc_last:
+            seq = int(self.document_index[doc_first])
+            pieces.append(self.indexed.get(seq, off_first, off_last - off_first + x))
+        else:
+            for pos in range(doc_first, doc_last + 1):
+                seq = int(self.document_index[pos])
+                if pos == doc_first:
+                    pieces.append(self.indexed.get(seq, off_first))
+                elif pos == doc_last:
+                    pieces.append(self.indexed.get(seq, 0, off_last + x))
+                else:
+                    pieces.append(self.indexed.get(seq))
+        text = np.concatenate(pieces).astype(np.int64)
+        want = self.config.seq_length + x
+        if len(text) < want:  # the last, partial validation sample
+            text = np.concatenate([text, np.full(want - len(text), self.config.pad, dtype=np.int64)])
+        return text
+
+    def __getitem__(self, k: int | None) -> dict[str, np.ndarray]:
+        """One sample. ``k=None`` is a padding sample: sample 0 with an all-zero loss mask."""
+        cfg = self.config
+        text = self.text(0 if k is None else k)
+        if cfg.add_extra_token_to_sequence:
+            tokens, labels = text[:-1].copy(), text[1:].copy()
+        else:
+            tokens, labels = text, np.roll(text, -1)
+            labels[-1] = cfg.pad
+        sample = make_sample_columns(tokens, labels, cfg)
+        if k is None:
+            sample["loss_mask"][:] = 0.0
+        return sample
+
+
+def make_sample_columns(
+    tokens: np.ndarray, labels: np.ndarray, cfg: GPTDatasetConfig
+) -> dict[str, np.ndarray]:
+    """input_ids, labels, loss_mask, position_ids and attention_mask / actual_seq_len of one sample."""
+    seq = len(tokens)
+    is_eod = tokens == cfg.eod if cfg.eod >= 0 else np.zeros(seq, dtype=bool)
+    loss_mask = np.ones(seq, dtype=np.float32)
+    if cfg.eod_mask_loss:
+        # Masks the prediction made *from* an EOD (the next document's first token); predicting
+        # the EOD itself is still trained. Megatron's choice, kept for the same loss.
+        loss_mask[is_eod] = 0.0
+    # Document id of every position: a new document starts right after each EOD.
+    segment = np.concatenate([[0], np.cumsum(is_eod[:-1])]) if seq else np.zeros(0, np.int64)
+    if cfg.reset_position_ids:
+        starts = np.flatnonzero(np.concatenate([[True], segment[1:] != segment[:-1]]))
+        position_ids = np.arange(seq, dtype=np.int64) - starts[segment]
+    else:
+        position_ids = np.arange(seq, dtype=np.int64)
+    out = {"input_ids": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    if cfg.create_compressed_eod_mask:
+        out["actual_seq_len"] = actual_seq_len(is_eod, cfg.eod_pad_length)
+    elif cfg.create_attention_mask:
+        causal = np.tril(np.ones((seq, seq), dtype=bool))
+        if cfg.reset_attention_mask:
+            causal &= segment[:, None] == segment[None, :]
+        out["attention_mask"] = ~causal[None]  # True = masked, as Megatron and MindSpore Transformers
+    loss_mask[labels == cfg.pad] = 0.0
+    tokens[tokens == cfg.pad] = 0  # padding ids must still be valid embedding rows
+    labels[labels == cfg.pad] = 0
+    return out
+
+
+def actual_seq_len(is_eod: np.ndarray, pad_length: int) -> np.ndarray:
+    """MindSpore Transformers' compressed EOD mask: cumulative document ends, padded with S."""
+    seq = len(is_eod)
+    ends = np.flatnonzero(is_eod) + 1
+    if len(ends) and ends[-1] == seq:
+        ends = ends[:-1]  # the sample's own end is always appended as padding
+    if len(ends) > pad_length:
+        raise DataError(
+            f"Number of EOD tokens ({len(ends)}) exceeds compressed_eod_mask_length ({pad_length}). "
+            "Raise train_dataset.dataloader.config.eod_pad_length."
+        )
+    out = np.full(pad_length, seq, dtype=np.int64)
+    out[: len(ends)] = ends
+    return out
