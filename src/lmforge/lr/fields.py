@@ -147,7 +147,9 @@ class SchedulerKeys:
             hint = ""
             close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.75)
             if key in known_elsewhere:
-                hint = f" (it is a setting of {', '.join(known_elsewhere[key])})"
+                owners = known_elsewhere[key]
+                named = ", ".join(owners) if len(owners) <= 3 else f"{', '.join(owners[:2])} and others"
+                hint = f" (it is a setting of {named})"
             elif close:
                 hint = f" (did you mean {close[0]}?)"
             parts.append(f"{self.dotted(key)}{hint}")
