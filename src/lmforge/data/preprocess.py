@@ -1,0 +1,163 @@
+"""JSON-lines text -> Megatron ``.bin``/``.idx`` (the job of Megatron's ``tools/preprocess_data.py``)."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from lmforge.errors import DataError
+
+from .indexed import IndexedDatasetWriter, optimal_token_dtype
+from .tokenizer import find_eod_id, load_tokenizer
+
+BATCH_DOCUMENTS = 256  # documents per encode_batch call / per task sent to a worker
+
+
+@dataclass
+class PreprocessSummary:
+    output_prefix: str
+    documents: int
+    skipped_empty: int
+    tokens: int
+    seconds: float
+    dtype: str
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+def output_prefix_for(prefix: str, json_key: str) -> str:
+    """Megatron's naming: ``{prefix}_{key}_document``."""
+    return f"{prefix}_{json_key}_document"
+
+
+def _open_text(path: str) -> tuple[io.TextIOBase, io.BufferedReader]:
+    # Both are returned open; the caller closes them.
+    raw = open(path, "rb")  # noqa: SIM115
+    if path.endswith(".gz"):
+        return gzip.open(raw, "rt", encoding="utf-8"), raw  # noqa: SIM115
+    return io.TextIOWrapper(raw, "utf-8"), raw
+
+
+def read_documents(path: str, json_key: str, progress=None) -> Iterator[str]:
+    """The ``json_key`` text of every line; a list of strings (sentences) is joined."""
+    if not os.path.isfile(path):
+        raise DataError(f"--input {path}: no such file (expected JSON lines, optionally .gz).")
+    stream, raw = _open_text(path)
+    with stream, raw:
+        last = 0
+        for number, line in enumerate(stream, start=1):
+            if progress is not None:
+                position = raw.tell()
+                progress.update(position - last)
+                last = position
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"{path}:{number} is not valid JSON ({exc.msg}); expected one object per line."
+                ) from None
+            if not isinstance(record, dict) or json_key not in record:
+                keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                raise DataError(
+                    f"{path}:{number} has no key '{json_key}' (it has: {keys}); choose it with --json-key."
+                )
+            text = record[json_key]
+            if isinstance(text, list):
+                text = "".join(str(t) for t in text)
+            yield str(text)
+
+
+def _batches(documents: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for doc in documents:
+        batch.append(doc)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(tokenizer_path)
+
+
+def _encode(batch: list[str]) -> list[np.ndarray]:
+    encodings = _worker_tokenizer.encode_batch(batch, add_special_tokens=False)
+    return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+
+
+def preprocess(
+    input_path: str,
+    tokenizer_path: str,
+    output_prefix: str,
+    *,
+    json_key: str = "text",
+    append_eod: bool = False,
+    eod_token: str | None = None,
+    workers: int = 1,
+    progress: bool = False,
+    exact_prefix: bool = False,
+) -> PreprocessSummary:
+    """Tokenize every document and write ``{output_prefix}_{json_key}_document.{bin,idx}``.
+
+    ``exact_prefix=True`` writes ``{output_prefix}.{bin,idx}`` instead. Empty documents are dropped
+    (as Megatron does); ``append_eod`` adds the tokenizer's end-of-document id to each document.
+    """
+    tokenizer = load_tokenizer(tokenizer_path)
+    eod = find_eod_id(tokenizer, tokenizer_path, eod_token) if append_eod else None
+    dtype = optimal_token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
+    prefix = output_prefix if exact_prefix else output_prefix_for(output_prefix, json_key)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=os.path.getsize(input_path), unit="B", unit_scale=True, desc="tokenizing", leave=False
+        )
+    start = time.perf_counter()
+    documents = tokens = skipped = 0
+    batches = _batches(read_documents(input_path, json_key, bar), BATCH_DOCUMENTS)
+    pool = None
+    try:
+        if workers > 1:
+            pool = multiprocessing.get_context("spawn").Pool(
+                workers, _init_worker, (os.fspath(tokenizer_path),)
+            )
+            encoded = pool.imap(_encode, batches, chunksize=1)
+        else:
+            _init_worker(os.fspath(tokenizer_path))
+            encoded = map(_encode, batches)
+        with IndexedDatasetWriter(prefix, dtype) as writer:
+            for batch in encoded:
+                for ids in batch:
+                    if ids.size == 0:
+                        skipped += 1
+                        continue
+                    if eod is not None:
+                        ids = np.append(ids, eod)
+                    writer.add_document(ids)
+                    documents += 1
+                    tokens += ids.size
+    finally:
+        if pool is not None:
+            pool.terminate()
+        if bar is not None:
+            bar.close()
+    return PreprocessSummary(prefix, documents, skipped, tokens, time.perf_counter() - start, dtype.name)
