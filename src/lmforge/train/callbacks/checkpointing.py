@@ -1,0 +1,38 @@
+"""Saving checkpoints: every ``save_interleaved_steps``, at the end, and on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmforge.train.callbacks.base import TrainerCallback
+from lmforge.train.checkpoint import CheckpointManager
+
+
+class CheckpointCallback(TrainerCallback):
+    order = 80  # after logging; before metrics so the save time can be reported
+
+    def __init__(self, manager: CheckpointManager, save_interleaved_steps: int) -> None:
+        self.manager = manager
+        self.interval = int(save_interleaved_steps)
+        self.last_saved_step: int | None = None
+
+    def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        # A resumed run does not re-save the step it resumed from.
+        self.last_saved_step = state.global_step if state.global_step > 0 else None
+
+    def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        trainer = kwargs["trainer"]
+        self.manager.poll()
+        if state.global_step % self.interval == 0 or trainer.stop_requested:
+            self._save(trainer, state)
+            kwargs["metrics"]["checkpoint_save_s"] = round(self.manager.last_save_seconds, 4)
+
+    def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        if self.last_saved_step != state.global_step:
+            self._save(kwargs["trainer"], state)
+        self.manager.close()
+        kwargs["trainer"].artifacts["checkpoints"] = str(self.manager.save_path)
+
+    def _save(self, trainer: Any, state: Any) -> None:
+        if self.manager.save(trainer.checkpointable(), state.global_step):
+            self.last_saved_step = state.global_step

@@ -1,0 +1,122 @@
+"""Callbacks around :mod:`lmforge.train.monitor`: train_state, moe_monitor and per-step peak memory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from lmforge.train.callbacks.base import TrainerCallback
+from lmforge.train.monitor import MoeTokenMonitor, PeakMemory, TrainStateMonitor, format_bytes
+from lmforge.utils.sections import section_to_dict
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _model(kwargs: dict[str, Any]) -> Any:
+    model = kwargs.get("model")
+    # The original passes a list of model chunks (pipeline stages); lmforge passes the module.
+    return model[0] if isinstance(model, (list, tuple)) else model
+
+
+class TrainStateMonitorCallback(TrainerCallback):
+    """``monitor.train_state`` as JSON lines in ``<output_dir>/monitor/train_state_rank<N>.jsonl``."""
+
+    order = 15
+
+    def __init__(self, section: Any, output_dir: str | os.PathLike) -> None:
+        self.section = section_to_dict(section)
+        self.path = Path(output_dir) / "monitor" / f"train_state_rank{_rank()}.jsonl"
+        self.monitor: TrainStateMonitor | None = None
+
+    def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        self.monitor = TrainStateMonitor(
+            _model(kwargs),
+            self.path,
+            local_norm=self.section.get("local_norm", ""),
+            device_norm=self.section.get("device_norm", False),
+            local_loss=self.section.get("local_loss", False),
+            device_loss=self.section.get("device_loss", False),
+        )
+        self.monitor.attach()
+
+    def on_step_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.begin_step(state.global_step + 1)
+
+    def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.end_step(kwargs.get("loss"))
+
+    def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
+
+
+class MoeMonitorCallback(TrainerCallback):
+    """``monitor.moe_monitor`` as JSON lines in ``<output_dir>/monitor/tokens_per_expert_rank<N>.jsonl``."""
+
+    order = 15
+
+    def __init__(self, section: Any, output_dir: str | os.PathLike, num_layers: int | None = None) -> None:
+        self.section = section_to_dict(section)
+        self.path = Path(output_dir) / "monitor" / f"tokens_per_expert_rank{_rank()}.jsonl"
+        self.num_layers = num_layers
+        self.monitor: MoeTokenMonitor | None = None
+
+    def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        self.monitor = MoeTokenMonitor(
+            _model(kwargs),
+            self.path,
+            interval=self.section.get("save_tokens_per_expert_interval"),
+            target_layers=self.section.get("target_layers"),
+            num_layers=self.num_layers,
+        )
+        self.monitor.attach()
+
+    def on_step_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.begin_step(state.global_step + 1)
+
+    def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
+
+
+class MemoryCallback(TrainerCallback):
+    """Peak memory of each step into the step's metrics (and so the log line, metrics.jsonl, TensorBoard)."""
+
+    order = 10
+
+    def __init__(self, device: Any = None) -> None:
+        self.meter = PeakMemory(device)
+
+    def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        trainer = kwargs.get("trainer")
+        device = getattr(getattr(trainer, "ctx", None), "device", None)
+        if device is not None:
+            self.meter = PeakMemory(device)
+
+    def on_step_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        self.meter.begin_step()
+
+    def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        peaks = self.meter.end_step()
+        metrics = kwargs.get("metrics")
+        if isinstance(metrics, dict):
+            metrics.update(peaks)
+        self.last = peaks
+
+    @staticmethod
+    def describe(peaks: dict[str, float]) -> str:
+        if "peak_allocated_bytes" in peaks:
+            return f"peak_mem: {format_bytes(peaks['peak_allocated_bytes'])}"
+        return f"peak_rss: {format_bytes(peaks.get('peak_rss_bytes', float('nan')))}"

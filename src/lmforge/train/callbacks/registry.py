@@ -1,0 +1,40 @@
+"""Callbacks by name, for the ``callbacks:`` list of the YAML (``type`` picks the class; the
+other keys are its keyword arguments)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lmforge.errors import ConfigError
+from lmforge.train.callbacks.base import TrainerCallback
+from lmforge.utils.sections import section_to_dict
+
+_REGISTRY: dict[str, type[TrainerCallback]] = {}
+
+
+def register_callback(name: str | None = None) -> Callable[[type[TrainerCallback]], type[TrainerCallback]]:
+    def deco(cls: type[TrainerCallback]) -> type[TrainerCallback]:
+        _REGISTRY[name or cls.__name__] = cls
+        return cls
+
+    return deco
+
+
+def registered_callbacks() -> dict[str, type[TrainerCallback]]:
+    return dict(_REGISTRY)
+
+
+def build_callback(item: Any, index: int) -> TrainerCallback:
+    """Build ``callbacks[index]`` of the config (a section or a mapping with ``type``)."""
+    kwargs = section_to_dict(item)
+    name = kwargs.pop("type", None)
+    if name not in _REGISTRY:
+        known = ", ".join(sorted(_REGISTRY)) or "(none)"
+        raise ConfigError(
+            f"callbacks[{index}].type: unknown callback {name!r}; registered callbacks: {known}."
+        )
+    try:
+        return _REGISTRY[name](**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"callbacks[{index}] ({name}): invalid arguments {sorted(kwargs)}: {exc}") from None

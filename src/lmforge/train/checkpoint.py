@@ -1,0 +1,720 @@
+"""Checkpoints on torch.distributed.checkpoint (DCP): atomic, rotated, resumable, reshardable.
+
+Layout (the directory names and ``common.json`` follow the original's Checkpoint 2.0 format; the
+tensor files are DCP's, so a checkpoint saved on one parallel layout loads into another)::
+
+    {save_path}/
+      latest_checkpointed_iteration.txt      # the newest complete iteration, written last
+      iteration_{step:08d}/
+        .metadata                            # DCP: every key, its shape, dtype and shards
+        {prefix}-{rank:07d}-{world:07d}_0.distcp
+        common.json                          # step, consumed samples, batch size, format, ...
+        config.yaml                          # the run's resolved configuration (for generate)
+
+One DCP state dict holds ``model``, ``optimizer`` (unless no_save_optim), ``scheduler``,
+``trainer`` (step counters), and per rank ``rng.rank_{r}`` and ``dataloader.rank_{r}``.
+
+Atomicity: a save is written into the hidden sibling ``.iteration_{step:08d}.partial``, its files
+fsynced, then renamed into place; the tracker is replaced last through a temporary file and
+``os.replace``. A crash at any point leaves the previous checkpoint and tracker intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StoragePrefix
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lmforge.errors import CheckpointError
+from lmforge.train.rng import capture_rng_state, restore_rng_state
+from lmforge.train.state import TrainState
+from lmforge.utils.logging import get_logger
+
+logger = get_logger("lmforge.train.checkpoint")
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+COMMON_FILE = "common.json"
+CONFIG_FILE = "config.yaml"
+FORMAT = "lmforge-dcp/1"
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def iteration_dir_name(step: int) -> str:
+    return f"iteration_{step:08d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# What a checkpoint holds
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Checkpointable:
+    """The live objects a checkpoint is taken from and restored into."""
+
+    model: nn.Module
+    optimizer: Any = None
+    scheduler: Any = None
+    dataloader: Any = None
+    state: TrainState = field(default_factory=TrainState)
+
+
+def _model_state_dict(model: nn.Module) -> dict[str, Any]:
+    # get_model_state_dict strips wrapper prefixes (activation checkpointing, compile) so names are
+    # stable across parallel layouts, and returns DTensors for sharded parameters.
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model)
+
+
+def _optimizer_state_dict(model: nn.Module, optimizer: Any) -> tuple[str, dict[str, Any]]:
+    """(format, state dict). "fqn": keyed by parameter names, reshardable; "plain": the optimizer's own."""
+    if isinstance(optimizer, torch.optim.Optimizer) and _optimizer_holds_model_params(model, optimizer):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return "fqn", get_optimizer_state_dict(model, optimizer)
+    return "plain", optimizer.state_dict()
+
+
+def _optimizer_holds_model_params(model: nn.Module, optimizer: Any) -> bool:
+    model_params = {id(p) for p in model.parameters()}
+    return all(id(p) in model_params for g in optimizer.param_groups for p in g["params"])
+
+
+def _model_is_finite(model: nn.Module) -> bool:
+    finite = True
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            finite = False
+            break
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([0 if finite else 1], dtype=torch.int32)
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag)
+        finite = int(flag.item()) == 0
+    return finite
+
+
+# ---------------------------------------------------------------------------------------------
+# Writer with the prefix in its file names
+# ---------------------------------------------------------------------------------------------
+
+
+class _PrefixedWriter(FileSystemWriter):
+    """DCP's file writer, naming each rank's file ``{prefix}-{rank:07d}-{world:07d}_N.distcp``."""
+
+    def __init__(self, path: str | os.PathLike, prefix: str | None) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=True)
+        self._stem = f"{prefix}-" if prefix else ""
+
+    def prepare_global_plan(self, plans):  # type: ignore[override]
+        world = len(plans)
+        return [
+            dataclasses.replace(plan, storage_data=_StoragePrefix(f"{self._stem}{i:07d}-{world:07d}_"))
+            for i, plan in enumerate(plans)
+        ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    partial_dir: Path
+    final_dir: Path
+    future: Future | None  # None for a synchronous save (already written)
+    started: float
+
+
+class CheckpointManager:
+    """Saves checkpoints of one run: atomic, optionally asynchronous, rotating at ``save_max``.
+
+    Rotation only ever removes iteration directories that this manager wrote (this run), oldest
+    first, as in the original; checkpoints of earlier runs in the same ``save_path`` are kept.
+    """
+
+    def __init__(
+        self,
+        save_path: str | os.PathLike,
+        *,
+        prefix: str | None = "checkpoint",
+        save_max: int = 5,
+        no_save_optim: bool = False,
+        async_save: bool = False,
+        config_dict: dict[str, Any] | None = None,
+        files_to_copy: list[str | os.PathLike] | None = None,
+    ) -> None:
+        if not str(save_path):
+            raise CheckpointError(
+                "checkpoint.save_path must be provided when checkpoint.enable_save is true: set it to the "
+                "directory where iteration_XXXXXXXX/ checkpoints should be written, or set "
+                "checkpoint.enable_save: false."
+            )
+        self.save_path = Path(save_path)
+        self.prefix = prefix
+        self.save_max = save_max
+        self.no_save_optim = no_save_optim
+        self.async_save = async_save
+        self.config_dict = config_dict
+        self.files_to_copy = [Path(p) for p in (files_to_copy or [])]
+        self.rank = dist.get_rank() if _distributed() else 0
+        self.world_size = dist.get_world_size() if _distributed() else 1
+        self.saved_this_run: list[Path] = []
+        self._pending: _PendingSave | None = None
+        self.last_save_seconds: float = 0.0  # time the training loop was blocked by the last save
+        # Async saves run their collectives on a process group of their own: sharing the default one
+        # with training's collectives interleaves them and corrupts both (gloo aborts).
+        self._pg = dist.new_group(backend="gloo") if (async_save and _distributed()) else None
+        if self.rank == 0:
+            self.save_path.mkdir(parents=True, exist_ok=True)
+
+    # -- public -------------------------------------------------------------------------------
+
+    def save(self, target: Checkpointable, step: int) -> bool:
+        """Save ``target`` as iteration ``step``. Returns False if the save was refused."""
+        t0 = time.perf_counter()
+        self.wait()  # one save in flight at a time; finishing the previous one keeps the order
+        if not _model_is_finite(target.model):
+            logger.error(
+                "Refusing to save a checkpoint at step %d: the model weights contain NaN or Inf. "
+                "The previous checkpoint (%s) is kept.",
+                step,
+                self.latest_iteration(),
+            )
+            return False
+        final_dir = self.save_path / iteration_dir_name(step)
+        partial_dir = self.save_path / f".{iteration_dir_name(step)}.partial"
+        if self.rank == 0:
+            if partial_dir.exists():
+                shutil.rmtree(partial_dir)  # leftover of a crashed save
+            partial_dir.mkdir(parents=True)
+        self._barrier()
+        state_dict, common = self._build_state_dict(target, step)
+        if self.rank == 0:
+            _write_json(partial_dir / COMMON_FILE, common)
+            if self.config_dict is not None:
+                _write_yaml(partial_dir / CONFIG_FILE, self.config_dict)
+            for src in self.files_to_copy:
+                if src.is_file():
+                    shutil.copyfile(src, partial_dir / src.name)
+        writer = _PrefixedWriter(partial_dir, self.prefix)
+        if self.async_save:
+            with _quiet_single_process():
+                future = dcp.async_save(
+                    state_dict, storage_writer=writer, process_group=self._pg, no_dist=not _distributed()
+                )
+            self._pending = _PendingSave(step, partial_dir, final_dir, future, t0)
+            logger.info("Checkpoint save of step %d started in the background -> %s", step, final_dir)
+        else:
+            with _quiet_single_process():
+                dcp.save(state_dict, storage_writer=writer, no_dist=not _distributed())
+            self._pending = _PendingSave(step, partial_dir, final_dir, None, t0)
+            self.wait()
+        self.last_save_seconds = time.perf_counter() - t0
+        return True
+
+    def poll(self) -> None:
+        """Finish a background save if it is done (called between steps; never blocks)."""
+        if self._pending is not None and self._pending.future is not None and self._pending.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and published."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.future is not None:
+            pending.future.result()  # re-raises a failure of the background save
+            self._barrier(self._pg)
+        if self.rank == 0:
+            self._publish(pending)
+        self._barrier(self._pg if pending.future is not None else None)
+
+    def close(self) -> None:
+        self.wait()
+
+    def latest_iteration(self) -> int | None:
+        return read_tracker(self.save_path)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _build_state_dict(self, target: Checkpointable, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        sd: dict[str, Any] = {"model": _model_state_dict(target.model)}
+        optimizer_format = None
+        if target.optimizer is not None and not self.no_save_optim:
+            optimizer_format, sd["optimizer"] = _optimizer_state_dict(target.model, target.optimizer)
+            if optimizer_format == "plain":
+                sd["optimizer"] = encode_state(sd["optimizer"])
+        if target.scheduler is not None:
+            sd["scheduler"] = encode_state(target.scheduler.state_dict())
+        sd["trainer"] = encode_state(target.state.to_dict())
+        sd["rng"] = {f"rank_{self.rank}": encode_state(capture_rng_state())}
+        if target.dataloader is not None and hasattr(target.dataloader, "state_dict"):
+            sd["dataloader"] = {f"rank_{self.rank}": encode_state(target.dataloader.state_dict())}
+        state = target.state
+        common = {
+            # The original's CommonInfo fields.
+            "epoch_num": int(state.epoch) or 1,
+            "step_num": int(state.max_steps),
+            "global_step": int(step),
+            "loss_scale": 1.0,
+            "global_batch_size": int(state.global_batch_size),
+            "consumed_samples": int(state.consumed_samples),
+            "ckpt_status": None,
+            # lmforge's additions.
+            "format": FORMAT,
+            "world_size": self.world_size,
+            "has_optimizer": "optimizer" in sd,
+            "optimizer_format": optimizer_format,
+            "prefix": self.prefix,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        return sd, common
+
+    def _publish(self, pending: _PendingSave) -> None:
+        """Rank 0: fsync, rename the partial directory into place, update the tracker, rotate."""
+        _fsync_tree(pending.partial_dir)
+        final_dir = pending.final_dir
+        if final_dir.exists():
+            # Re-saving a step (as the original does): move the old one aside first so that at any
+            # moment one complete copy exists.
+            trash = self.save_path / f".{final_dir.name}.old"
+            if trash.exists():
+                shutil.rmtree(trash)
+            os.replace(final_dir, trash)
+            os.replace(pending.partial_dir, final_dir)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(pending.partial_dir, final_dir)
+        _fsync_dir(self.save_path)
+        write_tracker(self.save_path, pending.step)
+        seconds = time.perf_counter() - pending.started
+        logger.info("Saved checkpoint of step %d to %s (%.2fs)", pending.step, final_dir, seconds)
+        if final_dir in self.saved_this_run:
+            self.saved_this_run.remove(final_dir)
+        self.saved_this_run.append(final_dir)
+        self._rotate()
+
+    def _rotate(self) -> None:
+        # save_max < 1 would make the original delete the checkpoint it just wrote; here it keeps all.
+        if self.save_max < 1:
+            return
+        while len(self.saved_this_run) > self.save_max:
+            oldest = self.saved_this_run.pop(0)
+            logger.info(
+                "The current number of weights is: %d, more than 'keep_checkpoint_max': %d. "
+                "So, the oldest directory: '%s' will be removed!",
+                len(self.saved_this_run) + 1,
+                self.save_max,
+                oldest,
+            )
+            shutil.rmtree(oldest, ignore_errors=True)
+
+    def _barrier(self, group: Any = None) -> None:
+        if _distributed():
+            dist.barrier(group=group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracker and file helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def read_tracker(save_path: str | os.PathLike) -> int | None:
+    tracker = Path(save_path) / TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(
+            f"The checkpoint tracker {tracker} should hold one iteration number, but it holds {text!r}. "
+            f"Point checkpoint.load_path at an iteration_XXXXXXXX directory instead, or fix the file."
+        ) from None
+
+
+def write_tracker(save_path: str | os.PathLike, step: int) -> None:
+    tracker = Path(save_path) / TRACKER_FILE
+    tmp = tracker.with_name(f".{TRACKER_FILE}.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, tracker)
+    _fsync_dir(tracker.parent)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _write_yaml(path: Path, data: dict[str, Any]) -> None:
+    import yaml
+
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems do not support fsync on directories
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    # DCP warns on every call without a process group; one process is a supported case here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and reading a checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckpointHeader:
+    """A resolved checkpoint: what kind it is, where, and its ``common.json``."""
+
+    kind: str  # "dcp" or "hf"
+    path: Path
+    common: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_optimizer(self) -> bool:
+        return bool(self.common.get("has_optimizer", False))
+
+    @property
+    def global_step(self) -> int:
+        return int(self.common.get("global_step", 0))
+
+
+def is_hf_model_dir(path: Path) -> bool:
+    if any((path / name).is_file() for name in HF_WEIGHT_FILES):
+        return True
+    return any(path.glob("*model.safetensors.index.json"))
+
+
+def resolve_checkpoint(load_path: str | os.PathLike) -> CheckpointHeader | None:
+    """Resolve ``checkpoint.load_path`` as the original does; None when there is nothing to load.
+
+    A missing path or an empty directory means "start from scratch" (logged). An HF model
+    directory is used as is; a save directory with a tracker resolves to its latest iteration;
+    otherwise the path must be an iteration directory itself.
+    """
+    path = Path(load_path)
+    if not str(load_path) or not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        logger.warning(
+            "checkpoint.load_path %r does not exist or is empty: training starts from scratch.",
+            str(load_path),
+        )
+        return None
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint.load_path {str(path)!r} is a file; it must be a directory: a checkpoint save_path "
+            f"(with {TRACKER_FILE}), one iteration_XXXXXXXX directory, or a Hugging Face model directory."
+        )
+    if is_hf_model_dir(path):
+        _check_hf_index(path)
+        return CheckpointHeader("hf", path, {})
+    step = read_tracker(path)
+    if step is not None:
+        it = path / iteration_dir_name(step)
+        if not it.is_dir():
+            raise CheckpointError(
+                f"{path / TRACKER_FILE} names iteration {step}, but {it} does not exist. Point "
+                f"checkpoint.load_path at an existing iteration_XXXXXXXX directory."
+            )
+        path = it
+    if not (path / ".metadata").is_file():
+        found = sorted(p.name for p in path.glob("iteration_*") if p.is_dir())
+        hint = f" It contains {', '.join(found[-3:])} but no {TRACKER_FILE}." if found else ""
+        raise CheckpointError(
+            f"checkpoint.load_path {str(Path(load_path))!r} is not a checkpoint: expected a save_path with "
+            f"{TRACKER_FILE}, an iteration_XXXXXXXX directory (with a DCP .metadata file), or a Hugging Face "
+            f"model directory (model.safetensors or *model.safetensors.index.json).{hint}"
+        )
+    common_file = path / COMMON_FILE
+    common = json.loads(common_file.read_text()) if common_file.is_file() else {}
+    if "has_optimizer" not in common:
+        common["has_optimizer"] = any(
+            k.startswith("optimizer.") for k in _read_metadata(path).state_dict_metadata
+        )
+    return CheckpointHeader("dcp", path, common)
+
+
+def _check_hf_index(path: Path) -> None:
+    for index in path.glob("*model.safetensors.index.json"):
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+        if missing:
+            raise CheckpointError(
+                f"The Hugging Face index {index} lists weight files that are missing from {path}: "
+                f"{', '.join(missing[:5])}. Download the complete model directory."
+            )
+
+
+def _read_metadata(path: Path):
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # a truncated or foreign .metadata file
+        raise CheckpointError(f"Cannot read the DCP metadata of checkpoint {path}: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+NO_OPTIMIZER_MESSAGE = (
+    "no_load_optim is False but no optimizer checkpoint found in {dir}. Please ensure the checkpoint "
+    "directory contains optimizer weight files (optimizer state; it is absent when the checkpoint was saved "
+    "with checkpoint.no_save_optim: true), or set no_load_optim=True to skip optimizer loading."
+)
+HF_RESUME_MESSAGE = (
+    "Resume training (no_load_optim=False) is not supported for HuggingFace checkpoints. "
+    "{dir} is a Hugging Face model directory: set checkpoint.no_load_optim: true to fine-tune from its weights."
+)
+
+
+def load_checkpoint(
+    header: CheckpointHeader,
+    target: Checkpointable,
+    *,
+    no_load_optim: bool,
+    hf_loader: Callable[[nn.Module, Path], None] | None = None,
+) -> None:
+    """Restore ``target`` from ``header``.
+
+    With ``no_load_optim`` only the model weights are loaded (and the optimizer's fp32 masters are
+    re-synchronised from them); otherwise model, optimizer, scheduler, trainer counters, data position
+    and RNG states are restored, so training continues exactly.
+    """
+    if header.kind == "hf":
+        if not no_load_optim:
+            raise CheckpointError(HF_RESUME_MESSAGE.format(dir=header.path))
+        if hf_loader is None:
+            raise CheckpointError(
+                f"{header.path} is a Hugging Face model directory, but this model type cannot load Hugging Face "
+                f"weights. Use an lmforge checkpoint (iteration_XXXXXXXX) as checkpoint.load_path."
+            )
+        hf_loader(target.model, header.path)
+        _resync_optimizer_masters(target.optimizer)
+        logger.info("Loaded Hugging Face weights from %s (optimizer state starts fresh).", header.path)
+        return
+    if not no_load_optim and target.optimizer is not None and not header.has_optimizer:
+        raise CheckpointError(NO_OPTIMIZER_MESSAGE.format(dir=header.path))
+    metadata = _read_metadata(header.path)
+    keys = metadata.state_dict_metadata
+    reader = FileSystemReader(str(header.path))
+    rank = dist.get_rank() if _distributed() else 0
+    model_sd = _model_state_dict(target.model)
+    missing = [k for k in model_sd if f"model.{k}" not in keys]
+    if missing:
+        raise CheckpointError(
+            f"Checkpoint {header.path} does not match the model: {len(missing)} parameter(s) are missing, e.g. "
+            f"{', '.join(missing[:5])}. Check that the model section is the one the checkpoint was trained with."
+        )
+    _check_shapes(header.path, model_sd, keys)
+    sd: dict[str, Any] = {"model": model_sd}
+    optimizer_format = header.common.get("optimizer_format") or "plain"
+    own_rng, own_loader = f"rank_{rank}", f"rank_{rank}"
+    same_layout = int(header.common.get("world_size", 1)) == (dist.get_world_size() if _distributed() else 1)
+    if not no_load_optim:
+        if target.optimizer is not None:
+            if optimizer_format == "fqn":
+                from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+                sd["optimizer"] = get_optimizer_state_dict(target.model, target.optimizer)
+            else:
+                sd["optimizer"] = _allocate_encoded(metadata, "optimizer")
+        if target.scheduler is not None and _has_key(keys, "scheduler"):
+            sd["scheduler"] = _allocate_encoded(metadata, "scheduler")
+        sd["trainer"] = _allocate_encoded(metadata, "trainer")
+        if _has_key(keys, f"rng.{own_rng}"):
+            sd["rng"] = {own_rng: _allocate_encoded(metadata, f"rng.{own_rng}")}
+        if target.dataloader is not None and same_layout and _has_key(keys, f"dataloader.{own_loader}"):
+            sd["dataloader"] = {own_loader: _allocate_encoded(metadata, f"dataloader.{own_loader}")}
+
+    with _quiet_single_process():
+        dcp.load(sd, storage_reader=reader, no_dist=not _distributed())
+
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(target.model, sd["model"])
+    if no_load_optim:
+        _resync_optimizer_masters(target.optimizer)
+        logger.info(
+            "Loaded model weights from %s (no_load_optim: optimizer and step start fresh).", header.path
+        )
+        return
+    if target.optimizer is not None:
+        if optimizer_format == "fqn":
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            set_optimizer_state_dict(target.model, target.optimizer, sd["optimizer"])
+        else:
+            target.optimizer.load_state_dict(decode_state(sd["optimizer"]))
+    if "scheduler" in sd:
+        target.scheduler.load_state_dict(decode_state(sd["scheduler"]))
+    target.state.load_dict(decode_state(sd["trainer"]))
+    if "rng" in sd:
+        restore_rng_state(decode_state(sd["rng"][own_rng]))
+    else:
+        logger.warning(
+            "Checkpoint %s has no RNG state for rank %d (saved on %s ranks): random streams restart from the seed.",
+            header.path,
+            rank,
+            header.common.get("world_size", "?"),
+        )
+    if "dataloader" in sd and hasattr(target.dataloader, "load_state_dict"):
+        target.dataloader.load_state_dict(decode_state(sd["dataloader"][own_loader]))
+    logger.info("Resumed from %s at step %d.", header.path, target.state.global_step)
+
+
+def load_model_weights(path: str | os.PathLike, model: nn.Module) -> CheckpointHeader:
+    """Load only the model weights of a checkpoint (for generation and evaluation)."""
+    header = resolve_checkpoint(path)
+    if header is None:
+        raise CheckpointError(f"No checkpoint found at {path}: the directory is missing or empty.")
+    if header.kind == "hf":
+        raise CheckpointError(f"{header.path} is a Hugging Face model directory, not an lmforge checkpoint.")
+    load_checkpoint(header, Checkpointable(model=model), no_load_optim=True)
+    return header
+
+
+def _check_shapes(path: Path, model_sd: dict[str, Any], keys: dict[str, Any]) -> None:
+    bad = []
+    for name, tensor in model_sd.items():
+        meta = keys[f"model.{name}"]
+        if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(tensor.shape):
+            bad.append(f"{name}: checkpoint {tuple(meta.size)} vs model {tuple(tensor.shape)}")
+    if bad:
+        raise CheckpointError(
+            f"Checkpoint {path} does not match the model's shapes ({len(bad)} parameter(s)): {'; '.join(bad[:3])}. "
+            f"Check that the model section is the one the checkpoint was trained with."
+        )
+
+
+class _TensorRef:
+    """Stands for a tensor inside an encoded skeleton (see :func:`encode_state`)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def encode_state(obj: Any) -> dict[str, Any]:
+    """Split an arbitrary state (nested dicts, lists, tuples, tensors, python values) into a pickled
+    skeleton and a flat dict of tensors, so DCP stores it exactly: DCP alone would stringify integer
+    keys and drop empty containers (an optimizer's state dict has both)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            key = f"t{len(tensors)}"  # no dots: DCP joins nesting levels with dots
+            tensors[key] = x
+            return _TensorRef(key)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(walk(v) for v in x)
+        return copy.deepcopy(x)
+
+    # Pickled here, at call time: an asynchronous save then holds the state as of the call, and DCP
+    # stores the bytes as one opaque item instead of traversing the structure.
+    skeleton = pickle.dumps(walk(obj))
+    return {"skeleton": skeleton, "tensors": tensors}
+
+
+def decode_state(encoded: dict[str, Any]) -> Any:
+    tensors = encoded.get("tensors", {})
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, _TensorRef):
+            return tensors[x.key]
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(walk(v) for v in x)
+        return x
+
+    return walk(pickle.loads(encoded["skeleton"]))
+
+
+def _allocate_encoded(metadata: Any, prefix: str) -> dict[str, Any]:
+    """An empty encoded state for the keys saved under ``prefix`` (tensors at their saved sizes)."""
+    tensors: dict[str, torch.Tensor] = {}
+    tensor_prefix = f"{prefix}.tensors."
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith(tensor_prefix) and isinstance(meta, TensorStorageMetadata):
+            tensors[key[len(tensor_prefix) :]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    return {"skeleton": None, "tensors": tensors}
+
+
+def _has_key(metadata_keys: Any, prefix: str) -> bool:
+    return any(k == prefix or k.startswith(prefix + ".") for k in metadata_keys)
+
+
+def _resync_optimizer_masters(optimizer: Any) -> None:
+    """After a weights-only load the optimizer's fp32 masters must be copied from the new weights."""
+    if optimizer is None:
+        return
+    for name in ("reload_main_params_from_model", "resync_masters", "sync_masters_from_model"):
+        method = getattr(optimizer, name, None)
+        if callable(method):
+            method()
+            return

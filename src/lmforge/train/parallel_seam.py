@@ -1,0 +1,71 @@
+"""The single seam between the trainer and parallelism.
+
+``distributed_env()`` reads the torchrun environment; ``ParallelContext`` tells the loop its data
+parallel rank/size and how gradients are reduced; ``parallelize(model, ctx, cfg)`` is where
+``lmforge.parallel`` (FSDP2 / TP / PP / CP / EP) plugs in. Until then, plain data parallelism is
+done here: replicas all-reduce (sum) their gradients after the backward passes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class ParallelContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
+    device: torch.device = torch.device("cpu")
+    # True when a wrapper (FSDP/DDP) already reduces gradients across data-parallel ranks; then
+    # ``grad_reduce_is_mean`` says whether it averages (the step scales its objective to match).
+    wrapper_reduces_grads: bool = False
+    grad_reduce_is_mean: bool = True
+    dp_group: Any = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def distributed_env(device: str | None = None) -> ParallelContext:
+    """Initialise torch.distributed from torchrun's environment (if launched that way)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
+    return ParallelContext(
+        rank=rank, world_size=world, local_rank=local_rank, dp_rank=rank, dp_size=world, device=dev
+    )
+
+
+def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Any = None) -> nn.Module:
+    """Apply the configured parallelism to ``model`` (identity until lmforge.parallel lands)."""
+    return model
+
+
+def sync_gradients(model: nn.Module, ctx: ParallelContext) -> None:
+    """Sum gradients over data-parallel replicas when no wrapper does it (plain data parallelism)."""
+    if ctx.dp_size <= 1 or ctx.wrapper_reduces_grads:
+        return
+    for p in model.parameters():
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        if g is not None:
+            dist.all_reduce(g, group=ctx.dp_group)

@@ -1,0 +1,249 @@
+"""One training step: micro-batches, backward, global-norm clipping, update — or a reported skip.
+
+The loss of a step is the mean over every valid label token of the global batch (all micro-batches
+on all data-parallel ranks), not a mean of micro-batch means: each micro-batch backpropagates
+``loss_sum / N_global``, where ``N_global`` is counted before the first forward. Auxiliary losses
+(MoE balancing, MTP) are averaged over micro-batches and ranks, as in the original.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.errors import LmforgeError
+from lmforge.train.parallel_seam import ParallelContext, sync_gradients
+
+IGNORE_INDEX = -100
+CLIP_EPS = 1e-6  # coef = max_norm / (norm + eps), as the original
+MODEL_INPUTS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask", "actual_seq_len")
+
+
+class TrainingStopped(LmforgeError):
+    """Training cannot continue (e.g. too many consecutive non-finite or spiking steps)."""
+
+
+@dataclass
+class SkipPolicy:
+    """When to skip an update (``monitor.health_checkpoint``) and when to give up.
+
+    A non-finite loss or gradient norm always skips. A finite global gradient norm above
+    ``grad_norm_threshold``, or an embedding gradient norm above ``embedding_norm_threshold``, skips
+    too (the original declares these thresholds but never reads them). After ``max_consecutive``
+    consecutive skips training stops (0: never stop).
+    """
+
+    grad_norm_threshold: float = math.inf
+    embedding_norm_threshold: float = math.inf
+    max_consecutive: int = 10
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean LM loss over the valid tokens of the global batch
+    grad_norm: float  # global L2 norm before clipping
+    lr: float  # lr of this update (before lr_scale)
+    num_tokens: int  # valid (loss-bearing) label tokens of the global batch
+    input_tokens: int  # all input tokens of the global batch
+    samples: int  # samples of the global batch
+    aux_losses: dict[str, float] = field(default_factory=dict)
+    embedding_grad_norm: float | None = None
+    skipped: bool = False
+    skip_reason: str | None = None
+
+
+def count_loss_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Label positions that contribute to the loss: label != -100 and loss_mask != 0."""
+    labels = batch["labels"]
+    valid = labels != IGNORE_INDEX
+    mask = batch.get("loss_mask")
+    if mask is not None:
+        valid = valid & (mask != 0)
+    return valid.sum()
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the optimizer will use: the fp32 ``main_grad`` when one is kept, else ``.grad``."""
+    g = getattr(p, "main_grad", None)
+    return p.grad if g is None else g
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], ctx: ParallelContext) -> torch.Tensor:
+    """One L2 norm over all gradients; DTensor-aware: a shard replicated on k ranks counts once."""
+    total: torch.Tensor | None = None
+    for p in params:
+        g = grad_of(p)
+        if g is None:
+            continue
+        if hasattr(g, "to_local") and hasattr(g, "placements"):
+            local = g.to_local()
+            factor = 1
+            for dim, placement in enumerate(g.placements):
+                if placement.is_replicate():
+                    factor *= g.device_mesh.size(dim)
+        else:
+            local = g
+            factor = ctx.world_size  # a plain tensor is a full replica on every rank
+        sq = torch.linalg.vector_norm(local, dtype=torch.float32).square() / factor
+        total = sq if total is None else total + sq
+    if total is None:
+        total = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    if ctx.distributed:
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {
+        k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()
+    }
+
+
+class TrainStep:
+    """Runs one optimizer step over a list of micro-batches (one rank's share of the global batch)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        scheduler: Any,
+        *,
+        max_norm: float,
+        ctx: ParallelContext,
+        skip_policy: SkipPolicy | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_norm = float(max_norm)
+        self.ctx = ctx
+        self.skip_policy = skip_policy or SkipPolicy()
+        named = list(model.named_parameters())
+        self.params = [p for _, p in named if p.requires_grad]
+        self.embedding_params = [p for n, p in named if p.requires_grad and "word_embeddings" in n]
+
+    def __call__(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> StepResult:
+        ctx = self.ctx
+        device = ctx.device
+        accum = len(micro_batches)
+        batches = [_to_device(b, device) for b in micro_batches]
+        counts = torch.stack([count_loss_tokens(b) for b in batches]).to(torch.float64)
+        local_stats = torch.stack(
+            [
+                counts.sum(),
+                torch.tensor(
+                    float(sum(b["input_ids"].numel() for b in batches)), dtype=torch.float64, device=device
+                ),
+                torch.tensor(
+                    float(sum(b["input_ids"].shape[0] for b in batches)), dtype=torch.float64, device=device
+                ),
+            ]
+        )
+        if ctx.distributed:
+            dist.all_reduce(local_stats, group=ctx.dp_group)
+        n_global, input_tokens, samples = (float(x) for x in local_stats.tolist())
+        # Scale so that the reduced gradient is the gradient of the global-batch token mean.
+        reduce_scale = ctx.dp_size if (ctx.wrapper_reduces_grads and ctx.grad_reduce_is_mean) else 1
+        inv_tokens = reduce_scale / max(n_global, 1.0)
+        aux_scale = reduce_scale / (accum * ctx.dp_size)
+
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        model_tokens = torch.zeros((), dtype=torch.float64, device=device)
+        aux_totals: dict[str, torch.Tensor] = {}
+        for batch in batches:
+            out = self.model(**{k: v for k, v in batch.items() if k in MODEL_INPUTS})
+            objective = out.loss_sum * inv_tokens
+            if getattr(out, "aux_losses", None):
+                # .loss = token mean + weighted auxiliary losses; the auxiliary part is averaged over
+                # micro-batches and ranks (the original's 1/num_accum and 1/dp scaling).
+                aux = out.loss - out.loss_sum / out.num_tokens.clamp(min=1)
+                objective = objective + aux * aux_scale
+                for name, value in out.aux_losses.items():
+                    v = value.detach().to(torch.float64)
+                    aux_totals[name] = aux_totals.get(name, 0) + v / accum
+            objective.backward()
+            loss_sum += out.loss_sum.detach().to(torch.float64)
+            model_tokens += torch.as_tensor(out.num_tokens, device=device).to(torch.float64)
+
+        if not torch.equal(model_tokens, counts.sum()):
+            raise RuntimeError(
+                f"the model counted {int(model_tokens)} loss tokens but the trainer counted {int(counts.sum())} "
+                "(labels != -100 and loss_mask != 0): the model's loss masking disagrees with the trainer's"
+            )
+        sync_gradients(self.model, ctx)
+
+        reduced = torch.stack([loss_sum, *aux_totals.values()]) if aux_totals else loss_sum.reshape(1)
+        if ctx.distributed:
+            dist.all_reduce(reduced, group=ctx.dp_group)
+        loss = float(reduced[0]) / max(n_global, 1.0)
+        aux_losses = {k: float(v) / ctx.dp_size for k, v in zip(aux_totals, reduced[1:].tolist())}
+
+        grad_norm = float(global_grad_norm(self.params, ctx))
+        emb_norm = float(global_grad_norm(self.embedding_params, ctx)) if self.embedding_params else None
+        lr = self._current_lr()
+        result = StepResult(
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            num_tokens=int(n_global),
+            input_tokens=int(input_tokens),
+            samples=int(samples),
+            aux_losses=aux_losses,
+            embedding_grad_norm=emb_norm,
+        )
+        reason = self._skip_reason(result)
+        if reason is not None:
+            # Nothing is applied: gradients are dropped; the lr schedule and the optimizer's step
+            # counter stay where they are, so the next update gets the lr this one would have had.
+            self.optimizer.zero_grad(set_to_none=True)
+            _clear_main_grads(self.params)
+            result.skipped, result.skip_reason = True, reason
+            return result
+
+        coef = self.max_norm / (grad_norm + CLIP_EPS)
+        if coef < 1.0:
+            grads = [g for g in (grad_of(p) for p in self.params) if g is not None]
+            torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        update_bias = getattr(self.model, "update_expert_bias", None)
+        if callable(update_bias):
+            update_bias()
+        self.optimizer.zero_grad(set_to_none=True)
+        _clear_main_grads(self.params)
+        return result
+
+    def _current_lr(self) -> float:
+        group = self.optimizer.param_groups[0]
+        return float(group["lr"]) / float(group.get("lr_scale", 1.0) or 1.0)
+
+    def _skip_reason(self, r: StepResult) -> str | None:
+        policy = self.skip_policy
+        if not math.isfinite(r.loss):
+            return f"loss is {r.loss}"
+        if not math.isfinite(r.grad_norm):
+            return f"gradient norm is {r.grad_norm}"
+        if r.grad_norm > policy.grad_norm_threshold:
+            return (
+                f"gradient norm {r.grad_norm:.4g} > monitor.health_checkpoint.global_norm_skip_threshold "
+                f"{policy.grad_norm_threshold:g}"
+            )
+        if r.embedding_grad_norm is not None and r.embedding_grad_norm > policy.embedding_norm_threshold:
+            return (
+                f"embedding gradient norm {r.embedding_grad_norm:.4g} > "
+                f"monitor.health_checkpoint.embedding_local_norm_threshold {policy.embedding_norm_threshold:g}"
+            )
+        return None
+
+
+def _clear_main_grads(params: Sequence[torch.Tensor]) -> None:
+    for p in params:
+        if getattr(p, "main_grad", None) is not None:
+            p.main_grad = None

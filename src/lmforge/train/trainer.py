@@ -1,0 +1,431 @@
+"""The training loop: batches in, steps, callbacks out. Everything beside the step is a callback."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.train.batching import BatchSchedule
+from lmforge.train.callbacks import (
+    CallbackHandler,
+    CheckpointCallback,
+    LoggingCallback,
+    MetricsCallback,
+    PlotCallback,
+    TrainerCallback,
+    build_callback,
+)
+from lmforge.train.callbacks.logging import format_summary
+from lmforge.train.checkpoint import (
+    Checkpointable,
+    CheckpointManager,
+    load_checkpoint,
+    read_tracker,
+    resolve_checkpoint,
+)
+from lmforge.train.parallel_seam import ParallelContext
+from lmforge.train.perf import device_memory_gib, matmul_peak_flops
+from lmforge.train.state import TrainState
+from lmforge.train.step import SkipPolicy, StepResult, TrainingStopped, TrainStep
+from lmforge.utils.logging import get_logger, setup_logging
+from lmforge.utils.sections import section_to_dict
+
+logger = get_logger("lmforge.train")
+
+DataloaderFactory = Callable[[int], Any]  # consumed_samples -> iterable of micro-batches
+
+
+class Trainer:
+    """Runs ``training.steps`` optimizer steps of a built model/optimizer/scheduler/data pipeline.
+
+    ``dataloader_factory(consumed_samples)`` returns the micro-batch iterable positioned at that
+    sample (it is called after a checkpoint's position is known). Build a Trainer from a YAML with
+    :func:`lmforge.train.builder.build_trainer`.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        model: nn.Module,
+        optimizer: Any,
+        scheduler: Any,
+        dataloader_factory: DataloaderFactory,
+        ctx: ParallelContext | None = None,
+        output_dir: str | Path | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        hf_loader: Callable[[nn.Module, Path], None] | None = None,
+        peak_flops: float | None = None,
+        files_to_copy: list[str | Path] | None = None,
+        log_to_file: bool = True,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.dataloader_factory = dataloader_factory
+        self.dataloader: Any = None
+        self.ctx = ctx or ParallelContext(device=_model_device(model))
+        self.output_dir = Path(output_dir or getattr(config, "output_dir", None) or "./output")
+        self.hf_loader = hf_loader
+        self.peak_flops = peak_flops
+        self.log_to_file = log_to_file
+        self.stop_requested = False
+        self.stop_reason: str | None = None
+        self.artifacts: dict[str, str] = {}
+
+        training = section_to_dict(config.training)
+        self.max_norm = float(training["max_norm"])
+        rampup = training.get("rampup_batch_size")
+        self.batches = BatchSchedule(
+            global_batch_size=int(training["global_batch_size"]),
+            local_batch_size=int(training["local_batch_size"]),
+            data_parallel=self.ctx.dp_size,
+            rampup=tuple(rampup) if rampup else None,
+        )
+        self.batches.validate()
+        per_step = self.batches.samples_per_micro_step
+        if rampup is None and self.batches.global_batch_size % per_step:
+            acc = self.batches.accumulation_steps_at(0)
+            logger.warning(
+                "training.global_batch_size %d is not a multiple of data_parallel (%d) x local_batch_size (%d) = %d: "
+                "each step accumulates %d micro-batch(es), so the effective global batch is %d samples.",
+                self.batches.global_batch_size,
+                self.ctx.dp_size,
+                self.batches.local_batch_size,
+                per_step,
+                acc,
+                acc * per_step,
+            )
+        self.state = TrainState(
+            max_steps=int(training["steps"]),
+            global_batch_size=self.batches.global_batch_at(0),
+            num_accumulation_steps=self.batches.accumulation_steps_at(0),
+        )
+        health = section_to_dict(getattr(getattr(config, "monitor", None), "health_checkpoint", None))
+        self.step_fn = TrainStep(
+            model,
+            optimizer,
+            scheduler,
+            max_norm=self.max_norm,
+            ctx=self.ctx,
+            skip_policy=SkipPolicy(
+                grad_norm_threshold=float(health.get("global_norm_skip_threshold", math.inf)),
+                embedding_norm_threshold=float(health.get("embedding_local_norm_threshold", math.inf)),
+                max_consecutive=int(health.get("global_norm_skip_time", 10)),
+            ),
+        )
+        self.checkpoint_cfg = section_to_dict(config.checkpoint)
+        self.callbacks = CallbackHandler()
+        self._add_builtin_callbacks(files_to_copy)
+        for cb in callbacks or []:
+            self.callbacks.add(cb)
+        for i, item in enumerate(getattr(config, "callbacks", None) or []):
+            self.callbacks.add(build_callback(item, i))
+        self._flops_per_token: float | None = None
+        self._run_started = 0.0
+        self._run_tokens = 0
+        self._resumed_from: str | None = None
+
+    # -- construction helpers -----------------------------------------------------------------
+
+    def _add_builtin_callbacks(self, files_to_copy: list[str | Path] | None) -> None:
+        self.callbacks.add(LoggingCallback())
+        self.callbacks.add(MetricsCallback())
+        self.callbacks.add(PlotCallback())
+        ck = self.checkpoint_cfg
+        if ck.get("enable_save", True):
+            manager = CheckpointManager(
+                ck.get("save_path", ""),
+                prefix=ck.get("prefix", "checkpoint"),
+                save_max=int(ck.get("save_max", 5)),
+                no_save_optim=bool(ck.get("no_save_optim", False)),
+                async_save=bool(ck.get("async_save", False)),
+                config_dict=_config_dict(self.config),
+                files_to_copy=files_to_copy,
+            )
+            self.callbacks.add(CheckpointCallback(manager, int(ck.get("save_interleaved_steps", 1000))))
+
+    def checkpointable(self) -> Checkpointable:
+        return Checkpointable(self.model, self.optimizer, self.scheduler, self.dataloader, self.state)
+
+    def _hook_kwargs(self) -> dict[str, Any]:
+        return {
+            "trainer": self,
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "lr_scheduler": self.scheduler,
+            "train_dataset": self.dataloader,
+        }
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        if self.ctx.rank == 0:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        log_file = str(self.output_dir / "train.log") if (self.log_to_file and self.ctx.rank == 0) else None
+        setup_logging(log_file=log_file)
+        if log_file:
+            self.artifacts["log"] = log_file
+        self._resume_or_start()
+        previous_handlers = self._install_signal_handlers()
+        kw = self._hook_kwargs
+        try:
+            self.callbacks.call("on_begin", self.config, self.state, **kw())
+            self.callbacks.call("on_train_begin", self.config, self.state, **kw())
+            self._run_started = time.perf_counter()
+            self._loop()
+        finally:
+            self._restore_signal_handlers(previous_handlers)
+        self.callbacks.call("on_train_end", self.config, self.state, **kw())
+        self.callbacks.call("on_end", self.config, self.state, **kw())
+        summary = self.summary()
+        if self.ctx.rank == 0:
+            logger.info(format_summary(summary))
+            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.stop_reason and self.stop_reason.startswith("diverged"):
+            raise TrainingStopped(self.stop_reason[len("diverged: ") :])
+        return summary
+
+    def _resume_or_start(self) -> None:
+        load_path = self.checkpoint_cfg.get("load_path", "")
+        header = resolve_checkpoint(load_path) if load_path else None
+        no_load_optim = bool(self.checkpoint_cfg.get("no_load_optim", False))
+        consumed = 0
+        if header is not None and header.kind == "dcp" and not no_load_optim:
+            consumed = int(header.common.get("consumed_samples", 0))
+        self.dataloader = self.dataloader_factory(consumed)
+        if header is not None:
+            load_checkpoint(
+                header, self.checkpointable(), no_load_optim=no_load_optim, hf_loader=self.hf_loader
+            )
+            self._resumed_from = str(header.path)
+            if header.kind == "dcp" and not no_load_optim:
+                saved_gbs = int(header.common.get("global_batch_size") or 0)
+                current = self.batches.global_batch_at(self.state.consumed_samples)
+                if self.batches.rampup is None and saved_gbs and saved_gbs != current:
+                    # As the original: keep the sample position, re-express it in steps of the new batch.
+                    self.state.global_step = int(self.state.global_step * saved_gbs / current)
+                    logger.warning(
+                        "The checkpoint was trained with global_batch_size %d, this run uses %d: resuming at step %d.",
+                        saved_gbs,
+                        current,
+                        self.state.global_step,
+                    )
+        self.state.max_steps = int(section_to_dict(self.config.training)["steps"])
+        self._data_iter: Iterator | None = None
+
+    def _next_micro_batch(self) -> dict[str, torch.Tensor]:
+        kw = self._hook_kwargs
+        for _attempt in range(2):
+            if self._data_iter is None:
+                self.callbacks.call("on_epoch_begin", self.config, self.state, **kw())
+                self._data_iter = iter(self.dataloader)
+            try:
+                return next(self._data_iter)
+            except StopIteration:
+                self._data_iter = None
+                self.callbacks.call("on_epoch_end", self.config, self.state, **kw())
+                self.state.epoch += 1
+        raise RuntimeError("the training data loader yields no batches")
+
+    def _loop(self) -> None:
+        state, kw = self.state, self._hook_kwargs
+        while state.global_step < state.max_steps:
+            if self._stop_agreed():
+                break
+            self.callbacks.call("on_step_begin", self.config, state, **kw())
+            t0 = time.perf_counter()
+            state.global_batch_size = self.batches.global_batch_at(state.consumed_samples)
+            state.num_accumulation_steps = self.batches.accumulation_steps_at(state.consumed_samples)
+            micro = [self._next_micro_batch() for _ in range(state.num_accumulation_steps)]
+            result = self.step_fn(micro)
+            if self.ctx.device.type == "cuda":
+                torch.cuda.synchronize(self.ctx.device)
+            step_time = time.perf_counter() - t0
+            state.consumed_samples += result.samples
+            state.global_step += 1
+            self._account(result)
+            metrics = self._metrics(result, step_time, micro[0])
+            self.callbacks.call(
+                "on_step_end",
+                self.config,
+                state,
+                loss=result.loss,
+                grad_norm=result.grad_norm,
+                result=result,
+                metrics=metrics,
+                **kw(),
+            )
+            limit = self.step_fn.skip_policy.max_consecutive
+            if limit > 0 and state.consecutive_skips >= limit:
+                self.stop_reason = (
+                    f"diverged: {state.consecutive_skips} consecutive steps were skipped (last: {result.skip_reason}) "
+                    f"at step {state.global_step}. Training stops (monitor.health_checkpoint.global_norm_skip_time "
+                    f"= {limit}). Lower lr_scheduler.learning_rate, check the data, or resume from the last "
+                    f"checkpoint with different settings."
+                )
+                logger.error(self.stop_reason[len("diverged: ") :])
+                break
+
+    def _account(self, r: StepResult) -> None:
+        s = self.state
+        s.tokens_seen += r.num_tokens
+        self._run_tokens += r.input_tokens
+        if r.skipped:
+            s.skipped_steps += 1
+            s.consecutive_skips += 1
+            return
+        s.consecutive_skips = 0
+        s.last_loss = r.loss
+        if math.isfinite(r.loss) and r.loss < s.best_loss:
+            s.best_loss = r.loss
+
+    def _metrics(
+        self, r: StepResult, step_time: float, first_batch: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        tokens_per_s = r.input_tokens / step_time if step_time > 0 else 0.0
+        flops_per_token = self._model_flops_per_token(int(first_batch["input_ids"].shape[-1]))
+        achieved = flops_per_token * tokens_per_s / self.ctx.world_size  # per device
+        peak = self._peak()
+        m: dict[str, Any] = {
+            "step": self.state.global_step,
+            "consumed_samples": self.state.consumed_samples,
+            "global_batch_size": r.samples,
+            "loss": r.loss,
+            "lr": r.lr,
+            "grad_norm": r.grad_norm,
+            "step_time": step_time,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": achieved / 1e12,
+            "mfu": achieved / peak if peak else None,
+            "memory_gib": device_memory_gib(self.ctx.device),
+            "num_tokens": r.num_tokens,
+        }
+        if r.aux_losses:
+            m["aux_losses"] = dict(r.aux_losses)
+            m.update(r.aux_losses)
+        if r.skipped:
+            m["skipped"] = True
+            m["skip_reason"] = r.skip_reason
+        return m
+
+    def _model_flops_per_token(self, seq_length: int) -> float:
+        if self._flops_per_token is None:
+            fn = getattr(self.model, "flops_per_token", None)
+            if callable(fn):
+                self._flops_per_token = float(fn(seq_length))
+            else:  # dense approximation: 6 FLOPs per parameter per token (forward + backward)
+                self._flops_per_token = 6.0 * sum(p.numel() for p in self.model.parameters())
+        return self._flops_per_token
+
+    def _peak(self) -> float:
+        if self.peak_flops is None:
+            dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+            self.peak_flops = matmul_peak_flops(self.ctx.device, dtype)
+        return self.peak_flops
+
+    # -- stopping -----------------------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        if not self.stop_requested:
+            logger.warning(
+                "%s: saving a checkpoint at the end of step %d and stopping.",
+                reason,
+                self.state.global_step + 1,
+            )
+        self.stop_requested = True
+        self.stop_reason = self.stop_reason or reason
+
+    def _stop_agreed(self) -> bool:
+        """Every rank stops at the same step, even if only one received the signal."""
+        if self.ctx.distributed:
+            flag = torch.tensor([1 if self.stop_requested else 0], device=self.ctx.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if int(flag.item()) and not self.stop_requested:
+                self.stop_requested = True
+                self.stop_reason = "stop requested on another rank"
+        return self.stop_requested
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.getsignal(sig)
+
+            def handler(signum: int, frame: Any, _prev: Any = previous[sig]) -> None:
+                if self.stop_requested and signum == signal.SIGINT:
+                    raise KeyboardInterrupt  # a second Ctrl-C stops at once
+                self.request_stop(f"received {signal.Signals(signum).name}")
+
+            signal.signal(sig, handler)
+        return previous
+
+    def _restore_signal_handlers(self, previous: dict[int, Any]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        s = self.state
+        elapsed = time.perf_counter() - self._run_started if self._run_started else 0.0
+        if self.stop_reason and self.stop_reason.startswith("diverged"):
+            status = "stopped: too many consecutive skipped steps"
+        elif self.stop_requested:
+            status = f"stopped early ({self.stop_reason})"
+        else:
+            status = "completed"
+        ck = self.checkpoint_cfg
+        latest = (
+            read_tracker(ck["save_path"]) if ck.get("enable_save", True) and ck.get("save_path") else None
+        )
+        out = {
+            "status": status,
+            "steps": f"{s.global_step}/{s.max_steps}",
+            "time": _fmt_seconds(elapsed),
+            "tokens (this run)": f"{self._run_tokens:,}",
+            "tokens/s (this run)": f"{self._run_tokens / elapsed:,.0f}" if elapsed > 0 else "n/a",
+            "final loss": f"{s.last_loss:.6f}",
+            "best loss": f"{s.best_loss:.6f}",
+            "skipped steps": s.skipped_steps,
+            "resumed from": self._resumed_from or "-",
+            "checkpoints": f"{ck.get('save_path')} (latest: iteration {latest})"
+            if latest is not None
+            else "-",
+            "metrics": str(self.output_dir / "metrics.jsonl"),
+        }
+        for key in ("log", "curves"):
+            if key in self.artifacts:
+                out[key] = self.artifacts[key]
+        return out
+
+
+def _fmt_seconds(seconds: float) -> str:
+    m, s = divmod(seconds, 60)
+    h, m = divmod(int(m), 60)
+    return f"{h:d}:{m:02d}:{s:05.2f}"
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _config_dict(config: Any) -> dict[str, Any] | None:
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    if isinstance(config, dict):
+        return dict(config)
+    return None
