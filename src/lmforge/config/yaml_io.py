@@ -24,11 +24,13 @@ class ConfigLoader(yaml.SafeLoader):
     """SafeLoader that also reads ``1e-8`` / ``3E5`` as floats."""
 
 
-ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+class ConfigDumper(yaml.SafeDumper):
+    """SafeDumper that quotes strings which ConfigLoader would read as floats (``"1e-8"``)."""
+
+
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+for _cls in (ConfigLoader, ConfigDumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
 
 
 def _mapping_depth(node: yaml.Node | None) -> int:
@@ -99,4 +101,6 @@ def read_yaml_file(path: str | Path) -> Any:
 
 def dump_yaml_text(data: Any) -> str:
     """YAML text that :func:`parse_yaml_text` (and plain PyYAML) reads back to the same data."""
-    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, default_flow_style=False, width=100)
+    return yaml.dump(
+        data, Dumper=ConfigDumper, sort_keys=False, allow_unicode=True, default_flow_style=False, width=100
+    )

@@ -1,0 +1,256 @@
+"""Loading: files, YAML quirks, types, unknown keys, pass-through sections, attribute access."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+import yaml
+
+from lmforge.config import dump_yaml, load_config
+from lmforge.errors import ConfigError
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "train.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_missing_file_names_the_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"Config file not found: .*nope\.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_syntax_error_gives_the_line(tmp_path: Path) -> None:
+    path = _write(tmp_path, "training:\n  steps: 10\n  seed: [1, 2\nmodel:\n  model_type: qwen3\n")
+    with pytest.raises(ConfigError, match=r"YAML parse error in .*train\.yaml at line \d+, column \d+"):
+        load_config(path)
+
+
+def test_bad_indentation_gives_the_line(tmp_path: Path) -> None:
+    path = _write(tmp_path, "training:\n  steps: 10\n   seed: 3\n")
+    with pytest.raises(ConfigError, match=r"at line 3"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(("text", "what"), [("- a\n- b\n", "list"), ("", "empty document"), ("42\n", "int")])
+def test_top_level_must_be_a_mapping(tmp_path: Path, text: str, what: str) -> None:
+    with pytest.raises(ConfigError, match=rf"Expected a mapping .* got (a |an )?{what}"):
+        load_config(_write(tmp_path, text))
+
+
+def _nested(depth: int) -> str:
+    lines = []
+    for level in range(depth):
+        lines.append("  " * level + f"k{level}:")
+    lines.append("  " * depth + "leaf: 1")
+    return "\n".join(lines) + "\n"
+
+
+def test_mapping_depth_limit(tmp_path: Path, base_config: dict[str, Any]) -> None:
+    # The top-level mapping, the model mapping and 8 nested mappings are 10 levels: the limit.
+    base = yaml.safe_dump({k: v for k, v in base_config.items() if k != "model"})
+    ok = base + "model:\n  model_type: qwen3\n  architectures: Q\n" + _indent(_nested(8), 1)
+    assert load_config(_write(tmp_path, ok)).model.k0.k1.k2.k3.k4.k5.k6.k7.leaf == 1
+    too_deep = base + "model:\n  model_type: qwen3\n  architectures: Q\n" + _indent(_nested(9), 1)
+    with pytest.raises(ConfigError, match="YAML nesting depth 11 exceeds the maximum allowed value of 10"):
+        load_config(_write(tmp_path, too_deep))
+
+
+def _indent(text: str, levels: int) -> str:
+    return "".join("  " * levels + line + "\n" for line in text.splitlines())
+
+
+def test_sequences_do_not_count_towards_depth(tmp_path: Path, base_config: dict[str, Any]) -> None:
+    base_config["model"]["deep_list"] = [[[[[[[[[[[[1]]]]]]]]]]]]
+    assert load_config(_write(tmp_path, yaml.safe_dump(base_config))).model.deep_list[0][0][0][0][0][0][0][0]
+
+
+def test_exponent_without_dot_is_a_float(tmp_path: Path, base_config: dict[str, Any]) -> None:
+    text = yaml.safe_dump(base_config) + "optimizer:\n  eps: 1e-8\n  adamw_eps: 1E-6\n"
+    text = text.replace("learning_rate: 0.0001", "learning_rate: 3e-4\n  lr_end: 1e-7")
+    cfg = load_config(_write(tmp_path, text))
+    assert cfg.optimizer.eps == 1e-8 and isinstance(cfg.optimizer.eps, float)
+    assert cfg.optimizer.adamw_eps == 1e-6
+    assert cfg.lr_scheduler.learning_rate == 3e-4
+    assert cfg.lr_scheduler.lr_end == 1e-7
+
+
+def test_exponent_string_in_a_mapping_is_a_float(base_config: dict[str, Any]) -> None:
+    base_config["optimizer"] = {"eps": "1e-8", "weight_decay": "0.1"}
+    cfg = load_config(base_config)
+    assert cfg.optimizer.eps == 1e-8 and cfg.optimizer.weight_decay == 0.1
+
+
+def test_int_is_accepted_where_a_float_is_expected(base_config: dict[str, Any]) -> None:
+    base_config["training"]["max_norm"] = 2
+    cfg = load_config(base_config)
+    assert cfg.training.max_norm == 2.0 and isinstance(cfg.training.max_norm, float)
+
+
+def test_non_numeric_string_is_not_a_float(base_config: dict[str, Any]) -> None:
+    base_config["training"]["max_norm"] = "one"
+    with pytest.raises(ConfigError, match=r"training\.max_norm must be a number, got str"):
+        load_config(base_config)
+
+
+STRICT_SECTIONS = [
+    ("checkpoint", "CheckpointConfig", "save_pth", "save_path"),
+    ("training", "TrainingConfig", "global_batch_sze", "global_batch_size"),
+    ("parallelism", "ParallelismConfig", "tensor_paralel", "tensor_parallel"),
+    ("train_dataset", "TrainDatasetConfig", "drop_remaindr", "drop_remainder"),
+    ("monitor", "MonitorConfig", "tensorbord", "tensorboard"),
+    (
+        "monitor.health_checkpoint",
+        "HealthCheckpointConfig",
+        "global_norm_skip_times",
+        "global_norm_skip_time",
+    ),
+    ("monitor.train_state", "TrainStateConfig", "local_los", "local_loss"),
+    ("monitor.tensorboard", "TensorboardConfig", "log_intervals", "log_interval"),
+    ("monitor.moe_monitor", "MoeMonitorConfig", "target_layer", "target_layers"),
+    ("context", "ContextConfig", "device_targe", "device_target"),
+    ("profiler", "ProfilerConfig", "start_stp", "start_step"),
+    ("recompute", "RecomputeConfig", "full_recompute_layers", "full_recompute_layer"),
+    ("recompute_comm", "RecomputeCommConfig", "enabled", "enable"),
+    ("swap", "SwapConfig", "default_prefech", "default_prefetch"),
+    ("lora_config", "LoraConfig", "lora_ranks", "lora_rank"),
+]
+
+
+@pytest.mark.parametrize(("section", "cls", "typo", "right"), STRICT_SECTIONS)
+def test_unknown_key_in_strict_section(
+    base_config: dict[str, Any], section: str, cls: str, typo: str, right: str
+) -> None:
+    node = base_config
+    for part in section.split("."):
+        node = node.setdefault(part, {})
+    node[typo] = 1
+    with pytest.raises(ConfigError) as info:
+        load_config(base_config)
+    message = str(info.value)
+    assert f"Unknown configuration keys for {cls}: ['{typo}']" in message
+    assert f"{section}.{typo}" in message
+    assert f"did you mean {right}?" in message
+
+
+def test_renamed_keys_of_older_versions_point_to_the_new_name(base_config: dict[str, Any]) -> None:
+    base_config["monitor"] = {"tensorboard": {"tensorboard_dir": "tb"}}
+    with pytest.raises(
+        ConfigError, match=r"monitor\.tensorboard\.tensorboard_dir \(renamed: did you mean output_dir\?\)"
+    ):
+        load_config(base_config)
+
+
+def test_unknown_keys_pass_through_open_sections(base_config: dict[str, Any]) -> None:
+    base_config["optimizer"] = {"type": "Muon", "momentum": 0.95, "ns_coefficients": [[[3.4, -4.7, 2.0], 8]]}
+    base_config["lr_scheduler"]["lr_end"] = 0.0
+    base_config["train_dataset"]["dataloader"]["config"] = {"seq_length": 32, "data_path": ["1", "a"]}
+    base_config["model"]["n_routed_experts"] = 8
+    base_config["callbacks"] = [{"type": "MyCallback", "log_interval": 10}]
+    base_config["eval_dataset"] = {"anything": [1, 2]}
+    cfg = load_config(base_config)
+    assert cfg.optimizer.momentum == 0.95
+    assert cfg.optimizer.to_dict()["ns_coefficients"] == [[[3.4, -4.7, 2.0], 8]]
+    assert cfg.lr_scheduler.lr_end == 0.0
+    assert cfg.train_dataset.dataloader.config.seq_length == 32
+    assert cfg.train_dataset.dataloader.to_dict()["config"] == {"seq_length": 32, "data_path": ["1", "a"]}
+    assert cfg.model.n_routed_experts == 8
+    assert cfg.model.hidden_size == 64
+    assert cfg.callbacks[0].log_interval == 10
+    assert cfg.eval_dataset.anything == [1, 2]
+    assert cfg.to_dict()["eval_dataset"] == {"anything": [1, 2]}
+    assert cfg.model.extras() == {"num_hidden_layers": 4, "hidden_size": 64, "n_routed_experts": 8}
+
+
+def test_defaults_match_the_spec(base_config: dict[str, Any]) -> None:
+    cfg = load_config(base_config)
+    assert cfg.checkpoint.enable_save is True and cfg.checkpoint.save_path == ""
+    assert cfg.checkpoint.save_max == 5 and cfg.checkpoint.save_interleaved_steps == 1000
+    assert cfg.checkpoint.prefix == "checkpoint" and cfg.checkpoint.save_global_layout_cache is True
+    assert cfg.parallelism.data_parallel_shard == -1
+    assert cfg.parallelism.data_parallel_shard_strategy == "optim_grads_params"
+    assert cfg.parallelism.reshard_after_forward_policy == "default"
+    assert cfg.parallelism.disable_gradient_division is True
+    assert cfg.parallelism.npu_nums_per_device == 8
+    assert cfg.parallelism.moe_token_dispatcher_type == "alltoall"
+    assert cfg.optimizer.type == "AdamW" and cfg.optimizer.betas == [0.9, 0.95]
+    assert cfg.optimizer.eps == 1e-8 and cfg.optimizer.weight_decay == 0.01
+    assert cfg.optimizer.accumulate_allreduce_grads_in_fp32 is True
+    assert cfg.train_dataset.dataloader.column_names == ["input_ids", "labels"]
+    assert cfg.train_dataset.num_parallel_workers == 8 and cfg.train_dataset.prefetch_size == 1
+    assert cfg.monitor.train_state.local_norm == "" and cfg.monitor.train_state.device_norm is False
+    assert cfg.monitor.moe_monitor.save_tokens_per_expert_interval is None
+    assert cfg.profiler.enable_profiling is False and cfg.profiler.with_stack is True
+    assert cfg.recompute.mode == "None" and cfg.swap.default_prefetch == 1
+    assert cfg.callbacks == [] and cfg.lora_config is None
+    assert cfg.context.mode == 1 and cfg.output_dir == "./output"
+    assert cfg.training.max_norm == 1.0 and cfg.training.seed == 42
+
+
+def test_omitted_required_sections_are_named() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({"training": {"steps": 3}})
+    message = str(info.value)
+    for name in ("lr_scheduler", "train_dataset", "model"):
+        assert f"the {name} section is required" in message
+
+
+def test_config_is_frozen(base_config: dict[str, Any]) -> None:
+    cfg = load_config(base_config)
+    with pytest.raises(pydantic.ValidationError):
+        cfg.training.steps = 5  # type: ignore[misc]
+
+
+def test_dict_like_access(base_config: dict[str, Any]) -> None:
+    cfg = load_config(base_config)
+    assert cfg["training"]["steps"] == 10
+    assert cfg.model.get("missing", 7) == 7
+    with pytest.raises(KeyError, match="'TrainingConfig' object has no key 'nope'"):
+        cfg.training["nope"]
+
+
+def test_input_mapping_is_not_modified(base_config: dict[str, Any]) -> None:
+    import copy
+
+    before = copy.deepcopy(base_config)
+    load_config(base_config, ["training.steps=3"])
+    assert base_config == before
+
+
+def test_sequence_parallel_follows_tensor_parallel(base_config: dict[str, Any]) -> None:
+    base_config["parallelism"] = {"tensor_parallel": 2}
+    cfg = load_config(base_config)
+    assert cfg.parallelism.sequence_parallel is True and cfg.warnings == ()
+    base_config["parallelism"]["sequence_parallel"] = False
+    cfg = load_config(base_config)
+    assert cfg.parallelism.sequence_parallel is True
+    assert any("parallelism.sequence_parallel" in w for w in cfg.warnings)
+
+
+def test_recompute_mode_null_means_none(base_config: dict[str, Any]) -> None:
+    base_config["recompute"] = {"mode": None}
+    assert load_config(base_config).recompute.mode == "None"
+
+
+def test_inert_fields_warn(base_config: dict[str, Any]) -> None:
+    base_config["context"] = {"max_device_memory": "30GB", "mode": 1}
+    base_config["lora_config"] = {"lora_rank": 4}
+    warnings = load_config(base_config).warnings
+    assert any(w.startswith("context.max_device_memory = '30GB' has no effect") for w in warnings)
+    assert any(w.startswith("lora_config is accepted but has no effect") for w in warnings)
+    assert not any(w.startswith("context.mode") for w in warnings)  # the default: nothing is ignored
+
+
+def test_dump_yaml_round_trips(tmp_path: Path, base_config: dict[str, Any]) -> None:
+    base_config["optimizer"] = {"eps": 1e-8, "note": "1e-8", "flag": "yes"}
+    cfg = load_config(base_config)
+    out = tmp_path / "resolved.yaml"
+    text = dump_yaml(cfg, out)
+    assert out.read_text(encoding="utf-8") == text
+    again = load_config(out)
+    assert again.to_dict() == cfg.to_dict()
+    assert again.optimizer.note == "1e-8" and again.optimizer.flag == "yes"

@@ -1,0 +1,31 @@
+"""Shared fixtures: paths to the repository, the spec's YAML examples and a complete base config."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SPEC_YAMLS = REPO_ROOT / "tests" / "fixtures" / "spec_yamls"
+
+# A complete, minimal, valid configuration (a tiny qwen3) as a plain mapping.
+BASE_CONFIG: dict[str, Any] = {
+    "training": {"steps": 10, "local_batch_size": 1, "global_batch_size": 2},
+    "lr_scheduler": {"type": "ConstantWarmUpLR", "learning_rate": 1.0e-4, "warmup_steps": 2},
+    "train_dataset": {"dataloader": {"type": "BlendedMegatronDatasetDataLoader"}},
+    "model": {
+        "model_type": "qwen3",
+        "architectures": "Qwen3ForCausalLM",
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+    },
+}
+
+
+@pytest.fixture
+def base_config() -> dict[str, Any]:
+    """A fresh deep copy of ``BASE_CONFIG`` for a test to modify."""
+    return copy.deepcopy(BASE_CONFIG)
