@@ -10,6 +10,9 @@ For head ``h`` with running maximum logit ``m_h`` and threshold ``tau``:
 ``min(gamma_h for h in heads[g]) ** exponent``: ``exponent`` 0.5 for the query and key parts that
 share a dot product (q_nope/k_nope, MHA/GQA q and k), 1.0 for a part whose partner is never scaled
 (MLA's q_rope, since the shared rope key is not touched).
+
+A layer with QK-norm (``qk_norm=True``) normalises q and k after the projections, so scaling their
+weights cannot lower its logits: the optimizer skips such layers and says so once.
 """
 
 from __future__ import annotations
@@ -33,3 +36,4 @@ class QKClipLayer:
     name: str  # module path of the attention layer, e.g. "decoder.layers.3.self_attention"
     max_logits: torch.Tensor  # fp32 [num_heads], running max over the step's micro-batches (detached)
     targets: list[QKClipTarget] = field(default_factory=list)
+    qk_norm: bool = False  # True when q/k pass through a norm: clipping their weights has no effect

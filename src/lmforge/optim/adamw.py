@@ -1,0 +1,111 @@
+"""AdamW on fp32 masters: decoupled decay ``p <- p(1 - lr wd)``, bias correction with t from 1.
+
+The update is torch's fused AdamW kernel (one pass over memory per tensor list) applied to the
+masters, grouped per param group; optimizer states are fp32 and named ``exp_avg`` / ``exp_avg_sq``
+(the original's ``adam_m`` / ``adam_v``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmforge.optim.master_weights import MasterWeightOptimizer, local
+
+
+def init_adam_state(opt: MasterWeightOptimizer, p: torch.Tensor, state: dict, amsgrad: bool = False) -> None:
+    dev = opt._state_device(p)
+    state["step"] = torch.tensor(0.0, dtype=torch.float32, device=dev)
+    state["exp_avg"] = opt._zeros_like_master(p)
+    state["exp_avg_sq"] = opt._zeros_like_master(p)
+    if amsgrad:
+        state["max_exp_avg_sq"] = opt._zeros_like_master(p)
+
+
+def adam_update(
+    opt: MasterWeightOptimizer,
+    params: list[torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> None:
+    """One AdamW step for ``params`` (their masters); parameters without a gradient are skipped."""
+    masters, grads, m, v, vmax, steps = [], [], [], [], [], []
+    for p in params:
+        g = opt._fp32_grad(p)
+        if g is None:
+            continue
+        st = opt.state[p]
+        masters.append(local(opt.master(p)))
+        grads.append(local(g))
+        m.append(local(st["exp_avg"]))
+        v.append(local(st["exp_avg_sq"]))
+        if amsgrad:
+            vmax.append(local(st["max_exp_avg_sq"]))
+        steps.append(st["step"])
+    if not masters:
+        return
+    torch._foreach_add_(steps, 1)
+    torch._fused_adamw_(
+        masters,
+        grads,
+        m,
+        v,
+        vmax,
+        steps,
+        lr=lr,
+        beta1=betas[0],
+        beta2=betas[1],
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=amsgrad,
+        maximize=maximize,
+    )
+
+
+class AdamW(MasterWeightOptimizer):
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        *,
+        model: nn.Module | None = None,
+        offload_states: bool = False,
+        accumulate_grads_in_fp32: bool = True,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
+        )
+        super().__init__(
+            params,
+            defaults,
+            model=model,
+            offload_states=offload_states,
+            accumulate_grads_in_fp32=accumulate_grads_in_fp32,
+        )
+
+    def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
+        init_adam_state(self, p, state, group["amsgrad"])
+
+    def _update_group(self, group: dict) -> None:
+        adam_update(
+            self,
+            group["params"],
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            amsgrad=group["amsgrad"],
+            maximize=group["maximize"],
+        )

@@ -1,0 +1,116 @@
+"""``build_optimizer(section, model, lr)``: the ``optimizer`` section plus a model to an optimizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.errors import ConfigError
+from lmforge.optim.adamw import AdamW
+from lmforge.optim.lamb import LAMB
+from lmforge.optim.lion import Lion
+from lmforge.optim.master_weights import MasterWeightOptimizer
+from lmforge.optim.matching import first_matching_glob
+from lmforge.optim.muon import Muon, is_muon_shape
+from lmforge.optim.options import parse_optimizer_section
+from lmforge.optim.param_groups import build_param_groups
+
+
+def initial_lr(lr: Any) -> float:
+    """A float lr, or ``lr_at(0)`` of a schedule."""
+    if hasattr(lr, "lr_at"):
+        return float(lr.lr_at(0))
+    return float(lr)
+
+
+def build_optimizer(
+    section: Any,
+    model: nn.Module | None,
+    lr: Any,
+    *,
+    qk_clip_group: dist.ProcessGroup | None = None,
+) -> MasterWeightOptimizer:
+    """Build the optimizer the section describes over ``model``'s trainable parameters.
+
+    ``lr`` is a float or a schedule (``lr_at(step)``); each group's ``lr`` starts at
+    ``initial lr * lr_scale``. ``qk_clip_group`` is the data x context parallel group over which
+    Muon's QK-Clip max logits are reduced (default: the world group when distributed).
+    """
+    opts = parse_optimizer_section(section)
+    if model is None:
+        key = "type"
+        raise ConfigError(
+            f"optimizer.{key}: Model must be provided for {opts.type} optimizer."
+            if opts.type == "Muon"
+            else f"optimizer.{key}: a model is needed to build the {opts.type} optimizer."
+        )
+    lr0 = initial_lr(lr)
+    h = opts.hyper
+
+    if opts.type == "Muon":
+        patterns = h["adamw_include"]
+
+        def route(p, names):
+            if is_muon_shape(p) and first_matching_glob(names, patterns) is None:
+                return "muon"
+            return "adamw"
+
+        groups = build_param_groups(model, opts.grouping, route)
+    else:
+        groups = build_param_groups(model, opts.grouping)
+    for g in groups:
+        g["lr"] = lr0 * g["lr_scale"]
+    if not groups:
+        raise ConfigError("optimizer: the model has no trainable parameters.")
+
+    if opts.type == "AdamW":
+        return AdamW(
+            groups,
+            lr=lr0,
+            betas=h["betas"],
+            eps=h["eps"],
+            weight_decay=opts.grouping.weight_decay,
+            amsgrad=h["amsgrad"],
+            maximize=h["maximize"],
+            model=model,
+            offload_states=h["offload_states"],
+        )
+    if opts.type == "Lion":
+        return Lion(
+            groups,
+            lr=lr0,
+            betas=h["betas"],
+            weight_decay=opts.grouping.weight_decay,
+            model=model,
+            offload_states=h["offload_states"],
+        )
+    if opts.type == "LAMB":
+        return LAMB(
+            groups,
+            lr=lr0,
+            betas=h["betas"],
+            eps=h["eps"],
+            weight_decay=opts.grouping.weight_decay,
+            model=model,
+            offload_states=h["offload_states"],
+        )
+    return Muon(
+        groups,
+        lr=lr0,
+        weight_decay=opts.grouping.weight_decay,
+        matched_adamw_rms=h["matched_adamw_rms"],
+        momentum=h["momentum"],
+        eps=h["eps"],
+        nesterov=h["nesterov"],
+        ns_schedule=h["ns_schedule"],
+        adamw_betas=h["adamw_betas"],
+        adamw_eps=h["adamw_eps"],
+        qk_clip_enabled=h["qk_clip_enabled"],
+        qk_clip_threshold=h["qk_clip_threshold"],
+        comm_strategy=h["comm_strategy"],
+        ns_dtype=h["ns_dtype"],
+        model=model,
+        qk_clip_group=qk_clip_group,
+    )

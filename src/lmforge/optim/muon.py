@@ -1,0 +1,216 @@
+"""Muon (Newton-Schulz orthogonalised momentum) with a built-in AdamW branch and QK-Clip.
+
+Per Muon parameter (2-D weights, and 3-D expert stacks per expert), on the fp32 master:
+
+    m <- momentum * m + g                        (sum-form momentum, fp32, as the original)
+    u <- g + momentum * m   if nesterov else m
+    pieces <- split(u) by the model's split schema (fused QKV, gate/up, MLA blocks)
+    update <- concat(lr * matched_adamw_rms * sqrt(max(A, B)) * NS(piece))   (NS in bf16 by default)
+    p <- p * (1 - lr * wd) - update
+
+Pieces of the same shape (up to transposition) across all parameters are orthogonalised together
+in batched matmuls. Every other parameter (1-D, embeddings and output layer by ``adamw_include``)
+takes the AdamW branch with ``adamw_betas`` / ``adamw_eps``. After all updates, QK-Clip scales the
+query/key rows of heads whose max logit exceeded the threshold, on the masters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lmforge.optim.adamw import adam_update, init_adam_state
+from lmforge.optim.master_weights import MasterWeightOptimizer, local
+from lmforge.optim.muon_comm import MuonWork, compute_updates
+from lmforge.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, Schedule
+from lmforge.optim.qk_clip import apply_qk_clip
+from lmforge.utils.logging import get_logger
+from lmforge.utils.qk_clip import QKClipLayer
+
+logger = get_logger("lmforge.optim")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def is_muon_shape(p: torch.Tensor) -> bool:
+    return p.dim() in (2, 3)
+
+
+class Muon(MasterWeightOptimizer):
+    """Param groups carry ``route`` ("muon" or "adamw"); groups without it are routed by shape."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 2e-2,
+        weight_decay: float = 0.1,
+        matched_adamw_rms: float = 0.2,
+        momentum: float = 0.95,
+        eps: float = 1e-7,
+        nesterov: bool = True,
+        ns_schedule: Schedule = (DEFAULT_NS_COEFFICIENTS,) * 5,
+        adamw_betas: tuple[float, float] = (0.95, 0.95),
+        adamw_eps: float = 1e-8,
+        qk_clip_enabled: bool = True,
+        qk_clip_threshold: float = 100.0,
+        comm_strategy: str = "allgather",
+        ns_dtype: str | torch.dtype = "bfloat16",
+        *,
+        model: nn.Module | None = None,
+        split_schema: dict[str, tuple[int, list[int]]] | None = None,
+        qk_clip_group: dist.ProcessGroup | None = None,
+        accumulate_grads_in_fp32: bool = True,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            matched_adamw_rms=matched_adamw_rms,
+            momentum=momentum,
+            nesterov=nesterov,
+            adamw_betas=tuple(adamw_betas),
+            adamw_eps=adamw_eps,
+        )
+        self.ns_schedule = tuple(tuple(float(c) for c in t) for t in ns_schedule)
+        self.ns_eps = eps
+        self.ns_dtype = _DTYPES[ns_dtype] if isinstance(ns_dtype, str) else ns_dtype
+        self.comm_strategy = comm_strategy
+        self.qk_clip_enabled = qk_clip_enabled
+        self.qk_clip_threshold = qk_clip_threshold
+        self.qk_clip_group = qk_clip_group
+        self.model = model
+        super().__init__(params, defaults, model=model, accumulate_grads_in_fp32=accumulate_grads_in_fp32)
+
+        self._names: dict[int, str] = {}
+        for g in self.param_groups:
+            for j, p in enumerate(g["params"]):
+                names = g.get("param_names")
+                if names:
+                    self._names[id(p)] = names[j]
+        if model is not None:
+            for name, p in model.named_parameters(remove_duplicate=False):
+                self._names.setdefault(id(p), name)
+        self._by_name = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) in self._names:
+                    self._by_name[self._names[id(p)]] = p
+        if model is not None:
+            for name, p in model.named_parameters(remove_duplicate=False):
+                self._by_name.setdefault(name, p)
+        if split_schema is None and model is not None and callable(getattr(model, "muon_split_schema", None)):
+            split_schema = model.muon_split_schema()
+        self.split_schema = dict(split_schema or {})
+        self._check_split_schema()
+        self._pending: list[dict] = []
+        self._qk_layers = self._find_qk_layers()
+
+    # -- set-up -------------------------------------------------------------------------------------
+    def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
+        group.setdefault("route", "muon" if is_muon_shape(p) else "adamw")
+        if group["route"] == "muon":
+            if not is_muon_shape(p):
+                raise ValueError(f"Muon takes 2-D and 3-D weights only; got shape {tuple(p.shape)}")
+            state["momentum_buffer"] = self._zeros_like_master(p)
+        else:
+            init_adam_state(self, p, state)
+
+    def _check_split_schema(self) -> None:
+        for g in self.param_groups:
+            if g["route"] != "muon":
+                continue
+            for p in g["params"]:
+                split = self.split_schema.get(self._names.get(id(p), ""))
+                if split is None:
+                    continue
+                dim, sizes = split
+                if sum(sizes) != p.shape[dim]:
+                    raise ValueError(
+                        f"muon_split_schema of {self._names[id(p)]}: sizes {sizes} do not add up to dim {dim} "
+                        f"of shape {tuple(p.shape)}"
+                    )
+
+    def _find_qk_layers(self) -> list[QKClipLayer]:
+        if not self.qk_clip_enabled:
+            return []
+        fn = getattr(self.model, "qk_clip_layers", None)
+        layers = list(fn()) if callable(fn) else []
+        if not layers:
+            logger.warning(
+                "optimizer.qk_clip_enabled: the model does not expose qk_clip_layers(), so QK-Clip has no effect "
+                "(set qk_clip_enabled: false to silence this)."
+            )
+            return []
+        if any(layer.qk_norm for layer in layers):
+            logger.warning(
+                "optimizer.qk_clip_enabled: attention layers with QK-norm normalise q and k, so scaling their "
+                "weights cannot bound the logits; QK-Clip skips those layers."
+            )
+        if hasattr(self.model, "track_max_logits"):
+            self.model.track_max_logits = True
+        return layers
+
+    # -- the step -----------------------------------------------------------------------------------
+    def _update_group(self, group: dict) -> None:
+        if group["route"] == "muon":
+            self._pending.append(group)
+            return
+        adam_update(
+            self,
+            group["params"],
+            lr=group["lr"],
+            betas=group["adamw_betas"],
+            eps=group["adamw_eps"],
+            weight_decay=group["weight_decay"],
+        )
+
+    def _after_update(self) -> None:
+        groups, self._pending = self._pending, []
+        self._muon_update(groups)
+        if self._qk_layers:
+            apply_qk_clip(self._qk_layers, self.qk_clip_threshold, self._master_by_name, self.qk_clip_group)
+            reset = getattr(self.model, "reset_max_logits", None)
+            if callable(reset):
+                reset()
+
+    def _master_by_name(self, name: str) -> torch.Tensor | None:
+        p = self._by_name.get(name)
+        return None if p is None else self.master(p)
+
+    def _muon_update(self, groups: list[dict]) -> None:
+        works: list[MuonWork] = []
+        targets: list[tuple[torch.Tensor, dict]] = []
+        for group in groups:
+            mu = group["momentum"]
+            for p in group["params"]:
+                g = self._fp32_grad(p)
+                master = self.master(p)
+                if g is None:
+                    if not isinstance(master, DTensor):
+                        continue
+                    # Sharded: every rank must take part in the same collectives, so a missing grad is zero.
+                    g = torch.zeros_like(master)
+                m = local(self.state[p]["momentum_buffer"])
+                g = local(g)
+                m.mul_(mu).add_(g)
+                u = g.add(m, alpha=mu) if group["nesterov"] else m
+                works.append(
+                    MuonWork(
+                        u=u,
+                        layout=master if isinstance(master, DTensor) else None,
+                        split=self.split_schema.get(self._names.get(id(p), "")),
+                        lr_rms=group["lr"] * group["matched_adamw_rms"],
+                    )
+                )
+                targets.append((master, group))
+        if not works:
+            return
+        updates = compute_updates(works, self.comm_strategy, self.ns_schedule, self.ns_eps, self.ns_dtype)
+        for (master, group), up in zip(targets, updates):
+            w = local(master)
+            if group["weight_decay"] != 0:
+                w.mul_(1.0 - group["lr"] * group["weight_decay"])
+            w.sub_(up)

@@ -1,0 +1,194 @@
+"""AdamW (and Lion, LAMB) against torch's optimizers and the papers' formulas; masters; resume."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lmforge.optim import build_optimizer, get_grad
+
+from .optim_helpers import TinyLM, set_random_grads
+
+SECTION = {
+    "type": "AdamW",
+    "betas": [0.9, 0.95],
+    "eps": 1e-8,
+    "weight_decay": 0.1,
+    "weight_decay_exclude": ["linear_proj"],
+    "lr_scale": {"*word_embeddings*": 0.5},
+}
+
+
+def _torch_twin(opt, model, twin, cls=torch.optim.AdamW, **kw):
+    """The same groups (by name) over ``twin``'s parameters, for a torch optimizer."""
+    by_name = dict(twin.named_parameters())
+    groups = [
+        {"params": [by_name[n] for n in g["param_names"]], "lr": g["lr"], "weight_decay": g["weight_decay"]}
+        for g in opt.param_groups
+    ]
+    return cls(groups, **kw)
+
+
+def test_adamw_equals_torch_adamw_over_20_steps():
+    model = TinyLM()
+    twin = copy.deepcopy(model)
+    opt = build_optimizer(SECTION, model, 1e-2)
+    assert len(opt.param_groups) >= 3
+    ref = _torch_twin(opt, model, twin, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    for step in range(20):
+        set_random_grads(model, step)
+        set_random_grads(twin, step)
+        opt.step()
+        ref.step()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+    # No fp32 parameter carries a redundant master copy.
+    assert all("master" not in s for s in opt.state.values())
+
+
+def test_bf16_parameters_update_their_fp32_master_like_torch_in_fp32():
+    model = TinyLM(dtype=torch.bfloat16)
+    twin = TinyLM()
+    twin.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    opt = build_optimizer(SECTION, model, 1e-2)
+    ref = _torch_twin(opt, model, twin, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(5):
+        grads = set_random_grads(model, step)  # bf16 grads
+        for name, q in twin.named_parameters():
+            q.grad = grads[name].bfloat16().float()
+        opt.step()
+        ref.step()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        master = opt.state[p]["master"]
+        assert master.dtype == torch.float32 and opt.state[p]["exp_avg"].dtype == torch.float32
+        torch.testing.assert_close(master, q, atol=1e-6, rtol=0, msg=name)
+        assert torch.equal(p, master.to(torch.bfloat16))
+
+
+def test_bf16_grads_accumulate_in_fp32_across_micro_batches():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4, bias=False).to(torch.bfloat16)
+    opt = build_optimizer({}, lin, 1e-3)
+    xs = [torch.randn(3, 8).bfloat16() for _ in range(4)]
+    expected = torch.zeros(4, 8)
+    for x in xs:
+        lin(x).float().square().sum().backward()
+        expected += (2 * lin(x).float().detach()).T @ x.float()  # d/dW sum(y^2) = 2 y^T x
+    g = get_grad(lin.weight)
+    assert lin.weight.grad is None and g.dtype == torch.float32
+    # Each micro-batch's bf16 grad is exact up to bf16 rounding; the sum is kept in fp32.
+    torch.testing.assert_close(g, expected, rtol=2e-2, atol=2e-2)
+    opt.zero_grad()
+    assert get_grad(lin.weight) is None
+
+
+def test_reload_main_params_from_model_after_a_weights_only_load():
+    model = TinyLM(dtype=torch.bfloat16)
+    opt = build_optimizer({}, model, 1e-3)
+    fresh = TinyLM(dtype=torch.bfloat16)
+    model.load_state_dict(fresh.state_dict())
+    p = model.output_layer.weight
+    assert not torch.equal(opt.state[p]["master"].bfloat16(), p)
+    opt.reload_main_params_from_model()
+    assert torch.equal(opt.state[p]["master"], p.float())
+
+
+@pytest.mark.parametrize(
+    ("section", "dtype"),
+    [
+        (SECTION, torch.float32),
+        (SECTION, torch.bfloat16),
+        ({"type": "Lion", "weight_decay": 0.1}, torch.bfloat16),
+        ({"type": "LAMB"}, torch.float32),
+        ({"type": "AdamW", "offload_states": True}, torch.bfloat16),
+        ({"type": "Muon", "qk_clip_enabled": False}, torch.bfloat16),
+    ],
+    ids=["adamw-fp32", "adamw-bf16", "lion-bf16", "lamb-fp32", "adamw-offload", "muon-bf16"],
+)
+def test_checkpointed_state_resumes_bitwise(section, dtype, tmp_path):
+    model = TinyLM(dtype=dtype)
+    opt = build_optimizer(section, model, 1e-2)
+    for step in range(3):
+        set_random_grads(model, step)
+        opt.step()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ckpt.pt")
+    for step in range(3, 6):
+        set_random_grads(model, step)
+        opt.step()
+
+    resumed = TinyLM(dtype=dtype)
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = build_optimizer(section, resumed, 1e-2)
+    opt2.load_state_dict(ckpt["optim"])
+    for p in resumed.parameters():
+        for key, value in opt2.state[p].items():
+            if key != "step":
+                assert value.dtype == torch.float32, key
+    for step in range(3, 6):
+        set_random_grads(resumed, step)
+        opt2.step()
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_offloaded_states_live_on_cpu_and_step_like_the_resident_ones():
+    a, b = TinyLM(), TinyLM()
+    b.load_state_dict(a.state_dict())
+    opt_a = build_optimizer({"offload_states": True}, a, 1e-2)
+    opt_b = build_optimizer({}, b, 1e-2)
+    for step in range(4):
+        set_random_grads(a, step)
+        set_random_grads(b, step)
+        opt_a.step()
+        opt_b.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        st = opt_a.state[p]
+        assert st["master"].device.type == "cpu" and st["exp_avg"].device.type == "cpu"
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+def test_lion_matches_the_paper_update():
+    model = TinyLM()
+    twin = copy.deepcopy(model)
+    opt = build_optimizer({"type": "Lion", "betas": [0.9, 0.99], "weight_decay": 0.1}, model, 1e-3)
+    wd = {n: g["weight_decay"] for g in opt.param_groups for n in g["param_names"]}
+    m = {n: torch.zeros_like(p) for n, p in twin.named_parameters()}
+    for step in range(5):
+        set_random_grads(model, step)
+        grads = set_random_grads(twin, step)
+        opt.step()
+        with torch.no_grad():
+            for n, p in twin.named_parameters():
+                c = 0.9 * m[n] + 0.1 * grads[n]
+                p.mul_(1 - 1e-3 * wd[n]).sub_(1e-3 * torch.sign(c))
+                m[n] = 0.99 * m[n] + 0.01 * grads[n]
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
+def test_lamb_matches_the_paper_update():
+    model = TinyLM()
+    twin = copy.deepcopy(model)
+    b1, b2, eps, lr = 0.9, 0.999, 1e-6, 1e-2
+    opt = build_optimizer({"type": "LAMB", "weight_decay": 0.05}, model, lr)
+    wd = {n: g["weight_decay"] for g in opt.param_groups for n in g["param_names"]}
+    m = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in twin.named_parameters()}
+    v = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in twin.named_parameters()}
+    ref = {n: p.detach().double().clone() for n, p in twin.named_parameters()}
+    for t in range(1, 6):
+        set_random_grads(model, t)
+        grads = set_random_grads(twin, t)
+        opt.step()
+        for n, w in ref.items():
+            g = grads[n].double()
+            m[n] = b1 * m[n] + (1 - b1) * g
+            v[n] = b2 * v[n] + (1 - b2) * g * g
+            r = (m[n] / (1 - b1**t)) / ((v[n] / (1 - b2**t)).sqrt() + eps) + wd[n] * w
+            # Trust ratio 1 when either norm is 0 (a zero-initialised bias), as LAMB implementations do.
+            trust = w.norm() / r.norm() if w.norm() > 0 and r.norm() > 0 else 1.0
+            ref[n] = w - lr * trust * r
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.double(), ref[n], atol=2e-6, rtol=0, msg=n)

@@ -1,0 +1,190 @@
+"""The optimizer section: defaults, validation and the original's error texts."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lmforge.config.schema import OptimizerConfig
+from lmforge.errors import ConfigError
+from lmforge.optim import build_optimizer, validate_optimizer_section
+
+from .optim_helpers import TinyLM
+
+SPEC_YAMLS = Path(__file__).resolve().parents[1] / "fixtures" / "spec_yamls"
+
+
+def _err(section: dict) -> str:
+    with pytest.raises(ConfigError) as exc:
+        validate_optimizer_section(section)
+    return str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "text"),
+    [
+        ({"type": "SGD"}, "optimizer.type", "Optimizer type SGD is not implemented yet."),
+        ({"eps": -1.0}, "optimizer.eps", "Invalid epsilon value: -1.0, should be >= 0."),
+        (
+            {"betas": [0.9, 1.0]},
+            "optimizer.betas",
+            "Invalid beta parameter at index 1: 1.0, should be >= 0 and < 1.",
+        ),
+        (
+            {"betas": [-0.1, 0.9]},
+            "optimizer.betas",
+            "Invalid beta parameter at index 0: -0.1, should be >= 0 and < 1.",
+        ),
+        (
+            {"weight_decay": -0.5},
+            "optimizer.weight_decay",
+            "Invalid weight_decay value: -0.5, should be >= 0.",
+        ),
+        (
+            {"weight_decay_exclude": "norm"},
+            "optimizer.weight_decay_exclude",
+            "should be a list of strings, but got str.",
+        ),
+        (
+            {"weight_decay_include": [1]},
+            "optimizer.weight_decay_include",
+            "All items in weight_decay_include should be strings",
+        ),
+        ({"type": "Muon", "swap": True}, "optimizer.swap", "Muon does not support swap."),
+        (
+            {"type": "Muon", "comm_strategy": "p2p"},
+            "optimizer.comm_strategy",
+            "comm_strategy must be 'allgather' or 'allgather_deredundency', got 'p2p'.",
+        ),
+        (
+            {"type": "Muon", "ns_coefficients": []},
+            "optimizer.ns_coefficients",
+            "ns_coefficients must be a non-empty list/tuple",
+        ),
+        (
+            {"type": "Muon", "ns_coefficients": [1.0, 2.0]},
+            "optimizer.ns_coefficients",
+            "flat ns_coefficients must have 3 elements",
+        ),
+        ({"type": "Muon", "ns_steps": 0}, "optimizer.ns_steps", "ns_steps must be positive, got 0"),
+        (
+            {"type": "Muon", "ns_coefficients": [[[1.0, 2.0, 3.0]]]},
+            "optimizer.ns_coefficients",
+            "segmented ns_coefficients entry 0 must be [[a, b, c], count]",
+        ),
+        (
+            {"type": "Muon", "ns_coefficients": [[[1.0, 2.0], 3]]},
+            "optimizer.ns_coefficients",
+            "segmented ns_coefficients entry 0 must hold a 3-element triple",
+        ),
+        (
+            {"type": "Muon", "ns_coefficients": [[[1.0, 2.0, 3.0], 0]]},
+            "optimizer.ns_coefficients",
+            "segmented ns_coefficients entry 0 count must be positive",
+        ),
+        (
+            {"type": "Muon", "qk_clip_threshold": 0},
+            "optimizer.qk_clip_threshold",
+            "qk_clip_threshold must be positive, got 0.0",
+        ),
+        (
+            {"type": "Muon", "adamw_include": [3]},
+            "optimizer.adamw_include",
+            "adamw_include must be a list of glob strings.",
+        ),
+        ({"lr_scale": {"*emb*": 0}}, "optimizer.lr_scale", "must be > 0"),
+        ({"lr_scale": ["*emb*"]}, "optimizer.lr_scale", "expected a mapping"),
+        ({"eps": "tiny"}, "optimizer.eps", "expected a number"),
+    ],
+)
+def test_errors_name_the_key_and_carry_the_original_text(section, key, text):
+    msg = _err(section)
+    assert msg.startswith(key)
+    assert text in msg
+
+
+def test_qk_clip_threshold_is_only_checked_when_enabled():
+    validate_optimizer_section({"type": "Muon", "qk_clip_enabled": False, "qk_clip_threshold": 0})
+
+
+def test_muon_defaults_are_muons_own_when_the_yaml_omits_them():
+    # Through the pydantic schema, which fills AdamW-oriented defaults (eps 1e-8, weight_decay 0.01).
+    opts = validate_optimizer_section(OptimizerConfig.model_validate({"type": "Muon"}))
+    assert opts.grouping.weight_decay == 0.1
+    assert opts.hyper["eps"] == 1e-7
+    assert opts.hyper["adamw_betas"] == (0.95, 0.95)
+    assert opts.hyper["adamw_eps"] == 1e-8
+    assert opts.hyper["momentum"] == 0.95 and opts.hyper["nesterov"] is True
+    assert opts.hyper["matched_adamw_rms"] == 0.2
+    assert opts.hyper["ns_schedule"] == ((3.4445, -4.7750, 2.0315),) * 5
+    assert opts.hyper["qk_clip_enabled"] is True and opts.hyper["qk_clip_threshold"] == 100.0
+    assert opts.hyper["comm_strategy"] == "allgather"
+    assert opts.hyper["adamw_include"] == ["*word_embeddings*", "*output_layer*"]
+    # A key the YAML sets is honoured (eps is Newton-Schulz's eps for Muon, as in the original).
+    opts = validate_optimizer_section(
+        OptimizerConfig.model_validate({"type": "Muon", "eps": 1e-6, "weight_decay": 0.0})
+    )
+    assert opts.hyper["eps"] == 1e-6 and opts.grouping.weight_decay == 0.0
+
+
+def test_adamw_defaults_are_the_spec_table():
+    opts = validate_optimizer_section(OptimizerConfig.model_validate({}))
+    assert opts.type == "AdamW"
+    assert opts.hyper["betas"] == (0.9, 0.95) and opts.hyper["eps"] == 1e-8
+    assert opts.grouping.weight_decay == 0.01
+    # An int weight decay is a number (the original's float-only check is not copied).
+    assert validate_optimizer_section({"weight_decay": 0}).grouping.weight_decay == 0.0
+
+
+def test_segmented_schedule_ignores_ns_steps():
+    opts = validate_optimizer_section(
+        {
+            "type": "Muon",
+            "ns_steps": 3,
+            "ns_coefficients": [[[3.4445, -4.7750, 2.0315], 8], [[2.0, -1.5, 0.5], 2]],
+        }
+    )
+    assert opts.hyper["ns_steps"] == 10
+    assert opts.hyper["ns_schedule"][7] == (3.4445, -4.7750, 2.0315)
+    assert opts.hyper["ns_schedule"][8:] == ((2.0, -1.5, 0.5),) * 2
+
+
+def test_unused_keys_warn_instead_of_vanishing(caplog):
+    logger = logging.getLogger("lmforge")
+    logger.propagate = True
+    caplog.set_level(logging.WARNING, logger="lmforge")
+    opts = validate_optimizer_section({"type": "Muon", "betas": [0.9, 0.99], "bogus": 1})
+    assert opts.ignored_keys == ["betas", "bogus"]
+    text = caplog.text
+    assert "optimizer.betas" in text and "adamw_betas" in text and "optimizer.bogus" in text
+
+
+def test_enable_cpu_offload_is_the_offload_switch():
+    assert validate_optimizer_section({"enable_cpu_offload": True}).hyper["offload_states"] is True
+    assert _err({"type": "Muon", "offload_states": True}).startswith("optimizer.offload_states")
+
+
+def test_muon_without_model_names_the_original_error():
+    with pytest.raises(ConfigError, match="Model must be provided for Muon optimizer."):
+        build_optimizer({"type": "Muon"}, None, 0.02)
+
+
+RECIPES = [
+    p for p in sorted(SPEC_YAMLS.glob("*.yaml")) if "optimizer" in (yaml.safe_load(p.read_text()) or {})
+]
+
+
+def test_the_spec_recipes_are_found():
+    assert len(RECIPES) >= 7
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_spec_recipe_builds(path):
+    section = yaml.safe_load(path.read_text())["optimizer"]
+    for form in (section, OptimizerConfig.model_validate(section)):
+        opt = build_optimizer(form, TinyLM(), 1e-3)
+        assert type(opt).__name__ == section.get("type", "AdamW")
+        assert sum(len(g["params"]) for g in opt.param_groups) == len(list(TinyLM().parameters()))
