@@ -1,0 +1,137 @@
+"""Attention: the SDPA core (with optional per-head max-logit tracking) and the GQA self-attention block.
+
+Parameter names follow Megatron / MindSpore Transformers: ``linear_qkv`` holds the fused rows
+``[Q (heads*d); K (groups*d); V (groups*d)]`` as three contiguous blocks, ``linear_proj`` is the output
+projection, and ``q_layernorm`` / ``k_layernorm`` are the per-head QK norms (Qwen3).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.models.common.norms import RMSNorm
+from lmforge.models.common.rope import apply_rope
+from lmforge.utils.qk_clip import QKClipLayer, QKClipTarget
+
+
+class CoreAttention(nn.Module):
+    """softmax(q·kᵀ·scale + mask)·v on ``scaled_dot_product_attention``; tracks per-head max logits.
+
+    ``max_logits`` (fp32 ``[heads]``, a non-persistent buffer) is the running maximum of the pre-softmax
+    logits q·k·scale over the unmasked entries of every call made while ``track_max_logits`` is True.
+    It is detached and starts at 0, so a head never gets a clip factor above 1 from a reset value.
+    """
+
+    def __init__(self, num_heads: int, scale: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.scale = scale
+        self.dropout = dropout
+        self.track_max_logits = False
+        self.register_buffer("max_logits", torch.zeros(num_heads, dtype=torch.float32), persistent=False)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.max_logits.zero_()
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q ``[B, Hq, S, Dk]``, k ``[B, Hkv, S, Dk]``, v ``[B, Hkv, S, Dv]`` → ``[B, Hq, S, Dv]``."""
+        if self.track_max_logits:
+            self._update_max_logits(q, k, allowed)
+        gqa = q.shape[1] != k.shape[1]
+        dropout = self.dropout if self.training else 0.0
+        if allowed is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout, enable_gqa=gqa
+            )
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=self.scale, dropout_p=dropout, enable_gqa=gqa
+        )
+
+    @torch.no_grad()
+    def _update_max_logits(self, q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None) -> None:
+        # The logits are materialised only while tracking is on (Muon QK-Clip or a max-logit monitor).
+        rep = q.shape[1] // k.shape[1]
+        kf = k.float().repeat_interleave(rep, dim=1) if rep > 1 else k.float()
+        logits = torch.matmul(q.float(), kf.transpose(-1, -2)) * self.scale
+        seq = q.shape[2]
+        if allowed is None:
+            allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()[None, None]
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        per_head = logits.amax(dim=(0, 2, 3))
+        torch.maximum(self.max_logits, per_head.to(self.max_logits.device), out=self.max_logits)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head / grouped-query attention with RoPE and optional per-head QK RMSNorm (Qwen3)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        bias: bool = False,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_rows, self.kv_rows = num_heads * head_dim, num_kv_heads * head_dim
+        self.linear_qkv = nn.Linear(hidden_size, self.q_rows + 2 * self.kv_rows, bias=bias)
+        self.linear_proj = nn.Linear(self.q_rows, hidden_size, bias=bias)
+        self.q_layernorm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_layernorm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.core_attention = CoreAttention(num_heads, head_dim**-0.5, dropout)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.linear_qkv(x).split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim)
+        v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        out = self.core_attention(q, k, v, allowed)
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.q_rows))
+
+    # ---- hooks for the optimizer -------------------------------------------------------------
+    def muon_split_schema(self, prefix: str) -> dict[str, tuple[int, list[int]]]:
+        return {f"{prefix}.linear_qkv.weight": (0, [self.q_rows, self.kv_rows, self.kv_rows])}
+
+    def qk_clip_layer(self, prefix: str) -> QKClipLayer:
+        """Per head for Q, per KV group for K (the minimum clip factor of the heads sharing it)."""
+        n, g, d = self.num_heads, self.num_kv_heads, self.head_dim
+        per_group = n // g
+        layer = QKClipLayer(name=prefix, max_logits=self.core_attention.max_logits)
+        if self.q_layernorm is not None:
+            # With QK-norm the projection rows do not reach the logits; the norm gains (shared by all
+            # heads) do, so the whole layer is scaled by its smallest factor.
+            all_heads = torch.arange(n)[None]
+            for name in ("q_layernorm", "k_layernorm"):
+                layer.targets.append(
+                    QKClipTarget(f"{prefix}.{name}.weight", 0, torch.arange(d)[None], all_heads, 0.5)
+                )
+            return layer
+        q_rows = torch.arange(n * d).view(n, d)
+        layer.targets.append(
+            QKClipTarget(f"{prefix}.linear_qkv.weight", 0, q_rows, torch.arange(n)[:, None], 0.5)
+        )
+        k_rows = self.q_rows + torch.arange(g * d).view(g, d)
+        k_heads = torch.arange(n).view(g, per_group)
+        layer.targets.append(QKClipTarget(f"{prefix}.linear_qkv.weight", 0, k_rows, k_heads, 0.5))
+        return layer
+
+    def flops_per_token(self, hidden_size: int, seq_length: int) -> float:
+        """Forward matmul FLOPs per token (scores and values over the full sequence)."""
+        proj = 2 * hidden_size * (self.q_rows + 2 * self.kv_rows) + 2 * self.q_rows * hidden_size
+        return proj + 2 * 2 * self.num_heads * self.head_dim * seq_length

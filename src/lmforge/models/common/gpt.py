@@ -1,0 +1,363 @@
+"""``GPTModel``: the decoder-only transformer every family builds, with the hooks optimizers and monitors use.
+
+Module tree (Megatron / MindSpore Transformers names, so YAML name patterns match)::
+
+    embedding.word_embeddings                      [vocab, hidden]
+    decoder.layers.N.input_layernorm               RMSNorm
+    decoder.layers.N.self_attention.*              SelfAttention (GQA) or MultiLatentAttention
+    decoder.layers.N.pre_mlp_layernorm             RMSNorm
+    decoder.layers.N.mlp.*                         SwiGLUMLP or MoELayer
+    decoder.final_layernorm                        RMSNorm
+    output_layer                                   Linear [vocab, hidden] (absent when embeddings are tied)
+    mtp.layers.K.{enorm,hnorm,eh_proj,transformer_layer,final_layernorm}   DeepSeek-V3 multi-token prediction
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.models.common.attention import SelfAttention
+from lmforge.models.common.masks import build_allowed_mask
+from lmforge.models.common.mla import MultiLatentAttention
+from lmforge.models.common.mlp import SwiGLUMLP
+from lmforge.models.common.moe import MoELayer, RouterSettings
+from lmforge.models.common.norms import RMSNorm
+from lmforge.models.common.rope import RotaryEmbedding, yarn_softmax_scale_factor
+from lmforge.models.common.transformer_config import TransformerConfig
+from lmforge.utils.qk_clip import QKClipLayer
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None  # loss_sum / num_tokens + aux_loss
+    loss_sum: torch.Tensor | None = None  # fp32 sum of token cross-entropies over valid tokens
+    num_tokens: torch.Tensor | None = None  # number (sum of loss_mask weights) of valid tokens
+    aux_loss: torch.Tensor | None = None  # weighted sum of auxiliary losses included in ``loss``
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # named values for logging
+
+
+def token_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 sum of CE over valid tokens, number of valid tokens). Labels < 0 and loss_mask 0 are excluded."""
+    labels = labels.reshape(-1).long()
+    weights = (labels >= 0).float()
+    if loss_mask is not None:
+        weights = weights * loss_mask.reshape(-1).float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.clamp(min=0), reduction="none")
+    return (ce * weights).sum(), weights.sum()
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        if cfg.multi_latent_attention:
+            scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale_factor(
+                cfg.rope_scaling
+            )
+            self.self_attention = MultiLatentAttention(
+                h,
+                cfg.num_attention_heads,
+                cfg.q_lora_rank,
+                cfg.kv_lora_rank,
+                cfg.qk_nope_head_dim,
+                cfg.qk_rope_head_dim,
+                cfg.v_head_dim,
+                scale,
+                cfg.attention_dropout,
+            )
+        else:
+            self.self_attention = SelfAttention(
+                h,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                qk_norm=cfg.qk_norm,
+                norm_eps=cfg.rms_norm_eps,
+                bias=cfg.attention_bias,
+                dropout=cfg.attention_dropout,
+            )
+        self.pre_mlp_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        if cfg.is_moe_layer(layer_id):
+            settings = RouterSettings(
+                num_experts=cfg.num_experts,
+                top_k=cfg.num_experts_per_tok,
+                score_function=cfg.score_function,
+                n_group=cfg.n_group,
+                topk_group=cfg.topk_group,
+                norm_topk_prob=cfg.norm_topk_prob,
+                scaling_factor=cfg.routed_scaling_factor,
+                enable_expert_bias=cfg.enable_expert_bias,
+                bias_update_rate=cfg.bias_update_rate,
+                load_balancing_type=cfg.load_balancing_type,
+                aux_loss_coeff=cfg.aux_loss_coeff,
+            )
+            self.mlp = MoELayer(h, cfg.moe_intermediate_size, settings, cfg.shared_expert_intermediate_size)
+        else:
+            self.mlp = SwiGLUMLP(h, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.hidden_dropout = cfg.hidden_dropout
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None
+    ) -> torch.Tensor:
+        attn = self.self_attention(self.input_layernorm(x), cos, sin, allowed)
+        x = x + F.dropout(attn, self.hidden_dropout, self.training)
+        mlp = self.mlp(self.pre_mlp_layernorm(x))
+        return x + F.dropout(mlp, self.hidden_dropout, self.training)
+
+    def flops_per_token(self, hidden_size: int, seq_length: int) -> float:
+        return self.self_attention.flops_per_token(hidden_size, seq_length) + self.mlp.flops_per_token(
+            hidden_size
+        )
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i) for i in range(cfg.num_layers))
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPLayer(nn.Module):
+    """DeepSeek-V3 multi-token prediction depth k: [enorm(emb(t+k)); hnorm(h)] → eh_proj → layer → norm."""
+
+    def __init__(self, cfg: TransformerConfig, layer_id: int) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.transformer_layer = TransformerLayer(cfg, layer_id)
+        self.final_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+
+
+class MultiTokenPrediction(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MTPLayer(cfg, cfg.num_layers + i) for i in range(cfg.mtp_num_layers))
+
+
+def _shift_left(t: torch.Tensor, fill: float | int) -> torch.Tensor:
+    return torch.cat([t[:, 1:], torch.full_like(t[:, :1], fill)], dim=1)
+
+
+class GPTModel(nn.Module):
+    """A decoder-only causal LM. Families subclass it only to name themselves."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.compute_dtype = config.compute_dtype
+        self.params_dtype = config.params_dtype
+        h = config.hidden_size
+        self.embedding = nn.Module()
+        self.embedding.word_embeddings = nn.Embedding(config.vocab_size, h)
+        self.decoder = TransformerBlock(config)
+        self.output_layer = (
+            None if config.tie_word_embeddings else nn.Linear(h, config.vocab_size, bias=False)
+        )
+        rope_dim = config.qk_rope_head_dim if config.multi_latent_attention else config.head_dim
+        self.rotary_pos_emb = RotaryEmbedding(
+            rope_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
+        self.mtp = MultiTokenPrediction(config) if config.mtp_num_layers > 0 else None
+        self._track_max_logits = False
+
+    # ---- construction -------------------------------------------------------------------------
+    def cast_to_compute_dtype(self) -> GPTModel:
+        """Parameters live in compute_dtype (DESIGN §6); routers and their expert bias stay fp32."""
+        fp32_keep = {id(t) for m in self.modules() if getattr(m, "keep_fp32", False) for t in m.parameters()}
+        fp32_keep |= {id(t) for m in self.modules() if getattr(m, "keep_fp32", False) for t in m.buffers()}
+        for module in self.modules():
+            for _name, p in list(module.named_parameters(recurse=False)):
+                if id(p) not in fp32_keep and p.dtype != self.compute_dtype:
+                    p.data = p.data.to(self.compute_dtype)
+        return self
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter and buffer in place (after ``to_empty`` when built on meta).
+
+        Matrices (linear, embedding, expert and router weights) ~ N(0, initializer_range²), biases 0,
+        norm gains 1, expert bias 0; RoPE frequencies are recomputed. Uses torch's global RNG.
+        """
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, std)
+            elif hasattr(module, "reset_parameters") and not isinstance(module, (nn.Linear, nn.Embedding)):
+                if module.__class__.__name__ == "TopKRouter":
+                    module.reset_parameters(std)
+                else:
+                    module.reset_parameters()
+            if module.__class__.__name__ == "ExpertWeight":
+                module.weight.normal_(0.0, std)
+            if isinstance(module, MoELayer):
+                module.tokens_per_expert.zero_()
+                module.bias_update_counts.zero_()
+
+    # ---- forward ------------------------------------------------------------------------------
+    def _output_weight(self) -> torch.Tensor:
+        return (
+            self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        actual_seq_len: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        b, s = input_ids.shape
+        device = input_ids.device
+        if position_ids is None:
+            position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
+        elif position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        allowed = build_allowed_mask(s, device, attention_mask, actual_seq_len)
+        cos, sin = self.rotary_pos_emb(position_ids)
+
+        hidden = self.embedding.word_embeddings(input_ids)
+        for layer in self.decoder.layers:
+            hidden = layer(hidden, cos, sin, allowed)
+        logits = F.linear(self.decoder.final_layernorm(hidden), self._output_weight())
+        out = CausalLMOutput(logits=logits)
+        if labels is None:
+            return out
+
+        loss_sum, num_tokens = token_cross_entropy(logits, labels, loss_mask)
+        aux_total = logits.new_zeros((), dtype=torch.float32)
+        aux_losses: dict[str, torch.Tensor] = {}
+        if self.mtp is not None:
+            aux_total = aux_total + self._mtp_losses(
+                hidden, input_ids, labels, loss_mask, cos, sin, allowed, aux_losses
+            )
+        balance = [
+            m.last_aux_loss for m in self.modules() if isinstance(m, MoELayer) and m.last_aux_loss is not None
+        ]
+        if balance:
+            aux_losses["load_balancing_loss"] = torch.stack(balance).sum()
+            aux_total = aux_total + aux_losses["load_balancing_loss"]
+        out.loss_sum, out.num_tokens = loss_sum, num_tokens
+        out.aux_loss, out.aux_losses = aux_total, aux_losses
+        out.loss = loss_sum / num_tokens.clamp(min=1) + aux_total
+        return out
+
+    def _mtp_losses(
+        self, hidden, input_ids, labels, loss_mask, cos, sin, allowed, aux_losses
+    ) -> torch.Tensor:
+        """Depth k predicts labels[t+k] from hidden state t of depth k-1 and the embedding of input t+k.
+
+        The rolled-in tail positions are masked. Adds ``mtp_k_loss`` (plain mean CE) to ``aux_losses``
+        and returns ``mtp_loss_scaling_factor / D · Σ_k mtp_k_loss``.
+        """
+        ids, lab = input_ids, labels
+        mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
+        total = hidden.new_zeros((), dtype=torch.float32)
+        depth = len(self.mtp.layers)
+        for k, mtp in enumerate(self.mtp.layers, start=1):
+            ids, lab, mask = _shift_left(ids, 0), _shift_left(lab, -100), _shift_left(mask, 0.0)
+            emb = self.embedding.word_embeddings(ids)
+            hidden = mtp.eh_proj(torch.cat([mtp.enorm(emb), mtp.hnorm(hidden)], dim=-1))
+            hidden = mtp.transformer_layer(hidden, cos, sin, allowed)
+            logits = F.linear(mtp.final_layernorm(hidden), self._output_weight())
+            lsum, n = token_cross_entropy(logits, lab, mask)
+            loss_k = lsum / n.clamp(min=1)
+            aux_losses[f"mtp_{k}_loss"] = loss_k
+            total = total + loss_k
+        return total * (self.config.mtp_loss_scaling_factor / depth)
+
+    # ---- hooks for optimizers, monitors and MFU -----------------------------------------------
+    def no_weight_decay_names(self) -> set[str]:
+        """Norm gains and biases (1-D parameters); routers' expert bias is a buffer, not a parameter."""
+        return {name for name, p in self.named_parameters() if p.dim() < 2}
+
+    def _attention_modules(self) -> list[tuple[str, nn.Module]]:
+        return [
+            (name, m)
+            for name, m in self.named_modules()
+            if isinstance(m, (SelfAttention, MultiLatentAttention))
+        ]
+
+    def muon_split_schema(self) -> dict[str, tuple[int, list[int]]]:
+        schema: dict[str, tuple[int, list[int]]] = {}
+        for name, m in self.named_modules():
+            if isinstance(m, (SelfAttention, MultiLatentAttention, MoELayer)) or (
+                isinstance(m, SwiGLUMLP) and not name.endswith("shared_experts")
+            ):
+                schema.update(m.muon_split_schema(name))
+        return schema
+
+    def qk_clip_layers(self) -> list[QKClipLayer]:
+        return [m.qk_clip_layer(name) for name, m in self._attention_modules()]
+
+    @property
+    def track_max_logits(self) -> bool:
+        return self._track_max_logits
+
+    @track_max_logits.setter
+    def track_max_logits(self, value: bool) -> None:
+        self._track_max_logits = bool(value)
+        for _, m in self._attention_modules():
+            m.core_attention.track_max_logits = bool(value)
+
+    def reset_max_logits(self) -> None:
+        for _, m in self._attention_modules():
+            m.core_attention.max_logits.zero_()
+
+    def _moe_layers(self) -> dict[int, MoELayer]:
+        found = {}
+        for layer in self.decoder.layers:
+            if isinstance(layer.mlp, MoELayer):
+                found[layer.layer_id] = layer.mlp
+        if self.mtp is not None:
+            for mtp in self.mtp.layers:
+                if isinstance(mtp.transformer_layer.mlp, MoELayer):
+                    found[mtp.transformer_layer.layer_id] = mtp.transformer_layer.mlp
+        return found
+
+    def tokens_per_expert(self) -> dict[int, torch.Tensor]:
+        """Layer id (MTP layers continue after the decoder's) → tokens routed per expert since the last reset."""
+        return {i: m.tokens_per_expert.clone() for i, m in self._moe_layers().items()}
+
+    def reset_tokens_per_expert(self) -> None:
+        for m in self._moe_layers().values():
+            m.tokens_per_expert.zero_()
+
+    def update_expert_bias(self, reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Aux-loss-free balancing step, once per optimizer step. ``reduce_counts`` (e.g. an all-reduce
+        over data-parallel ranks) sums the counts of all ranks so every replica applies the same update."""
+        for m in self._moe_layers().values():
+            counts = reduce_counts(m.bias_update_counts.clone()) if reduce_counts is not None else None
+            m.update_expert_bias(counts)
+
+    def flops_per_token(self, seq_length: int | None = None) -> float:
+        """Training FLOPs per token: 3 × the forward matmul FLOPs (backward = 2 × forward).
+
+        Forward counts every matmul (2 FLOPs per multiply-add) with active experts only, the router,
+        attention scores and values over the full ``seq_length`` (no causal halving, as in PaLM's MFU),
+        the output layer, and the MTP depths. Embedding lookups, norms, softmax and RoPE are not counted.
+        """
+        s = seq_length or self.config.seq_length
+        h, v = self.config.hidden_size, self.config.vocab_size
+        fwd = sum(layer.flops_per_token(h, s) for layer in self.decoder.layers) + 2 * h * v
+        if self.mtp is not None:
+            for mtp in self.mtp.layers:
+                fwd += 2 * 2 * h * h + mtp.transformer_layer.flops_per_token(h, s) + 2 * h * v
+        return 3.0 * fwd

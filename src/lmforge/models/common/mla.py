@@ -1,0 +1,120 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) with optional q LoRA and decoupled RoPE.
+
+Weight layout (rows of the up projections are grouped by part, not interleaved per head, so each
+logical piece is one contiguous block for Muon and QK-Clip):
+
+* ``linear_q_proj`` (no q LoRA) or ``linear_q_down_proj`` → ``q_layernorm`` → ``linear_q_up_proj``:
+  rows ``[q_nope of all heads (heads*qk_nope); q_rope of all heads (heads*qk_rope)]``.
+* ``linear_kv_down_proj``: rows ``[kv latent (kv_lora_rank); shared k_rope (qk_rope)]``.
+* ``kv_layernorm`` on the latent, then ``linear_kv_up_proj``: rows ``[k_nope of all heads; v of all heads]``.
+* ``linear_proj``: ``[hidden, heads*v_head_dim]``.
+
+The latent norms use eps 1e-6 as Hugging Face's DeepSeek-V3 does (it ignores ``rms_norm_eps`` there).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmforge.models.common.attention import CoreAttention
+from lmforge.models.common.norms import RMSNorm
+from lmforge.models.common.rope import apply_rope
+from lmforge.utils.qk_clip import QKClipLayer, QKClipTarget
+
+LATENT_NORM_EPS = 1e-6
+
+
+class MultiLatentAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        softmax_scale: float,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
+        self.dn, self.dr, self.dv = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        q_out = num_heads * (self.dn + self.dr)
+        if q_lora_rank:
+            self.linear_q_down_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
+            self.q_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
+            self.linear_q_up_proj = nn.Linear(q_lora_rank, q_out, bias=False)
+        else:
+            self.linear_q_proj = nn.Linear(hidden_size, q_out, bias=False)
+        self.linear_kv_down_proj = nn.Linear(hidden_size, kv_lora_rank + self.dr, bias=False)
+        self.kv_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
+        self.linear_kv_up_proj = nn.Linear(kv_lora_rank, num_heads * (self.dn + self.dv), bias=False)
+        self.linear_proj = nn.Linear(num_heads * self.dv, hidden_size, bias=False)
+        self.core_attention = CoreAttention(num_heads, softmax_scale, dropout)
+
+    @property
+    def _q_weight_name(self) -> str:
+        return "linear_q_up_proj" if self.q_lora_rank else "linear_q_proj"
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        n = self.num_heads
+        if self.q_lora_rank:
+            q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)))
+        else:
+            q = self.linear_q_proj(x)
+        q_nope, q_rope = q.split([n * self.dn, n * self.dr], dim=-1)
+        q_nope = q_nope.view(b, s, n, self.dn).transpose(1, 2)
+        q_rope = apply_rope(q_rope.view(b, s, n, self.dr).transpose(1, 2), cos, sin)
+
+        latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.dr], dim=-1)
+        k_rope = apply_rope(k_rope.view(b, s, 1, self.dr).transpose(1, 2), cos, sin)
+        kv = self.linear_kv_up_proj(self.kv_layernorm(latent))
+        k_nope, v = kv.split([n * self.dn, n * self.dv], dim=-1)
+        k_nope = k_nope.view(b, s, n, self.dn).transpose(1, 2)
+        v = v.view(b, s, n, self.dv).transpose(1, 2)
+
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, n, -1, -1)], dim=-1)
+        out = self.core_attention(q, k, v, allowed)
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, n * self.dv))
+
+    # ---- hooks for the optimizer -------------------------------------------------------------
+    def muon_split_schema(self, prefix: str) -> dict[str, tuple[int, list[int]]]:
+        n = self.num_heads
+        return {
+            f"{prefix}.{self._q_weight_name}.weight": (0, [n * self.dn, n * self.dr]),
+            f"{prefix}.linear_kv_down_proj.weight": (0, [self.kv_lora_rank, self.dr]),
+            f"{prefix}.linear_kv_up_proj.weight": (0, [n * self.dn, n * self.dv]),
+        }
+
+    def qk_clip_layer(self, prefix: str) -> QKClipLayer:
+        """q_nope and k_nope rows by sqrt(gamma_h), q_rope rows by gamma_h; the shared k_rope and v stay."""
+        n = self.num_heads
+        heads = torch.arange(n)[:, None]
+        q_name = f"{prefix}.{self._q_weight_name}.weight"
+        nope_rows = torch.arange(n * self.dn).view(n, self.dn)
+        rope_rows = n * self.dn + torch.arange(n * self.dr).view(n, self.dr)
+        layer = QKClipLayer(name=prefix, max_logits=self.core_attention.max_logits)
+        layer.targets.append(QKClipTarget(q_name, 0, nope_rows, heads, 0.5))
+        layer.targets.append(QKClipTarget(q_name, 0, rope_rows, heads, 1.0))
+        layer.targets.append(QKClipTarget(f"{prefix}.linear_kv_up_proj.weight", 0, nope_rows, heads, 0.5))
+        return layer
+
+    def flops_per_token(self, hidden_size: int, seq_length: int) -> float:
+        n = self.num_heads
+        q_out = n * (self.dn + self.dr)
+        q = (
+            2 * (hidden_size * self.q_lora_rank + self.q_lora_rank * q_out)
+            if self.q_lora_rank
+            else 2 * hidden_size * q_out
+        )
+        kv = 2 * hidden_size * (self.kv_lora_rank + self.dr) + 2 * self.kv_lora_rank * n * (self.dn + self.dv)
+        proj = 2 * n * self.dv * hidden_size
+        core = 2 * n * (self.dn + self.dr) * seq_length + 2 * n * self.dv * seq_length
+        return q + kv + proj + core

@@ -1,0 +1,3 @@
+from lmforge.models.deepseek_v3.model import DeepseekV3ForCausalLM
+
+__all__ = ["DeepseekV3ForCausalLM"]

@@ -1,0 +1,3 @@
+from lmforge.models.llama.model import LlamaForCausalLM
+
+__all__ = ["LlamaForCausalLM"]
