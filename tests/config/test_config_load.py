@@ -254,3 +254,23 @@ def test_dump_yaml_round_trips(tmp_path: Path, base_config: dict[str, Any]) -> N
     again = load_config(out)
     assert again.to_dict() == cfg.to_dict()
     assert again.optimizer.note == "1e-8" and again.optimizer.flag == "yes"
+
+
+def test_duplicate_keys_are_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, "training:\n  steps: 10\n  seed: 1\n  steps: 20\n")
+    with pytest.raises(ConfigError, match=r"line 4.*duplicate key 'steps' \(first written at line 2\)"):
+        load_config(path)
+
+
+def test_merge_keys_may_be_overridden(tmp_path: Path, base_config: dict[str, Any]) -> None:
+    text = yaml.safe_dump({k: v for k, v in base_config.items() if k != "training"})
+    text += "defaults: &d {steps: 5, seed: 1}\ntraining:\n  <<: *d\n  steps: 9\n"
+    cfg = load_config(_write(tmp_path, text))
+    assert cfg.training.steps == 9 and cfg.training.seed == 1
+
+
+def test_extras_named_like_pydantic_methods(base_config: dict[str, Any]) -> None:
+    base_config["model"]["schema"] = "v2"
+    cfg = load_config(base_config)
+    assert cfg.model.get("schema") == "v2" and cfg.model["schema"] == "v2"
+    assert cfg.model.to_dict()["schema"] == "v2"

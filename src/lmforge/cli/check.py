@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     world = _world_size(args)
     file_raw, source = read_raw(args.config)
     merged = apply_overrides(file_raw, args.overrides)
-    cfg = validate_config(merged, source)
+    cfg = validate_config(merged, source, log_warnings=False)  # printed below with the others
     _builder_checks(cfg)
     derived = derive(cfg, world)
     set_keys = [item.split("=", 1)[0].strip() for item in args.overrides]

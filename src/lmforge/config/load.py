@@ -76,8 +76,14 @@ def read_raw(path_or_dict: str | Path | Mapping[str, Any]) -> tuple[dict[str, An
     return data, source
 
 
-def validate_config(raw: Mapping[str, Any], source: str = "the configuration mapping") -> TrainConfig:
-    """Validate a plain mapping into a ``TrainConfig`` (warnings for inert fields are logged)."""
+def validate_config(
+    raw: Mapping[str, Any], source: str = "the configuration mapping", log_warnings: bool = True
+) -> TrainConfig:
+    """Validate a plain mapping into a ``TrainConfig``.
+
+    Warnings (inert fields, overridden settings) are kept in ``cfg.warnings`` and, unless
+    ``log_warnings`` is False, logged on the ``lmforge.config`` logger.
+    """
     non_str = [k for k in raw if not isinstance(k, str)]
     if non_str:
         raise ConfigError(f"Top-level keys of {source} must be strings, got {non_str!r}.")
@@ -87,8 +93,9 @@ def validate_config(raw: Mapping[str, Any], source: str = "the configuration map
         raise ConfigError(_format_errors(exc, source)) from None
     warnings = collect_warnings(raw, cfg)
     cfg._warnings = tuple(warnings)
-    for line in warnings:
-        _log.warning(line)
+    if log_warnings:
+        for line in warnings:
+            _log.warning(line)
     return cfg
 
 

@@ -42,13 +42,20 @@ class Section(BaseModel):
         return self.model_dump(mode="python")
 
     def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
+        """The value of a field or extra key (an extra named like a pydantic method, e.g. ``schema``,
+        is only reachable this way or with ``section[key]``)."""
+        extra = self.__pydantic_extra__ or {}
+        if key in extra:
+            return extra[key]
+        if key in type(self).model_fields:
+            return getattr(self, key)
+        return default
 
     def __getitem__(self, key: str) -> Any:
-        try:
-            return getattr(self, key)
-        except AttributeError:
-            raise KeyError(f"'{type(self).__name__}' object has no key '{key}'") from None
+        extra = self.__pydantic_extra__ or {}
+        if key in extra or key in type(self).model_fields:
+            return self.get(key)
+        raise KeyError(f"'{type(self).__name__}' object has no key '{key}'")
 
 
 class OpenSection(Section):

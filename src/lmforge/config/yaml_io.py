@@ -21,7 +21,29 @@ MAX_MAPPING_DEPTH = 10
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-8`` / ``3E5`` as floats."""
+    """SafeLoader that reads ``1e-8`` / ``3E5`` as floats and refuses duplicate keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        # PyYAML (and the original) silently keep the last of two equal keys, so a setting written
+        # twice loses its first value unnoticed. Merge keys (<<) may legitimately be overridden.
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                continue
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r} (first written at line {first_line[key]}); keep only one",
+                    key_node.start_mark,
+                )
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 class ConfigDumper(yaml.SafeDumper):
@@ -60,10 +82,10 @@ def _syntax_error(source: str, exc: yaml.YAMLError) -> ConfigError:
     problem = getattr(exc, "problem", None) or str(exc)
     context = getattr(exc, "context", None)
     detail = f"{context}; {problem}" if context else problem
-    return ConfigError(
-        f"YAML parse error in {source}{where}: {detail}. Fix the YAML syntax there (indentation, a "
-        "missing ':' or an unclosed bracket or quote are the usual causes)."
-    )
+    hint = ""
+    if isinstance(exc, (yaml.scanner.ScannerError, yaml.parser.ParserError)):
+        hint = " Fix the YAML syntax there (indentation, a missing ':' or an unclosed bracket or quote are the usual causes)."
+    return ConfigError(f"YAML parse error in {source}{where}: {detail}.{hint}")
 
 
 def parse_yaml_text(text: str, source: str = "<string>") -> Any:
