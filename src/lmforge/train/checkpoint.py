@@ -50,6 +50,10 @@ from lmforge.utils.logging import get_logger
 
 logger = get_logger("lmforge.train.checkpoint")
 
+# DCP warns on every call made without a process group, also from the thread of an asynchronous
+# save; one process is a supported case here, so that one message is silenced.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.json"
 CONFIG_FILE = "config.yaml"
