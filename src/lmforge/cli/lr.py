@@ -10,7 +10,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from lmforge.config import load_config
+from pydantic import ValidationError
+
+from lmforge.config import LrSchedulerConfig, TrainingConfig, apply_overrides, load_config, read_raw
+from lmforge.errors import ConfigError
 from lmforge.lr import build_scheduler
 from lmforge.lr.report import LabelledSchedule, format_key_steps, plot, write_csv
 
@@ -59,16 +62,55 @@ def _labels(paths: list[str]) -> list[str]:
     return stems if len(set(stems)) == len(stems) else list(paths)
 
 
-def run(args: argparse.Namespace) -> int:
-    items = []
-    for path, label in zip(args.configs, _labels(args.configs)):
-        cfg = load_config(path, args.overrides)
-        total = cfg.training.steps
-        items.append(LabelledSchedule(label, build_scheduler(cfg.lr_scheduler, total), total))
+def _section(cls: Any, raw: Any, name: str, source: str) -> Any:
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join([name, *map(str, e['loc'])])}: {e['msg']}" for e in exc.errors(include_url=False)
+        )
+        raise ConfigError(f"Invalid {name} section in {source}: {problems}") from None
 
-    for index, item in enumerate(items):
+
+def _load(path: str, overrides: list[str]) -> tuple[Any, int, str | None]:
+    """(lr_scheduler section, training.steps, note) of a config.
+
+    A whole train.yaml is validated with load_config. A file that is not a complete config (a spec
+    fragment, or one with a mistake elsewhere) still gets its schedule drawn from its lr_scheduler
+    and training sections, with a note saying so.
+    """
+    try:
+        cfg = load_config(path, overrides)
+        return cfg.lr_scheduler, cfg.training.steps, None
+    except ConfigError:
+        raw, source = read_raw(path)
+        raw = apply_overrides(raw, overrides)
+        if not isinstance(raw.get("lr_scheduler"), dict):
+            raise
+    section = _section(LrSchedulerConfig, raw["lr_scheduler"], "lr_scheduler", source)
+    training = _section(TrainingConfig, raw.get("training") or {}, "training", source)
+    steps_from = (
+        "" if "steps" in (raw.get("training") or {}) else f", training.steps {training.steps} by default"
+    )
+    note = (
+        f"{source} is not a complete, valid train.yaml (lmforge check --config {source} says why); only "
+        f"its lr_scheduler and training sections were read{steps_from}."
+    )
+    return section, training.steps, note
+
+
+def run(args: argparse.Namespace) -> int:
+    items, notes = [], []
+    for path, label in zip(args.configs, _labels(args.configs)):
+        section, total, note = _load(path, args.overrides)
+        items.append(LabelledSchedule(label, build_scheduler(section, total), total))
+        notes.append(note)
+
+    for index, (item, note) in enumerate(zip(items, notes)):
         if index:
             print()
+        if note:
+            print(f"note: {note}")
         print(format_key_steps(item))
     plot(items, args.output)
     print(f"\nplot: {args.output}")
