@@ -83,6 +83,8 @@ def plot(items: Sequence[LabelledSchedule], path: str | Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4.8))
     try:
+        labels: dict[int, list[str]] = {}  # one label per step, so coinciding boundaries stay readable
+        label_colors: dict[int, str] = {}
         for index, item in enumerate(items):
             color = f"C{index % 10}"
             steps = _plotted_steps(item)
@@ -90,16 +92,21 @@ def plot(items: Sequence[LabelledSchedule], path: str | Path) -> None:
             for name, step in item.schedule.boundaries().items():
                 if 0 < step <= item.total_steps:
                     ax.axvline(step, color=color, linestyle="--", linewidth=0.8, alpha=0.7)
-                    ax.annotate(
-                        f"{name} ({step})",
-                        xy=(step, 1.0),
-                        xycoords=("data", "axes fraction"),
-                        rotation=90,
-                        va="top",
-                        ha="right",
-                        fontsize=7,
-                        color=color,
-                    )
+                    names = labels.setdefault(step, [])
+                    if name not in names:
+                        names.append(name)
+                    label_colors.setdefault(step, color)
+        for step, names in labels.items():
+            ax.annotate(
+                f"{' / '.join(names)} ({step})",
+                xy=(step, 0.98),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=7,
+                color=label_colors[step] if len(items) > 1 else "0.3",
+            )
         ax.set_xlabel("step (update k uses the lr at step k - 1)")
         ax.set_ylabel("learning rate")
         title = items[0].schedule.type_name if len(items) == 1 else "learning-rate schedules"
