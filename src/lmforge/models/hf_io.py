@@ -16,6 +16,7 @@ from lmforge.models.build import build_from_config
 from lmforge.models.common.config_keys import HF_BOOKKEEPING_KEYS
 from lmforge.models.common.dtypes import dtype_name, parse_dtype
 from lmforge.models.common.gpt import GPTModel
+from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.models.deepseek_v3 import hf_adapter as deepseek_v3_adapter
 from lmforge.models.llama import hf_adapter as llama_adapter
 from lmforge.models.qwen3 import hf_adapter as qwen3_adapter
@@ -86,6 +87,75 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def hf_state_dict(path: str | Path, cfg: TransformerConfig) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face directory under lmforge names, for a model of ``cfg``."""
+    path = Path(path)
+    hf_sd = read_safetensors_dir(path)
+    sd = ADAPTERS[cfg.model_type].from_hf(hf_sd, cfg)
+    leftover = sorted(k for k in hf_sd if not k.endswith("rotary_emb.inv_freq"))
+    if leftover:
+        _log.warning("%s: %d tensors not used: %s", path, len(leftover), ", ".join(leftover[:8]))
+    return sd
+
+
+def load_hf_weights(model: GPTModel, path: str | Path) -> None:
+    """Load a Hugging Face directory's weights into an existing lmforge model (the trainer's ``hf_loader``).
+
+    The directory's config.json must describe the same structure as ``model.config``. Works on sharded
+    (DTensor) models too: the full tensors are distributed by ``set_model_state_dict``.
+    """
+    path = Path(path)
+    hf_cfg = _read_hf_config(path)
+    try:
+        theirs, _ = resolve(section_from_hf_config(hf_cfg, model.config.compute_dtype))
+    except ConfigError as exc:
+        raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
+    ours = model.config
+    fields = (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "num_experts",
+        "moe_layers",
+        "tie_word_embeddings",
+    )
+    diff = [
+        f"{f}: checkpoint {getattr(theirs, f)!r} vs model {getattr(ours, f)!r}"
+        for f in fields
+        if getattr(theirs, f) != getattr(ours, f)
+    ]
+    if diff:
+        raise CheckpointError(
+            f"{path} is a different model than the model section: {'; '.join(diff[:4])}. Make the model section "
+            "match the checkpoint's config.json."
+        )
+    sd = hf_state_dict(path, ours)
+    if any(hasattr(p, "device_mesh") for p in model.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+        return
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.startswith("mtp.")]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: tensors missing {missing[:8]} / unexpected {unexpected[:8]} after mapping."
+        )
+
+
+def _read_hf_config(path: Path) -> dict[str, Any]:
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{cfg_file} does not exist; expected a Hugging Face model directory.")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {exc}") from None
+
+
 def load_hf_pretrained(
     path: str | Path, dtype: Any = None, device: torch.device | str | None = None
 ) -> GPTModel:
@@ -95,23 +165,12 @@ def load_hf_pretrained(
     ``dtype`` / ``torch_dtype`` from config.json, else float32.
     """
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise CheckpointError(f"{cfg_file} does not exist; expected a Hugging Face model directory.")
-    try:
-        hf_cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{cfg_file} is not valid JSON: {exc}") from None
+    hf_cfg = _read_hf_config(path)
     try:
         cfg, cls = resolve(section_from_hf_config(hf_cfg, dtype))
     except ConfigError as exc:
-        raise CheckpointError(f"{cfg_file}: {exc}") from None
-    adapter = ADAPTERS[cfg.model_type]
-    hf_sd = read_safetensors_dir(path)
-    sd = adapter.from_hf(hf_sd, cfg)
-    leftover = sorted(k for k in hf_sd if not k.endswith("rotary_emb.inv_freq"))
-    if leftover:
-        _log.warning("%s: %d tensors not used: %s", path, len(leftover), ", ".join(leftover[:8]))
+        raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
+    sd = hf_state_dict(path, cfg)
     model = build_from_config(cfg, cls, "meta")
     model.to_empty(device=device or "cpu")
     model.init_weights()  # buffers and anything the checkpoint lacks (e.g. MTP layers)
