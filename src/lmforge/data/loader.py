@@ -65,17 +65,73 @@ def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
     return batch
 
 
-class _StepSampler:
-    """Yields, forever from a start step, the dataset indices of this rank's micro-batch per step."""
+class SampleOrder:
+    """Which dataset rows a rank reads at each global step (epochs, shuffle, padding rows).
 
-    def __init__(self, loader: MegatronDataLoader, start_step: int) -> None:
-        self.loader = loader
+    Kept apart from the loader so the batch sampler holds no reference back to it: such a cycle
+    leaves worker shutdown to the garbage collector, which then waits out the join timeouts.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        drop_remainder: bool,
+        shuffle: bool,
+        seed: int,
+    ) -> None:
+        self.num_samples = num_samples
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.samples_per_step = local_batch_size * dp_size
+        if drop_remainder:
+            self.steps_per_epoch = num_samples // self.samples_per_step
+        else:
+            self.steps_per_epoch = math.ceil(num_samples / self.samples_per_step)
+        self.shuffle = shuffle
+        self.seed = seed
+        self._permutation_epoch = -1
+        self._permutation: np.ndarray | None = None
+
+    def _permutation_of(self, epoch: int) -> np.ndarray | None:
+        if not self.shuffle:
+            return None
+        if self._permutation_epoch != epoch:
+            rng = np.random.RandomState((self.seed + epoch) % 2**32)
+            self._permutation = rng.permutation(self.num_samples)
+            self._permutation_epoch = epoch
+        return self._permutation
+
+    def indices_of_step(self, step: int) -> list[int | None]:
+        """Dataset indices of this rank's rows at a global step (None = padding row, loss masked)."""
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = self._permutation_of(epoch)
+        first = within * self.samples_per_step + self.dp_rank * self.local_batch_size
+        out: list[int | None] = []
+        for p in range(first, first + self.local_batch_size):
+            if p >= self.num_samples:
+                # drop_remainder: false - the last step is filled with padding rows so every rank
+                # keeps a full micro-batch (Megatron's batch-padding sample: zero loss mask).
+                out.append(None)
+            else:
+                out.append(int(order[p]) if order is not None else p)
+        return out
+
+
+class _StepSampler:
+    """Yields, from a start step, the dataset indices of this rank's micro-batch per step."""
+
+    def __init__(self, order: SampleOrder, start_step: int, infinite: bool) -> None:
+        self.order = order
         self.start_step = start_step
+        self.infinite = infinite
 
     def __iter__(self) -> Iterator[list[int | None]]:
         step = self.start_step
-        while self.loader.infinite or step < self.loader.steps_per_epoch:
-            yield self.loader.indices_of_step(step)
+        while self.infinite or step < self.order.steps_per_epoch:
+            yield self.order.indices_of_step(step)
             step += 1
 
 
@@ -120,13 +176,12 @@ class MegatronDataLoader:
         self.infinite = infinite
         self.vocab_size = vocab_size
         self.name = name
-        self.samples_per_step = local_batch_size * dp_size
-        n = len(dataset)
-        self.num_samples = n
-        if drop_remainder:
-            self.steps_per_epoch = n // self.samples_per_step
-        else:
-            self.steps_per_epoch = math.ceil(n / self.samples_per_step)
+        self.order = SampleOrder(
+            len(dataset), local_batch_size, dp_rank, dp_size, drop_remainder, shuffle, seed
+        )
+        self.samples_per_step = self.order.samples_per_step
+        self.steps_per_epoch = self.order.steps_per_epoch
+        self.num_samples = n = len(dataset)
         if self.steps_per_epoch == 0:
             raise DataError(
                 f"{name} has {n} samples, fewer than one step of data_parallel ({dp_size}) x "
@@ -134,8 +189,6 @@ class MegatronDataLoader:
                 "train_dataset.drop_remainder: true nothing would be left. Use more data, a larger "
                 "train_dataset.dataloader.sizes, or a smaller batch."
             )
-        self._permutation_epoch = -1
-        self._permutation: np.ndarray | None = None
         self._iterator: Iterator | None = None
         self.consumed_samples = 0
         self.load_state_dict({"consumed_samples": consumed_samples})
@@ -145,30 +198,9 @@ class MegatronDataLoader:
         """Micro-batches per epoch on each rank."""
         return self.steps_per_epoch
 
-    def _order(self, epoch: int) -> np.ndarray | None:
-        if not self.shuffle:
-            return None
-        if self._permutation_epoch != epoch:
-            self._permutation = np.random.RandomState((self.seed + epoch) % 2**32).permutation(
-                self.num_samples
-            )
-            self._permutation_epoch = epoch
-        return self._permutation
-
     def indices_of_step(self, step: int) -> list[int | None]:
         """Dataset indices of this rank's rows at a global step (None = padding row, loss masked)."""
-        epoch, within = divmod(step, self.steps_per_epoch)
-        order = self._order(epoch)
-        first = within * self.samples_per_step + self.dp_rank * self.local_batch_size
-        out: list[int | None] = []
-        for p in range(first, first + self.local_batch_size):
-            if p >= self.num_samples:
-                # drop_remainder: false - the last step is filled with padding rows so every rank
-                # keeps a full micro-batch (Megatron's batch-padding sample: zero loss mask).
-                out.append(None)
-            else:
-                out.append(int(order[p]) if order is not None else p)
-        return out
+        return self.order.indices_of_step(step)
 
     # -- iteration --------------------------------------------------------------------------
     def _make_iterator(self) -> Iterator:
@@ -180,7 +212,7 @@ class MegatronDataLoader:
             kwargs = {"prefetch_factor": self.prefetch_size, "persistent_workers": False}
         loader = torch.utils.data.DataLoader(
             _Columns(self.dataset, self.columns),
-            batch_sampler=_StepSampler(self, start_step),
+            batch_sampler=_StepSampler(self.order, start_step, self.infinite),
             num_workers=self.num_workers,
             collate_fn=collate,
             **kwargs,
