@@ -1,0 +1,265 @@
+"""``parallelize``: apply the ``parallelism`` section to a model built on the meta device.
+
+Order (as the original, mindformers.md §4.1): pipeline split → tensor + sequence parallel → expert
+parallel → context parallel → activation recompute / swap (a hook from ``parallel/activation.py``) →
+FSDP2. Then the caller materialises the model (``to_empty`` + ``init_weights`` or a checkpoint load).
+
+Fields that are accepted without an effect (Ascend-specific overlap and fusion switches) warn once at
+run time when set to a non-default value; see docs/parallel.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmforge.errors import ConfigError
+from lmforge.parallel import comm
+from lmforge.parallel.cp import apply_cp, shard_batch, validate_cp_options
+from lmforge.parallel.dims import ParallelDims, ParallelMesh, parallelism_options
+from lmforge.parallel.ep import apply_ep
+from lmforge.parallel.fsdp import apply_fsdp
+from lmforge.parallel.pp import (
+    PipelineRunner,
+    install_deferred_forward,
+    split_for_pipeline,
+    validate_pp_options,
+)
+from lmforge.parallel.tp import apply_tp
+
+logger = logging.getLogger(__name__)
+
+# Accepted, no effect here (Ascend/HyperParallel performance switches); a warning names each one set.
+INERT_FIELDS = {
+    "pipeline_parallel_overlap_p2p": "P2P/compute overlap is left to torch.distributed.pipelining",
+    "pipeline_parallel_overlap_b_f": "backward/forward overlap is left to torch.distributed.pipelining",
+    "pipeline_parallel_enable_dxdw_split": "the dx/dw split (zero-bubble) schedules are not wired to this switch",
+    "pipeline_parallel_p2p_transport": "P2P goes through the process group's send/recv",
+    "enable_mc2": "MC2 is an Ascend matmul+communication fusion",
+    "expert_parallel_async_d2h": "an Ascend host/device copy optimisation",
+    "expert_parallel_use_safe_tokens": "an Ascend dispatch safety switch; the all-to-all here is exact",
+    "enable_loss_parallel": "the loss is computed from gathered logits (same value)",
+    "npu_nums_per_device": "only read by the alltoall_deredundancy check",
+    "pipeline_parallel_microbatch_size": "overwritten by the number of accumulation steps, as in the original",
+}
+
+
+def warn_inert_fields(opts: dict[str, Any]) -> list[str]:
+    """Warn for every accepted-but-inert field set to a non-default value; return their names."""
+    from lmforge.parallel.dims import PARALLELISM_DEFAULTS
+
+    named = []
+    for key, why in INERT_FIELDS.items():
+        if key in opts and opts[key] != PARALLELISM_DEFAULTS[key]:
+            named.append(key)
+            logger.warning("parallelism.%s=%r has no effect in lmforge: %s.", key, opts[key], why)
+    if opts.get("sequence_parallel") is False and opts.get("tensor_parallel", 1) > 1:
+        logger.info("sequence parallel is always on with tensor parallel (the spec's behaviour).")
+    if opts.get("disable_gradient_division") is False:
+        logger.warning(
+            "parallelism.disable_gradient_division: false has no numerical effect: lmforge always sums gradients "
+            "over data-parallel ranks and divides once, by the global token count, in the loss."
+        )
+    return named
+
+
+def validate_options(section: Any, dims: ParallelDims) -> dict[str, Any]:
+    """Every value check that needs no process group (also used by ``lmforge check``)."""
+    from lmforge.parallel.fsdp import _reshard_after_forward
+
+    opts = parallelism_options(section)
+    _reshard_after_forward(opts)
+    validate_cp_options(opts, dims.cp, dims.ulysses)
+    validate_pp_options(opts, dims.pp)
+    if opts["dense_fsdp_shard_size"] is not None:
+        raise ConfigError(
+            "parallelism.dense_fsdp_shard_size is not supported: the original declares it without documenting it; "
+            "use parallelism.data_parallel_shard (HSDP) and parallelism.expert_parallel, and leave it unset."
+        )
+    return opts
+
+
+@dataclass
+class ParallelInfo:
+    """What the trainer needs to know after parallelising."""
+
+    dims: ParallelDims
+    mesh: ParallelMesh
+    dp_group: Any  # loss / token-count reduction group (data-parallel ranks)
+    dp_rank: int
+    dp_size: int
+    pipeline: PipelineRunner | None = None
+
+
+def _sum_over_group_identity_backward(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _SumIdentityBwd.apply(x, group)
+
+
+class _SumIdentityBwd(torch.autograd.Function):
+    """Report the sum over cp ranks; each rank backpropagates only its own part (identity backward)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        y = x.detach().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _install_cp_io(model: nn.Module, cp_mesh: Any) -> None:
+    """Shard the batch before the model and sum loss and token counts over cp after it."""
+    cp, rank, group = cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group()
+
+    def pre_hook(mod, args, kwargs):
+        batch = dict(kwargs)
+        if args:
+            batch["input_ids"] = args[0]
+        return (), shard_batch(batch, cp, rank)
+
+    def post_hook(mod, args, kwargs, out):
+        if getattr(out, "loss_sum", None) is None:
+            return out
+        import torch.distributed as dist
+
+        out.loss_sum = _sum_over_group_identity_backward(out.loss_sum, group)
+        n = out.num_tokens.detach().clone()
+        dist.all_reduce(n, group=group)
+        out.num_tokens = n
+        aux = out.aux_loss if getattr(out, "aux_loss", None) is not None else 0.0
+        # Balancing losses are per chunk; each of the cp ranks contributes 1/cp of the mean.
+        out.aux_loss = aux / cp if isinstance(aux, torch.Tensor) else aux
+        out.loss = out.loss_sum / n.clamp(min=1) + out.aux_loss
+        return out
+
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    model.register_forward_hook(post_hook, with_kwargs=True)
+
+
+def _install_tp_output(model: nn.Module, tp_mesh: Any) -> None:
+    """The model computes ``F.linear(final_layernorm(h), _output_weight())``: gather both over tp."""
+    group = tp_mesh.get_group()
+    norm = model.decoder.final_layernorm
+    if norm is not None:
+        norm.register_forward_hook(lambda mod, args, out: comm.gather_replicated(out, 1, group))
+    if not hasattr(model, "_output_weight"):
+        return
+
+    def output_weight(self) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        w = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
+        local = w.to_local() if isinstance(w, DTensor) else w
+        return comm.gather_replicated(local, 0, group)
+
+    model._output_weight = types.MethodType(output_weight, model)
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: ParallelMesh,
+    section: Any,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    num_microbatches: int = 1,
+    apply_activation: Callable[[nn.Module], None] | None = None,
+    device: torch.device | None = None,
+) -> tuple[nn.Module, ParallelInfo]:
+    """Apply every configured parallelism to ``model`` (on meta) in place; return it and the trainer facts."""
+    from torch.distributed.tensor import DTensor
+
+    opts = validate_options(section, dims)
+    warn_inert_fields(opts)
+    compute_dtype = compute_dtype or getattr(model, "compute_dtype", torch.float32)
+    device = device or torch.device(mesh.world.device_type)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "num_layers"):
+        dims.check_model(
+            num_layers=cfg.num_layers,
+            num_heads=getattr(cfg, "num_attention_heads", None),
+            num_kv_heads=None
+            if getattr(cfg, "multi_latent_attention", False)
+            else getattr(cfg, "num_key_value_heads", None),
+            num_experts=getattr(cfg, "num_experts", None) or None,
+            interleave=opts["pipeline_parallel_interleave_num"],
+            layers_per_stage=opts["pipeline_parallel_layers_per_stage"],
+            vocab_size=getattr(cfg, "vocab_size", None),
+        )
+    stage_specs = None
+    if dims.pp > 1:
+        pp_mesh = mesh["pp"]
+        stage_specs = split_for_pipeline(model, pp_rank=pp_mesh.get_local_rank(), pp=dims.pp, opts=opts)
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"])
+        _install_tp_output(model, mesh["tp"])
+    if dims.ep > 1:
+        apply_ep(model, mesh.expert["ep"], opts, tp_mesh=mesh["tp"] if dims.tp > 1 else None)
+    if dims.cp > 1:
+        method = validate_cp_options(opts, dims.cp, dims.ulysses)
+        apply_cp(model, mesh["cp"], method)
+        if dims.pp > 1:
+            raise ConfigError(
+                "parallelism.context_parallel > 1 together with pipeline_parallel > 1 is not supported yet."
+            )
+        _install_cp_io(model, mesh["cp"])
+    if apply_activation is not None:
+        apply_activation(model)
+    pipeline = None
+    if dims.pp > 1:
+        n_stages = dims.pp * opts["pipeline_parallel_interleave_num"]
+        pipeline = PipelineRunner(
+            model,
+            stage_specs,
+            pp_mesh=mesh["pp"],
+            dp_group=mesh["dp"].get_group(),
+            n_stages=n_stages,
+            schedule=opts["pipeline_parallel_schedule"],
+            num_microbatches=num_microbatches,
+            device=device,
+        )
+        roots = pipeline.stage_modules
+    else:
+        roots = [model]
+    expert_mesh = mesh.expert_fsdp_mesh() if dims.ep > 1 else None
+    for root in roots:
+        apply_fsdp(
+            root,
+            mesh.fsdp_mesh(),
+            opts,
+            compute_dtype=compute_dtype,
+            expert_mesh=expert_mesh,
+            layers=_layers_of(root, model),
+        )
+    leftovers = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if leftovers:
+        raise RuntimeError(f"parameters left unsharded by parallelize (a bug): {leftovers[:5]}")
+    if pipeline is not None:
+        install_deferred_forward(model, pipeline, aux_scale=1.0 / (num_microbatches * dims.dp))
+    info = ParallelInfo(
+        dims=dims,
+        mesh=mesh,
+        dp_group=mesh["dp"].get_group(),
+        dp_rank=mesh.dp_rank,
+        dp_size=dims.dp,
+        pipeline=pipeline,
+    )
+    return model, info
+
+
+def _layers_of(root: nn.Module, model: nn.Module) -> list[nn.Module]:
+    from lmforge.parallel.fsdp import decoder_layers
+
+    if root is model:
+        return decoder_layers(model)
+    return list(root.layers)

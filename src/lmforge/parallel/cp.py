@@ -1,0 +1,196 @@
+"""Context parallel: each of the cp ranks holds two of ``2·cp`` sequence chunks (load-balanced causal).
+
+Rank r keeps chunks ``r`` and ``2·cp-1-r``, so every rank has the same amount of causal attention work.
+Two attention methods, both plain collectives, so they run on gloo/CPU as well as NCCL:
+
+* ``colossal`` (the default name of the original; here: all-gather KV). Keys and values are gathered
+  from all cp ranks and the local queries attend to them with a mask from the global positions. The
+  result equals full attention; memory for K/V is that of the whole sequence. (torch's ring-attention
+  CP supports only CUDA SDPA kernels, see reference/torch_cpu.md.)
+* ``ulysses`` (``ulysses_degree_in_cp == context_parallel``). An all-to-all trades the sequence split
+  for a head split, each rank runs causal attention over the whole sequence for ``H/cp`` heads, and a
+  second all-to-all returns to sequence shards.
+
+The model sees its local tokens only; positions come from ``position_ids`` (created as ``arange`` when
+the batch has none), so rotary embeddings stay correct. Document masks (``attention_mask``,
+``actual_seq_len``) are refused with context parallel for now.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.errors import ConfigError, DataError
+from lmforge.parallel import comm
+
+CP_METHODS = ("colossal", "ulysses")
+SEQUENCE_KEYS = ("input_ids", "labels", "loss_mask", "position_ids")
+
+
+def validate_cp_options(opts: dict[str, Any], cp: int, ulysses: int) -> str:
+    """The CP method to use, or a ConfigError for a combination that is not implemented."""
+    method = opts["context_parallel_method"]
+    if method not in CP_METHODS:
+        raise ConfigError(
+            f"parallelism.context_parallel_method must be one of {list(CP_METHODS)} ('colossal': load-balanced "
+            f"all-gather-KV attention; 'ulysses': all-to-all over heads), got {method!r}."
+        )
+    if opts["context_parallel_mask_type"] != "causal":
+        raise ConfigError(
+            "parallelism.context_parallel_mask_type supports only 'causal' (document masks are not implemented "
+            f"with context parallel), got {opts['context_parallel_mask_type']!r}."
+        )
+    if cp > 1 and opts["context_parallel_async"]:
+        raise ConfigError(
+            "parallelism.context_parallel_async: true (the original's Hyper-Parallel asynchronous CP hook on "
+            "Ascend) is not supported; set it to false."
+        )
+    if cp > 1 and 1 < ulysses < cp:
+        raise ConfigError(
+            f"parallelism.ulysses_degree_in_cp={ulysses} with context_parallel={cp} (hybrid Ulysses + KV "
+            "gathering) is not implemented; use ulysses_degree_in_cp equal to context_parallel (pure Ulysses) "
+            "or 1 / unset (all-gather KV)."
+        )
+    if method == "ulysses" or (cp > 1 and ulysses == cp):
+        return "ulysses"
+    return "colossal"
+
+
+def chunk_order(cp: int) -> list[int]:
+    """Global chunk ids in the order they sit when the ranks' local sequences are concatenated."""
+    return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
+
+
+def local_positions(seq_local: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
+    """Global position of each local token (the two chunks of ``rank``)."""
+    c = seq_local // 2
+    first = torch.arange(rank * c, (rank + 1) * c, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)
+    return torch.cat([first, second])
+
+
+def shard_batch(batch: dict[str, torch.Tensor], cp: int, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's two chunks of every sequence tensor; adds ``position_ids`` when missing."""
+    if cp == 1:
+        return batch
+    for key in ("attention_mask", "actual_seq_len"):
+        if batch.get(key) is not None:
+            raise DataError(
+                f"the batch has '{key}' (a document mask), which context parallel does not support yet; set "
+                "parallelism.context_parallel: 1 or drop the document mask from the dataloader's column_names."
+            )
+    ids = batch["input_ids"]
+    seq = ids.shape[1]
+    if seq % (2 * cp):
+        raise ConfigError(
+            f"the sequence length {seq} must be divisible by 2 × parallelism.context_parallel = {2 * cp}."
+        )
+    out = dict(batch)
+    if out.get("position_ids") is None:
+        out["position_ids"] = torch.arange(seq, device=ids.device).expand_as(ids)
+    c = seq // (2 * cp)
+    for key in SEQUENCE_KEYS:
+        t = out.get(key)
+        if t is None:
+            continue
+        chunks = t.split(c, dim=1)
+        out[key] = torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1).contiguous()
+    return out
+
+
+def _attend_gathered_kv(core: nn.Module, q, k, v, group, cp: int, rank: int) -> torch.Tensor:
+    s_local = q.shape[2]
+    k_all = comm.gather_with_partial_grad(k, 2, group)
+    v_all = comm.gather_with_partial_grad(v, 2, group)
+    pos_q = local_positions(s_local, cp, rank, q.device)
+    pos_k = torch.cat([local_positions(s_local, cp, r, q.device) for r in range(cp)])
+    allowed = pos_q[:, None] >= pos_k[None, :]
+    if getattr(core, "track_max_logits", False):
+        _track(core, q, k_all, allowed, core.scale)
+    dropout = core.dropout if core.training else 0.0
+    return F.scaled_dot_product_attention(
+        q,
+        k_all,
+        v_all,
+        attn_mask=allowed,
+        scale=core.scale,
+        dropout_p=dropout,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
+def _attend_ulysses(core: nn.Module, q, k, v, group, cp: int, rank: int) -> torch.Tensor:
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv % cp:
+        # Fewer KV heads than ranks: give every query head its own copy before splitting heads.
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    s_local = q.shape[2]
+    c = s_local // 2
+    order = chunk_order(cp)
+    # gathered position p*c + i holds global chunk order[p]; inverse sorts back to natural order.
+    inverse = torch.tensor(sorted(range(2 * cp), key=lambda p: order[p]), device=q.device)
+    index = (inverse[:, None] * c + torch.arange(c, device=q.device)[None]).flatten()
+    back = torch.argsort(index)
+    qf, kf, vf = (comm.all_to_all(t, 1, 2, group).index_select(2, index) for t in (q, k, v))
+    if getattr(core, "track_max_logits", False):
+        seq = qf.shape[2]
+        allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        heads = qf.shape[1]
+        _track(core, qf, kf, allowed, core.scale, head_offset=rank * heads)
+    dropout = core.dropout if core.training else 0.0
+    out = F.scaled_dot_product_attention(
+        qf, kf, vf, is_causal=True, scale=core.scale, dropout_p=dropout, enable_gqa=qf.shape[1] != kf.shape[1]
+    )
+    return comm.all_to_all(out.index_select(2, back), 2, 1, group)
+
+
+@torch.no_grad()
+def _track(core: nn.Module, q, k, allowed, scale, head_offset: int = 0) -> None:
+    rep = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(rep, dim=1) if rep > 1 else k.float()
+    logits = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    per_head = logits.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
+    target = core.max_logits[head_offset : head_offset + per_head.shape[0]]
+    torch.maximum(target, per_head.to(target.device), out=target)
+
+
+def apply_cp(model: nn.Module, cp_mesh: Any, method: str) -> None:
+    """Replace every ``core_attention`` forward by its context-parallel version (in place)."""
+    group = cp_mesh.get_group()
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    attend = _attend_ulysses if method == "ulysses" else _attend_gathered_kv
+    found = False
+    for module in model.modules():
+        core = getattr(module, "core_attention", None)
+        if core is None:
+            continue
+        found = True
+
+        def forward(self, q, k, v, allowed=None, _attend=attend):
+            if allowed is not None:
+                raise DataError(
+                    "context parallel got an attention mask (document masking); it supports causal attention only."
+                )
+            return _attend(self, q, k, v, group, cp, rank)
+
+        core.forward = types.MethodType(forward, core)
+    if not found:
+        raise ConfigError(
+            "parallelism.context_parallel > 1 needs attention modules with a 'core_attention' submodule "
+            "(lmforge's model families); this model has none."
+        )
+
+
+def reduce_max_logits(model: nn.Module, group: Any) -> None:
+    """Per-head maximum logits over the ranks of ``group`` (cp: other chunks / heads; call before QK-Clip)."""
+    import torch.distributed as dist
+
+    for module in model.modules():
+        if hasattr(module, "max_logits") and isinstance(module.max_logits, torch.Tensor):
+            dist.all_reduce(module.max_logits, op=dist.ReduceOp.MAX, group=group)

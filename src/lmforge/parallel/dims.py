@@ -1,0 +1,355 @@
+"""Parallel degrees of a run (``parallelism`` section + world size) and the device mesh they define.
+
+The world is split as ``pp × dp_replicate × dp_shard × cp × tp`` (outermost first, so tensor-parallel
+peers are neighbouring ranks, as on a real node). Expert parallel does not add a dimension: the expert
+layers re-split the ``dp_shard × cp`` ranks into ``(dp_shard × cp / ep) × ep`` (experts are sharded
+over ``ep``, their parameters FSDP-sharded over the rest), so every degree except ``ep`` multiplies to
+the world size.
+
+The original (mindformers.md §4.1) computes ``dp = world // (tp·pp·cp)`` with a floor division and no
+divisibility check, and ``replicate = max(dp // shard, 1)``; a world that does not divide silently
+leaves ranks out of the mesh. Here every degree must divide exactly, and the error names the key.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from lmforge.errors import ConfigError
+from lmforge.utils.sections import section_to_dict
+
+logger = logging.getLogger(__name__)
+
+# Outermost to innermost; TP innermost keeps its (most frequent) collectives between neighbours.
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+PARALLELISM_DEFAULTS: dict[str, Any] = {
+    "data_parallel_shard": -1,
+    "data_parallel_shard_strategy": "optim_grads_params",
+    "reshard_after_forward_policy": "default",
+    "cpu_offload": False,
+    "disable_gradient_division": True,
+    "dense_fsdp_shard_size": None,
+    "tensor_parallel": 1,
+    "context_parallel": 1,
+    "context_parallel_method": "colossal",
+    "context_parallel_async": False,
+    "ulysses_degree_in_cp": None,
+    "context_parallel_mask_type": "causal",
+    "pipeline_parallel": 1,
+    "pipeline_parallel_layers_per_stage": "auto",
+    "pipeline_parallel_schedule": "1f1b",
+    "pipeline_parallel_microbatch_size": 1,
+    "pipeline_parallel_interleave_num": 1,
+    "pipeline_parallel_overlap_p2p": False,
+    "pipeline_parallel_overlap_b_f": False,
+    "pipeline_parallel_enable_dxdw_split": False,
+    "pipeline_parallel_p2p_transport": "plain",
+    "sequence_parallel": False,
+    "enable_mc2": False,
+    "enable_loss_parallel": False,
+    "expert_parallel": 1,
+    "npu_nums_per_device": 8,
+    "moe_token_dispatcher_type": "alltoall",
+    "expert_parallel_async_d2h": False,
+    "expert_parallel_use_safe_tokens": True,
+}
+
+
+def parallelism_options(section: Any) -> dict[str, Any]:
+    """The ``parallelism`` section as a plain dict with every default filled in."""
+    opts = dict(PARALLELISM_DEFAULTS)
+    opts.update({k: v for k, v in section_to_dict(section).items() if v is not None or k in opts})
+    return opts
+
+
+def _positive_int(opts: dict[str, Any], key: str) -> int:
+    value = opts[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"parallelism.{key} must be a positive integer (1 disables it), got {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degree of every parallel dimension; their product (without ``ep``) is the world size."""
+
+    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    ulysses: int = 1  # the Ulysses (all-to-all over heads) part of cp; cp // ulysses is the KV-gather part
+
+    def __post_init__(self) -> None:
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+        if product != self.world_size:
+            raise ConfigError(
+                f"parallel degrees pp={self.pp} × dp_replicate={self.dp_replicate} × dp_shard={self.dp_shard} × "
+                f"cp={self.cp} × tp={self.tp} = {product} do not equal the world size {self.world_size}."
+            )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_section(cls, section: Any, world_size: int) -> ParallelDims:
+        """Derive the degrees from the ``parallelism`` section for ``world_size`` processes.
+
+        ``data_parallel_shard: -1`` gives every remaining rank to FSDP (pure FSDP); a smaller value
+        gives HSDP with ``dp_replicate = dp / data_parallel_shard`` replicas of the sharded group.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"the world size must be a positive integer, got {world_size!r}.")
+        opts = parallelism_options(section)
+        tp = _positive_int(opts, "tensor_parallel")
+        pp = _positive_int(opts, "pipeline_parallel")
+        cp = _positive_int(opts, "context_parallel")
+        ep = _positive_int(opts, "expert_parallel")
+        non_dp = tp * pp * cp
+        if non_dp > world_size:
+            # The original's message (mindformers.md §4.1), kept verbatim.
+            raise ConfigError(
+                f"tensor_parallel({tp}) * pipeline_parallel({pp}) * context_parallel({cp}) must be less than "
+                f"or equal to world_size({world_size}). Lower parallelism.tensor_parallel, "
+                "parallelism.pipeline_parallel or parallelism.context_parallel, or start more processes."
+            )
+        if world_size % non_dp:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallelism.tensor_parallel({tp}) × "
+                f"parallelism.pipeline_parallel({pp}) × parallelism.context_parallel({cp}) = {non_dp}; the "
+                f"data-parallel degree would not be whole. Use a world size that is a multiple of {non_dp}."
+            )
+        dp = world_size // non_dp
+        shard = opts["data_parallel_shard"]
+        if isinstance(shard, bool) or not isinstance(shard, int) or shard == 0 or shard < -1:
+            raise ConfigError(
+                f"parallelism.data_parallel_shard must be -1 (shard over all data-parallel ranks) or a "
+                f"positive integer, got {shard!r}."
+            )
+        if shard == -1:
+            dp_shard, dp_replicate = dp, 1
+        else:
+            if shard > dp or dp % shard:
+                raise ConfigError(
+                    f"parallelism.data_parallel_shard={shard} must divide the data-parallel degree {dp} "
+                    f"(world size {world_size} / (tensor × pipeline × context parallel = {non_dp})); valid "
+                    f"values: -1 or one of {[d for d in range(1, dp + 1) if dp % d == 0]}."
+                )
+            dp_shard, dp_replicate = shard, dp // shard
+        if (dp_shard * cp) % ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel={ep} must divide data_parallel_shard × context_parallel = "
+                f"{dp_shard} × {cp} = {dp_shard * cp}: expert parallelism borrows those ranks for the expert "
+                f"layers. Valid values: {[d for d in range(1, dp_shard * cp + 1) if (dp_shard * cp) % d == 0]}."
+            )
+        ulysses = opts.get("ulysses_degree_in_cp")
+        method = opts["context_parallel_method"]
+        if method == "ulysses" and ulysses is None:
+            ulysses = cp
+        if ulysses is None:
+            ulysses = 1
+        if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or cp % ulysses:
+            raise ConfigError(
+                f"parallelism.ulysses_degree_in_cp must be a positive divisor of parallelism.context_parallel "
+                f"({cp}), got {opts.get('ulysses_degree_in_cp')!r}."
+            )
+        return cls(
+            world_size=world_size,
+            dp_replicate=dp_replicate,
+            dp_shard=dp_shard,
+            cp=cp,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            ulysses=ulysses,
+        )
+
+    # ------------------------------------------------------------------ derived degrees
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the number of distinct batches per step."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks that shard one parameter (FSDP shards over dp_shard × cp: cp ranks hold the same weights)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def loss_reduce_size(self) -> int:
+        """Ranks whose token sums form one step's loss (every dp and cp rank)."""
+        return self.dp * self.cp
+
+    @property
+    def expert_fsdp_size(self) -> int:
+        return self.fsdp_size // self.ep
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        parts = [f"world={self.world_size}"]
+        for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"):
+            parts.append(f"{name}={getattr(self, name)}")
+        if self.cp > 1:
+            parts.append(f"ulysses={self.ulysses}")
+        return " ".join(parts)
+
+    # ------------------------------------------------------------------ model checks
+    def check_model(
+        self,
+        *,
+        num_layers: int,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        num_experts: int | None = None,
+        seq_length: int | None = None,
+        interleave: int = 1,
+        layers_per_stage: Any = "auto",
+        ffn_hidden_size: int | None = None,
+        moe_ffn_hidden_size: int | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        """Raise a ConfigError when a degree does not divide the model it has to split."""
+        tp, cp = self.tp, self.cp
+        if tp > 1:
+            if num_heads is not None and num_heads % tp:
+                raise ConfigError(
+                    f"parallelism.tensor_parallel={tp} must divide the number of attention heads "
+                    f"(model num_attention_heads={num_heads})."
+                )
+            if num_kv_heads is not None and num_kv_heads % tp:
+                raise ConfigError(
+                    f"parallelism.tensor_parallel={tp} must divide the number of key/value heads "
+                    f"(model num_query_groups / num_key_value_heads={num_kv_heads}); each TP rank holds whole "
+                    f"KV groups."
+                )
+            for label, size in (
+                ("ffn_hidden_size", ffn_hidden_size),
+                ("moe_ffn_hidden_size", moe_ffn_hidden_size),
+            ):
+                if size is not None and size % tp:
+                    raise ConfigError(
+                        f"parallelism.tensor_parallel={tp} must divide the model's {label} ({size})."
+                    )
+            if vocab_size is not None and vocab_size % tp:
+                raise ConfigError(
+                    f"parallelism.tensor_parallel={tp} must divide the model's vocab_size ({vocab_size}) "
+                    f"(the embedding and output layer are split by vocabulary rows)."
+                )
+        if self.ulysses > 1 and num_heads is not None:
+            heads_per_tp = num_heads // tp
+            if heads_per_tp % self.ulysses:
+                raise ConfigError(
+                    f"parallelism.ulysses_degree_in_cp={self.ulysses} must divide the attention heads per "
+                    f"tensor-parallel rank ({num_heads} / {tp} = {heads_per_tp})."
+                )
+        if seq_length is not None:
+            # Load-balanced causal sharding cuts the sequence into 2·cp chunks; SP splits it over tp.
+            chunks = 2 * cp if cp > 1 else 1
+            if seq_length % (chunks * tp):
+                raise ConfigError(
+                    f"the sequence length {seq_length} must be divisible by "
+                    f"{'2 × parallelism.context_parallel × ' if cp > 1 else ''}parallelism.tensor_parallel "
+                    f"= {chunks * tp} (context parallel splits it into {chunks} chunks, sequence parallel "
+                    f"over {tp} ranks)."
+                )
+        if num_experts is not None and num_experts > 0 and num_experts % self.ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel={self.ep} must divide the number of routed experts "
+                f"(model num_experts / n_routed_experts={num_experts})."
+            )
+        if (num_experts is None or num_experts == 0) and self.ep > 1:
+            raise ConfigError(
+                f"parallelism.expert_parallel={self.ep} needs a mixture-of-experts model, but the model has "
+                "no routed experts; set parallelism.expert_parallel: 1."
+            )
+        if self.pp > 1:
+            from lmforge.parallel.pp_layout import stage_layers  # validates and raises ConfigError
+
+            stage_layers(layers_per_stage, num_layers=num_layers, pp=self.pp, interleave=interleave)
+
+    # ------------------------------------------------------------------ mesh
+    def build_mesh(self, device_type: str = "cpu") -> ParallelMesh:
+        """Create the device mesh (needs an initialised process group of ``world_size`` ranks)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
+        world["dp_replicate", "dp_shard"]._flatten("dp")
+        world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        expert = None
+        if self.ep > 1:
+            # Expert layers re-split the same ranks: (pp, dp_replicate, dp_shard·cp/ep, ep, tp).
+            expert = init_device_mesh(
+                device_type,
+                (self.pp, self.dp_replicate, self.expert_fsdp_size, self.ep, self.tp),
+                mesh_dim_names=("pp", "dp_replicate", "edp_shard", "ep", "tp"),
+            )
+        return ParallelMesh(dims=self, world=world, expert=expert)
+
+
+@dataclass
+class ParallelMesh:
+    """The device meshes of a run, with the sub-meshes the other pieces ask for by name."""
+
+    dims: ParallelDims
+    world: Any  # DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp") + flattened "dp", "dp_shard_cp", "dp_cp"
+    expert: Any = None  # DeviceMesh ("pp", "dp_replicate", "edp_shard", "ep", "tp"), only when ep > 1
+
+    def __getitem__(self, name: str) -> Any:
+        return self.world[name]
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data shard this rank reads (tp, cp and pp peers read the same one)."""
+        return self.world["dp"].get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    def fsdp_mesh(self) -> Any:
+        """1-D (pure FSDP) or 2-D (HSDP: replicate × shard) mesh for non-expert parameters."""
+        if self.dims.dp_replicate > 1:
+            return self.world["dp_replicate", "dp_shard_cp"]
+        return self.world["dp_shard_cp"]
+
+    def expert_fsdp_mesh(self) -> Any:
+        if self.expert is None:
+            return self.fsdp_mesh()
+        if self.dims.dp_replicate > 1:
+            return self.expert["dp_replicate", "edp_shard"]
+        return self.expert["edp_shard"]
+
+
+def accumulation_steps(global_batch_size: int, local_batch_size: int, dp: int) -> int:
+    """Micro-batches per step: ``global_batch_size // (dp × local_batch_size)`` (the spec's floor division).
+
+    The spec keeps a non-dividing global batch size valid and floors the result (the effective global
+    batch is then smaller); we keep that meaning and warn, because it is almost always a mistake.
+    """
+    base = dp * local_batch_size
+    if base > global_batch_size:
+        raise ConfigError(
+            "The product of data_parallel and local_batch_size exceeds global_batch_size, please increase "
+            f"global_batch_size or decrease local_batch_size. (training.global_batch_size={global_batch_size}, "
+            f"training.local_batch_size={local_batch_size}, data-parallel degree {dp}.)"
+        )
+    steps = global_batch_size // base
+    if global_batch_size % base:
+        logger.warning(
+            "training.global_batch_size=%d is not a multiple of data-parallel degree %d × "
+            "training.local_batch_size=%d; %d accumulation steps make an effective global batch of %d samples.",
+            global_batch_size,
+            dp,
+            local_batch_size,
+            steps,
+            steps * base,
+        )
+    return steps

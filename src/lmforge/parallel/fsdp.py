@@ -1,0 +1,112 @@
+"""FSDP2 (``fully_shard``) per decoder layer and the root, from the ``parallelism`` section.
+
+Numerics (DESIGN §6): the sharded parameters are kept in fp32 and are the master weights; each layer
+is gathered in ``compute_dtype`` for its forward and backward (``MixedPrecisionPolicy.param_dtype``),
+and gradients are reduce-scattered and accumulated in fp32 (``reduce_dtype``). The optimizer therefore
+sees fp32 parameters and keeps no second master copy.
+
+``data_parallel_shard_strategy`` (the ZeRO stage of the original's HyperParallel FSDP):
+
+* ``optim_grads_params`` (ZeRO-3): parameters resharded after forward, per
+  ``reshard_after_forward_policy``.
+* ``optim_grads`` (ZeRO-2): parameters stay gathered from forward to backward (one all-gather per
+  step instead of two); gradients and optimizer states sharded.
+* ``optim`` (ZeRO-1): FSDP2 always shards gradients, so this runs as ``optim_grads``: the same
+  numbers, less memory than asked for. Documented as "lifted".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmforge.errors import ConfigError
+
+SHARD_STRATEGIES = ("optim_grads_params", "optim_grads", "optim")
+RESHARD_POLICIES = ("default", "always", "never")
+
+
+def _reshard_after_forward(opts: dict[str, Any]) -> bool | None:
+    policy = opts["reshard_after_forward_policy"]
+    strategy = opts["data_parallel_shard_strategy"]
+    if policy not in RESHARD_POLICIES:
+        raise ConfigError(
+            f"parallelism.reshard_after_forward_policy must be one of {list(RESHARD_POLICIES)}, got {policy!r}."
+        )
+    if strategy not in SHARD_STRATEGIES:
+        raise ConfigError(
+            f"parallelism.data_parallel_shard_strategy must be one of {list(SHARD_STRATEGIES)} "
+            f"(ZeRO-3, ZeRO-2, ZeRO-1), got {strategy!r}."
+        )
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    # "default": ZeRO-3 reshards every layer but the root (FSDP2's own default); ZeRO-1/2 keep them.
+    return None if strategy == "optim_grads_params" else False
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers (and MTP layers) of an lmforge model, in order: FSDP's unit of sharding."""
+    layers: list[nn.Module] = []
+    for owner in (getattr(model, "decoder", None), getattr(model, "mtp", None)):
+        children = getattr(owner, "layers", None)
+        if isinstance(children, nn.ModuleDict):
+            layers.extend(children.values())
+        elif children is not None:
+            layers.extend(children)
+    return layers
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: Any,
+    opts: dict[str, Any],
+    *,
+    compute_dtype: torch.dtype,
+    expert_mesh: Any = None,
+    layers: list[nn.Module] | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place over ``mesh`` (1-D FSDP or 2-D HSDP) and return it."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    reshard = _reshard_after_forward(opts)
+    # Storage in fp32 (the masters); compute in compute_dtype; reductions in fp32.
+    model.to(torch.float32)
+    mp = MixedPrecisionPolicy(
+        param_dtype=compute_dtype if compute_dtype != torch.float32 else None,
+        reduce_dtype=torch.float32,
+    )
+    offload = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if opts["cpu_offload"] else OffloadPolicy()
+    )
+    common = {"mp_policy": mp, "offload_policy": offload}
+    for layer in decoder_layers(model) if layers is None else layers:
+        experts = _routed_experts(layer)
+        if experts is not None and expert_mesh is not None:
+            # Experts are already split over ep; shard the rest of their parameters over the remaining ranks.
+            fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard, **common)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, **common)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **common)
+    # Reduce with SUM whatever disable_gradient_division says: the loss each rank backpropagates is
+    # already divided by the global token count (DESIGN §6), so a second division would be wrong.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    return model
+
+
+def _routed_experts(layer: nn.Module) -> nn.Module | None:
+    for module in layer.modules():
+        if hasattr(module, "dispatcher") and hasattr(module, "experts"):
+            return module.experts
+    return None

@@ -1,0 +1,300 @@
+"""Tensor parallel with sequence parallel (always on together, as in the spec) for lmforge's models.
+
+Layout over the ``tp`` mesh dimension (size t):
+
+* The residual stream between blocks is split along the sequence (``[B, S/t, H]`` per rank); the
+  norms on it run locally with replicated weights.
+* Attention and MLP blocks gather the sequence at their input, compute on ``1/t`` of the heads / of
+  the FFN width, and reduce-scatter back to sequence shards at their output projection.
+* The embedding and the output layer are split by vocabulary rows; the output gathers full logits.
+
+The fused weights of lmforge's models are stored as contiguous logical pieces (``linear_qkv`` =
+``[Q; K; V]``, SwiGLU ``linear_fc1`` = ``[gate; up]``, MLA's up projections), so a plain row split
+(``Shard(0)``) would hand a rank rows of the wrong piece. Those weights are split by **input
+columns** instead (``Shard(1)``): each rank computes a partial product for every output row, the
+output columns are permuted so each rank's pieces are adjacent, and one reduce-scatter leaves rank r
+with ``[Q_r; K_r; V_r]`` (its heads). The stored weight keeps the checkpoint layout of every other
+parallel layout (resharding works), at the price of a reduce-scatter of the fused activations
+instead of an all-gather of the block input.
+
+Parameters keep their DTensor placements (FSDP, checkpoints, gradient clipping and optimizers see
+them), while the computation runs on local tensors with explicit, differentiable collectives
+(:mod:`lmforge.parallel.comm`). A replicated weight that sees only this rank's tokens or heads gets
+its gradient summed over the tp group.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.errors import ConfigError
+from lmforge.parallel import comm
+from lmforge.parallel.fsdp import decoder_layers
+
+
+def _distribute(module: nn.Module, name: str, mesh: Any, placement: Any) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    param = getattr(module, name)
+    if param is None or isinstance(param, DTensor):
+        return
+    dt = distribute_tensor(param.data, mesh, [placement])
+    module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+def _local(param: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+# ------------------------------------------------------------------ replicated parameters
+
+
+def _replicate_params(module: nn.Module, mesh: Any, group: Any) -> None:
+    """Make the direct parameters of ``module`` replicated DTensors whose gradient is summed over tp."""
+    from torch.distributed.tensor import Replicate
+
+    names = [n for n, p in module.named_parameters(recurse=False) if p is not None]
+    if not names:
+        return
+    for n in names:
+        _distribute(module, n, mesh, Replicate())
+
+    def pre_hook(mod: nn.Module, args: Any) -> None:
+        for n in names:
+            mod.__dict__[n] = comm.all_reduce_grad(_local(mod._parameters[n]), group)
+
+    def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
+        for n in names:
+            mod.__dict__.pop(n, None)
+
+    module.register_forward_pre_hook(pre_hook)
+    module.register_forward_hook(post_hook)
+
+
+# ------------------------------------------------------------------ linear layers
+
+
+def _pieces_colwise(linear: nn.Linear, pieces: list[int], mesh: Any, group: Any) -> None:
+    """Output rows split piece by piece over tp (see the module docstring); input is the full block input."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    t = mesh.size()
+    rank = mesh.get_local_rank()
+    in_features = linear.in_features
+    if in_features % t or any(p % t for p in pieces):
+        raise ConfigError(
+            f"parallelism.tensor_parallel={t} must divide the input width ({in_features}) and every fused piece "
+            f"{pieces} of a fused projection."
+        )
+    _distribute(linear, "weight", mesh, Shard(1))
+    if linear.bias is not None:
+        _distribute(linear, "bias", mesh, Replicate())
+    cols = slice(rank * in_features // t, (rank + 1) * in_features // t)
+    # perm lists the global output rows in the order [pieces of rank 0, pieces of rank 1, ...].
+    starts = [sum(pieces[:i]) for i in range(len(pieces))]
+    order: list[int] = []
+    for j in range(t):
+        for start, size in zip(starts, pieces):
+            order.extend(range(start + j * size // t, start + (j + 1) * size // t))
+    local_rows = order[rank * sum(pieces) // t : (rank + 1) * sum(pieces) // t]
+    cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.device not in cache:
+            cache[x.device] = (
+                torch.tensor(order, device=x.device),
+                torch.tensor(local_rows, device=x.device),
+            )
+        perm, rows = cache[x.device]
+        partial = F.linear(x[..., cols], _local(self.weight))
+        y = comm.reduce_scatter(partial.index_select(-1, perm), -1, group)
+        if self.bias is not None:
+            y = y + comm.all_reduce_grad(_local(self.bias), group).index_select(0, rows)
+        return y
+
+    linear.forward = types.MethodType(forward, linear)
+
+
+def _rowwise_to_sequence(linear: nn.Linear, mesh: Any, group: Any) -> None:
+    """Input is this rank's slice of the features; output is reduce-scattered along the sequence (dim 1)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    t = mesh.size()
+    if linear.in_features % t:
+        raise ConfigError(
+            f"parallelism.tensor_parallel={t} must divide the input width {linear.in_features} of an output projection."
+        )
+    _distribute(linear, "weight", mesh, Shard(1))
+    if linear.bias is not None:
+        _distribute(linear, "bias", mesh, Replicate())
+
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        y = comm.reduce_scatter(F.linear(x, _local(self.weight)), 1, group)
+        if self.bias is not None:
+            y = y + comm.all_reduce_grad(_local(self.bias), group)
+        return y
+
+    linear.forward = types.MethodType(forward, linear)
+
+
+def _gather_block_input(block: nn.Module, group: Any) -> None:
+    """The block's first argument arrives as a sequence shard; gather it (gradients are partial sums)."""
+
+    def pre_hook(mod: nn.Module, args: tuple) -> tuple:
+        return (comm.gather_with_partial_grad(args[0], 1, group), *args[1:])
+
+    block.register_forward_pre_hook(pre_hook)
+
+
+def _vocab_parallel_embedding(emb: nn.Embedding, mesh: Any, group: Any) -> None:
+    from torch.distributed.tensor import Shard
+
+    t, rank = mesh.size(), mesh.get_local_rank()
+    vocab = emb.num_embeddings
+    if vocab % t:
+        raise ConfigError(f"parallelism.tensor_parallel={t} must divide the vocabulary size ({vocab}).")
+    _distribute(emb, "weight", mesh, Shard(0))
+    lo, hi = rank * vocab // t, (rank + 1) * vocab // t
+
+    def forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < lo) | (ids >= hi)
+        local = F.embedding((ids - lo).masked_fill(outside, 0), _local(self.weight))
+        local = local.masked_fill(outside[..., None], 0.0)
+        return comm.reduce_scatter(local, 1, group)  # sum of the ranks' rows, then sequence shards
+
+    emb.forward = types.MethodType(forward, emb)
+
+
+def _vocab_parallel_output(linear: nn.Linear, mesh: Any, group: Any) -> None:
+    from torch.distributed.tensor import Shard
+
+    t = mesh.size()
+    if linear.out_features % t:
+        raise ConfigError(
+            f"parallelism.tensor_parallel={t} must divide the vocabulary size ({linear.out_features})."
+        )
+    if linear.bias is not None:
+        raise ConfigError("tensor parallel does not support a bias on output_layer.")
+    _distribute(linear, "weight", mesh, Shard(0))
+
+    def forward(self: nn.Linear, h: torch.Tensor) -> torch.Tensor:
+        full = comm.gather_with_partial_grad(h, 1, group)
+        logits = F.linear(full, _local(self.weight))
+        return comm.gather_replicated(logits, -1, group)
+
+    linear.forward = types.MethodType(forward, linear)
+
+
+# ------------------------------------------------------------------ blocks
+
+
+def _localise(module: nn.Module, t: int, names: tuple[str, ...]) -> None:
+    """The attention code reads head counts and row sizes from attributes: make them per rank."""
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value % t:
+                raise ConfigError(
+                    f"parallelism.tensor_parallel={t} must divide {type(module).__name__}.{name}={value} "
+                    "(attention heads / key-value groups)."
+                )
+            setattr(module, name, value // t)
+
+
+def _parallelize_attention(attn: nn.Module, mesh: Any, group: Any) -> None:
+    t = mesh.size()
+    _gather_block_input(attn, group)
+    if hasattr(attn, "linear_qkv"):
+        pieces = [attn.q_rows, attn.kv_rows, attn.kv_rows]
+        _pieces_colwise(attn.linear_qkv, pieces, mesh, group)
+        _localise(attn, t, ("num_heads", "num_kv_heads", "q_rows", "kv_rows"))
+    elif hasattr(attn, "linear_kv_up_proj"):  # MLA
+        n = attn.num_heads
+        q_pieces = [n * attn.dn, n * attn.dr]
+        q_name = "linear_q_up_proj" if attn.q_lora_rank else "linear_q_proj"
+        _pieces_colwise(getattr(attn, q_name), q_pieces, mesh, group)
+        _pieces_colwise(attn.linear_kv_up_proj, [n * attn.dn, n * attn.dv], mesh, group)
+        _localise(attn, t, ("num_heads",))
+    else:
+        raise ConfigError(
+            f"tensor parallel does not know the attention module {type(attn).__name__}; "
+            "set parallelism.tensor_parallel: 1."
+        )
+    core = getattr(attn, "core_attention", None)
+    if core is not None:
+        _localise(core, t, ("num_heads",))
+        if hasattr(core, "max_logits"):
+            core.max_logits = core.max_logits[: core.num_heads].clone()
+    _rowwise_to_sequence(attn.linear_proj, mesh, group)
+
+
+def _parallelize_dense_mlp(mlp: nn.Module, mesh: Any, group: Any) -> None:
+    _gather_block_input(mlp, group)
+    f = mlp.linear_fc2.in_features
+    fc1_out = mlp.linear_fc1.out_features
+    pieces = [f, f] if fc1_out == 2 * f else [fc1_out]
+    _pieces_colwise(mlp.linear_fc1, pieces, mesh, group)
+    _rowwise_to_sequence(mlp.linear_fc2, mesh, group)
+    _localise(mlp, mesh.size(), ("ffn_hidden_size",))
+
+
+def _is_dense_mlp(mlp: nn.Module) -> bool:
+    return isinstance(getattr(mlp, "linear_fc1", None), nn.Linear) and isinstance(
+        getattr(mlp, "linear_fc2", None), nn.Linear
+    )
+
+
+def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
+    """Apply tensor + sequence parallel in place over ``tp_mesh`` (1-D)."""
+    from torch.distributed.tensor import DTensor
+
+    group = tp_mesh.get_group()
+    for attr in ("mtp",):
+        if getattr(model, attr, None) is not None:
+            raise ConfigError(
+                "parallelism.tensor_parallel > 1 is not supported with multi-token prediction (model.mtp_*) yet: "
+                "the MTP block shifts tokens across sequence shards. Use tensor_parallel: 1."
+            )
+    emb = getattr(getattr(model, "embedding", None), "word_embeddings", None)
+    out = getattr(model, "output_layer", None)
+    tied = emb is not None and out is not None and out.weight is emb.weight
+    if emb is not None:
+        _vocab_parallel_embedding(emb, tp_mesh, group)
+    for layer in decoder_layers(model):
+        attn = getattr(layer, "self_attention", None)
+        if attn is not None:
+            _parallelize_attention(attn, tp_mesh, group)
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None:
+            if _is_dense_mlp(mlp):
+                _parallelize_dense_mlp(mlp, tp_mesh, group)
+            else:
+                shared = getattr(mlp, "shared_experts", None)
+                if shared is not None and _is_dense_mlp(shared):
+                    _parallelize_dense_mlp(shared, tp_mesh, group)
+    if out is not None:
+        if tied:
+            out.weight = emb.weight  # the same (vocab-sharded) parameter
+            out.forward = types.MethodType(_tied_output_forward(group), out)
+        else:
+            _vocab_parallel_output(out, tp_mesh, group)
+    # Everything else (norms, routers, routed experts, MLA down projections) is replicated over tp and
+    # sees only this rank's tokens or heads: its gradient is the sum over tp.
+    for module in model.modules():
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            _replicate_params(module, tp_mesh, group)
+
+
+def _tied_output_forward(group: Any):
+    def forward(self: nn.Linear, h: torch.Tensor) -> torch.Tensor:
+        full = comm.gather_with_partial_grad(h, 1, group)
+        return comm.gather_replicated(F.linear(full, _local(self.weight)), -1, group)
+
+    return forward

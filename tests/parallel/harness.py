@@ -1,0 +1,253 @@
+"""Spawned gloo workers and the single-process reference they are compared with.
+
+The reference is a plain loop written here with ``torch.optim.AdamW`` and
+``torch.nn.utils.clip_grad_norm_`` on the unparallelised model: the loss of a step is the token mean
+over the whole global batch (each micro-batch backpropagates ``loss_sum / N``), the auxiliary losses
+are averaged over micro-batches. The workers run lmforge's ``parallelize`` and the trainer's
+``TrainStep`` on their share of the same global batch, starting from the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+LR = 3e-3
+MAX_NORM = 1.0
+
+
+def tiny_llama(**overrides: Any) -> dict[str, Any]:
+    section = {
+        "model_type": "llama",
+        "architectures": "LlamaForCausalLM",
+        "num_hidden_layers": 4,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 48,
+        "vocab_size": 64,
+        "compute_dtype": "float32",
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+    }
+    section.update(overrides)
+    return section
+
+
+def tiny_qwen3_moe(**overrides: Any) -> dict[str, Any]:
+    section = {
+        "model_type": "qwen3_moe",
+        "architectures": "Qwen3MoeForCausalLM",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": 64,
+        "compute_dtype": "float32",
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+    }
+    section.update(overrides)
+    return section
+
+
+def tiny_deepseek(**overrides: Any) -> dict[str, Any]:
+    section = {
+        "model_type": "deepseek_v3",
+        "architectures": "DeepseekV3ForCausalLM",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "vocab_size": 64,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 24,
+        "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+        "first_k_dense_replace": 1,
+        "n_shared_experts": 1,
+        "num_nextn_predict_layers": 0,
+        "compute_dtype": "float32",
+        "initializer_range": 0.2,
+    }
+    section.update(overrides)
+    return section
+
+
+def make_data(steps: int, gbs: int, seq: int, vocab: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (steps, gbs, seq + 1), generator=g)
+    loss_mask = (torch.rand(steps, gbs, seq, generator=g) > 0.2).long()
+    return {
+        "input_ids": ids[..., :-1].contiguous(),
+        "labels": ids[..., 1:].contiguous(),
+        "loss_mask": loss_mask,
+    }
+
+
+def micro_batches(
+    data: dict[str, torch.Tensor], step: int, rows: list[int], lbs: int
+) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for i in range(0, len(rows), lbs):
+        idx = torch.tensor(rows[i : i + lbs])
+        out.append({k: v[step].index_select(0, idx).clone() for k, v in data.items()})
+    return out
+
+
+def reference_run(
+    section: dict[str, Any], state: dict[str, torch.Tensor], data, lbs: int
+) -> dict[str, list[float]]:
+    """Single process, whole global batch, torch's AdamW and clip_grad_norm_."""
+    from lmforge.models import build_model
+
+    model = build_model(section)
+    model.load_state_dict(state)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    steps, gbs = data["input_ids"].shape[:2]
+    losses, norms = [], []
+    for s in range(steps):
+        mbs = micro_batches(data, s, list(range(gbs)), lbs)
+        n = sum(float(((b["labels"] >= 0) & (b["loss_mask"] != 0)).sum()) for b in mbs)
+        total = 0.0
+        for b in mbs:
+            out = model(**b)
+            objective = out.loss_sum / n
+            if out.aux_losses:
+                objective = objective + (out.loss - out.loss_sum / out.num_tokens.clamp(min=1)) / len(mbs)
+            objective.backward()
+            total += float(out.loss_sum.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / n)
+    return {"loss": losses, "grad_norm": norms}
+
+
+def _load_full_state(model, state: dict[str, torch.Tensor]) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = state[name].to(p.dtype)
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+            else:
+                p.copy_(full)
+
+
+def _worker(rank: int, world: int, init_file: str, spec: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    out_path = Path(spec["out"]) / f"rank{rank}.json"
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        result = globals()[spec["task"]](rank, world, spec)
+        out_path.write_text(json.dumps({"ok": True, **result}))
+    except BaseException as exc:  # report to the parent instead of hanging it
+        out_path.write_text(json.dumps({"ok": False, "error": f"{exc!r}\n{traceback.format_exc()}"}))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_parallel(rank: int, world: int, spec: dict[str, Any]):
+    from lmforge.models import build_model
+    from lmforge.parallel import ParallelDims, accumulation_steps, parallelize
+
+    par = spec["parallelism"]
+    dims = ParallelDims.from_section(par, world)
+    mesh = dims.build_mesh("cpu")
+    accum = accumulation_steps(spec["gbs"], spec["lbs"], dims.dp)
+    model = build_model(spec["model"], device="meta")
+    model, info = parallelize(model, dims, mesh, par, num_microbatches=accum)
+    model.to_empty(device="cpu")
+    model.init_weights() if hasattr(model, "init_weights") else None
+    return model, info, accum
+
+
+def train_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    from lmforge.train.parallel_seam import ParallelContext
+    from lmforge.train.step import TrainStep
+
+    model, info, accum = build_parallel(rank, world, spec)
+    state = torch.load(spec["state"], weights_only=True)
+    _restore_buffers(model, state)
+    _load_full_state(model, state)
+    data = torch.load(spec["data"], weights_only=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    ctx = ParallelContext(
+        rank=rank,
+        world_size=world,
+        dp_rank=info.dp_rank,
+        dp_size=info.dp_size,
+        wrapper_reduces_grads=True,
+        grad_reduce_is_mean=False,
+        dp_group=info.dp_group,
+    )
+    step = TrainStep(model, opt, None, max_norm=MAX_NORM, ctx=ctx)
+    per_rank = spec["gbs"] // info.dp_size
+    rows = list(range(info.dp_rank * per_rank, (info.dp_rank + 1) * per_rank))
+    losses, norms = [], []
+    for s in range(data["input_ids"].shape[0]):
+        r = step(micro_batches(data, s, rows, spec["lbs"]))
+        losses.append(r.loss)
+        norms.append(r.grad_norm)
+    return {"loss": losses, "grad_norm": norms}
+
+
+def _restore_buffers(model, state) -> None:
+    # Non-persistent buffers (rope tables) are rebuilt by init_weights; nothing else to restore.
+    return None
+
+
+def run_workers(world: int, spec: dict[str, Any], timeout: float = 120.0) -> list[dict[str, Any]]:
+    """Run ``spec['task']`` on ``world`` spawned gloo ranks; return each rank's JSON result."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = {**spec, "out": tmp}
+        init_file = os.path.join(tmp, "init")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, init_file, spec), daemon=True) for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+            p.join(5)
+        results = []
+        for r in range(world):
+            path = Path(tmp) / f"rank{r}.json"
+            results.append(
+                json.loads(path.read_text()) if path.exists() else {"ok": False, "error": "no result"}
+            )
+        errors = [f"rank {r}: {res.get('error')}" for r, res in enumerate(results) if not res["ok"]]
+        if alive:
+            errors.insert(0, f"{len(alive)} rank(s) timed out after {timeout}s")
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return results
