@@ -83,6 +83,7 @@ class Trainer:
         self.stop_requested = False
         self.stop_reason: str | None = None
         self.artifacts: dict[str, str] = {}
+        self._setup_run_dir()
 
         training = section_to_dict(config.training)
         self.max_norm = float(training["max_norm"])
@@ -143,6 +144,13 @@ class Trainer:
         self.callbacks.add(LoggingCallback())
         self.callbacks.add(MetricsCallback())
         self.callbacks.add(PlotCallback())
+        # Memory, TensorBoard, monitors, profiler, evaluation, MaxLogitsMonitor (docs/observability.md).
+        from lmforge.train.callbacks.observability import observability_callbacks
+
+        for cb in observability_callbacks(
+            self.config, self.output_dir, model=self.model, device=self.ctx.device, rank=self.ctx.rank
+        ):
+            self.callbacks.add(cb)
         ck = self.checkpoint_cfg
         if ck.get("enable_save", True):
             manager = CheckpointManager(
@@ -170,13 +178,15 @@ class Trainer:
 
     # -- the run ------------------------------------------------------------------------------
 
-    def fit(self) -> dict[str, Any]:
+    def _setup_run_dir(self) -> None:
         if self.ctx.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         log_file = str(self.output_dir / "train.log") if (self.log_to_file and self.ctx.rank == 0) else None
         setup_logging(log_file=log_file)
         if log_file:
             self.artifacts["log"] = log_file
+
+    def fit(self) -> dict[str, Any]:
         self._resume_or_start()
         previous_handlers = self._install_signal_handlers()
         kw = self._hook_kwargs

@@ -19,7 +19,7 @@ class EvaluationCallback(TrainerCallback):
     validation loader of ``eval_dataset`` / ``train_dataset`` is built at train begin.
     """
 
-    order = 20  # before the callbacks that log, write metrics or TensorBoard
+    order = 25  # after the step's log line; before TensorBoard (40) and metrics.jsonl (90)
 
     def __init__(self, interval: int, steps: int | None = None, loader_factory: Any = None) -> None:
         self.interval = interval

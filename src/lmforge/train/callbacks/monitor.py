@@ -113,6 +113,10 @@ class MemoryCallback(TrainerCallback):
         metrics = kwargs.get("metrics")
         if isinstance(metrics, dict):
             metrics.update(peaks)
+            # The log line's "mem" column: this step's peak (allocator on GPU, RSS on CPU).
+            metrics["memory_gib"] = (
+                peaks.get("peak_allocated_bytes", peaks.get("peak_rss_bytes", 0.0)) / 2**30
+            )
         self.last = peaks
 
     @staticmethod

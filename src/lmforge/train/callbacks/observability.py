@@ -1,0 +1,62 @@
+"""The observability callbacks a run gets from its config (see docs/observability.md).
+
+Always: per-step peak memory (into the log line's ``mem`` and the metrics) and TensorBoard.
+When configured: ``monitor.train_state``, ``monitor.moe_monitor``, ``profiler``, evaluation
+(``eval_interval``) and — as in the original, automatically when the model tracks its maximum
+attention logits (QK-Clip) and the YAML lists no ``MaxLogitsMonitor`` — a ``MaxLogitsMonitor``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lmforge.train.callbacks.base import TrainerCallback
+from lmforge.train.callbacks.evaluation import EvaluationCallback
+from lmforge.train.callbacks.max_logits import MaxLogitsMonitor
+from lmforge.train.callbacks.monitor import MemoryCallback, MoeMonitorCallback, TrainStateMonitorCallback
+from lmforge.train.callbacks.profiler import ProfilerCallback
+from lmforge.train.callbacks.tensorboard import TensorBoardCallback
+from lmforge.train.monitor import norm_filters
+from lmforge.utils.sections import section_to_dict
+
+
+def _get(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def observability_callbacks(
+    config: Any,
+    output_dir: str | os.PathLike,
+    *,
+    model: Any = None,
+    device: Any = None,
+    rank: int | None = None,
+) -> list[TrainerCallback]:
+    monitor = section_to_dict(_get(config, "monitor"))
+    callbacks: list[TrainerCallback] = [
+        MemoryCallback(device),
+        TensorBoardCallback(monitor.get("tensorboard"), output_dir),
+    ]
+    train_state = monitor.get("train_state") or {}
+    if (
+        norm_filters(train_state.get("local_norm", ""), "monitor.train_state.local_norm") is not None
+        or norm_filters(train_state.get("device_norm", False), "monitor.train_state.device_norm") is not None
+        or train_state.get("local_loss")
+        or train_state.get("device_loss")
+    ):
+        callbacks.append(TrainStateMonitorCallback(train_state, output_dir))
+    moe = monitor.get("moe_monitor") or {}
+    if moe.get("save_tokens_per_expert_interval") is not None:
+        num_layers = getattr(getattr(model, "config", None), "num_layers", None)
+        callbacks.append(MoeMonitorCallback(moe, output_dir, num_layers=num_layers))
+    profiler = section_to_dict(_get(config, "profiler"))
+    if profiler.get("enable_profiling"):
+        callbacks.append(ProfilerCallback(profiler, output_dir, rank))
+    evaluation = EvaluationCallback.from_config(config)
+    if evaluation is not None:
+        callbacks.append(evaluation)
+    listed = [section_to_dict(c).get("type") for c in (_get(config, "callbacks") or [])]
+    if getattr(model, "track_max_logits", False) and "MaxLogitsMonitor" not in listed:
+        callbacks.append(MaxLogitsMonitor())
+    return callbacks

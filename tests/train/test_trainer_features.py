@@ -1,0 +1,104 @@
+"""Loop features on the tiny model: non-finite handling, batch ramp-up, accumulation rules, callbacks."""
+
+import pytest
+import torch
+
+from lmforge.errors import ConfigError
+from lmforge.train.callbacks import TrainerCallback, read_metrics, register_callback
+from lmforge.train.step import TrainingStopped
+
+from .conftest import tiny_trainer
+
+
+class PoisonSteps(TrainerCallback):
+    """Makes the model produce NaN during the given (1-based) steps."""
+
+    def __init__(self, steps):
+        self.steps = set(steps)
+
+    def on_step_begin(self, args, state, **kw):
+        kw["model"].poison = (state.global_step + 1) in self.steps
+
+
+def test_non_finite_steps_are_skipped_reported_and_never_saved(make_config):
+    cfg = make_config(training={"steps": 6}, checkpoint={"save_interleaved_steps": 3})
+    trainer = tiny_trainer(cfg, callbacks=[PoisonSteps({3})])
+    summary = trainer.fit()
+    records = read_metrics(trainer.output_dir / "metrics.jsonl")
+    assert [r.get("skipped", False) for r in records] == [False, False, True, False, False, False]
+    assert records[2]["loss"] == "nan" and "loss is nan" in records[2]["skip_reason"]
+    assert summary["skipped steps"] == 1
+    # The skipped step did not move the lr schedule: step 4 got the lr step 3 would have had.
+    assert records[3]["lr"] == records[2]["lr"]
+    log = (trainer.output_dir / "train.log").read_text()
+    assert "Step 3: update skipped (loss is nan)" in log
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_consecutive_non_finite_steps_stop_training_with_a_clear_message(make_config):
+    cfg = make_config(training={"steps": 10}, monitor={"health_checkpoint": {"global_norm_skip_time": 3}})
+    trainer = tiny_trainer(cfg, callbacks=[PoisonSteps({2, 3, 4, 5})])
+    with pytest.raises(TrainingStopped, match="3 consecutive steps were skipped"):
+        trainer.fit()
+    assert [r["step"] for r in read_metrics(trainer.output_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_batch_rampup_grows_global_batch_and_accumulation(make_config):
+    # start 2, +2 per increment, over 12 samples: 2 increments, one every 6 samples.
+    cfg = make_config(
+        training={"steps": 7, "global_batch_size": 6, "local_batch_size": 2, "rampup_batch_size": [2, 2, 12]}
+    )
+    trainer = tiny_trainer(cfg)
+    trainer.fit()
+    records = read_metrics(trainer.output_dir / "metrics.jsonl")
+    # consumed before each step: 0,2,4 -> gbs 2; 6,10 -> 4; 14.. -> 6 (ramp-up over at 12).
+    assert [r["global_batch_size"] for r in records] == [2, 2, 2, 4, 4, 6, 6]
+    assert [r["consumed_samples"] for r in records] == [2, 4, 6, 10, 14, 20, 26]
+
+
+def test_batch_too_small_for_one_micro_step_is_the_documented_error(make_config):
+    cfg = make_config(training={"global_batch_size": 2, "local_batch_size": 4})
+    with pytest.raises(
+        ConfigError, match="The product of data_parallel and local_batch_size exceeds global_batch_size"
+    ):
+        tiny_trainer(cfg)
+
+
+def test_non_multiple_global_batch_warns_and_counts_the_effective_batch(make_config, capsys):
+    cfg = make_config(training={"steps": 2, "global_batch_size": 5, "local_batch_size": 2})
+    trainer = tiny_trainer(cfg)
+    trainer.fit()
+    assert (
+        "effective global batch is 4 samples"
+        in capsys.readouterr().err + (trainer.output_dir / "train.log").read_text()
+    )
+    assert [r["consumed_samples"] for r in read_metrics(trainer.output_dir / "metrics.jsonl")] == [4, 8]
+
+
+@register_callback("CountingCallback")
+class CountingCallback(TrainerCallback):
+    instances = []
+
+    def __init__(self, tag="x"):
+        self.tag, self.events = tag, []
+        CountingCallback.instances.append(self)
+
+    def on_train_begin(self, args, state, **kw):
+        self.events.append("train_begin")
+
+    def on_step_end(self, args, state, **kw):
+        self.events.append(
+            ("step", state.global_step, round(kw["loss"], 3) == round(kw["metrics"]["loss"], 3))
+        )
+
+    def on_train_end(self, args, state, **kw):
+        self.events.append("train_end")
+
+
+def test_config_callbacks_are_built_from_the_registry(make_config):
+    cfg = make_config(training={"steps": 2}, callbacks=[{"type": "CountingCallback", "tag": "y"}])
+    tiny_trainer(cfg).fit()
+    cb = CountingCallback.instances[-1]
+    assert cb.tag == "y" and cb.events == ["train_begin", ("step", 1, True), ("step", 2, True), "train_end"]
+    with pytest.raises(ConfigError, match=r"callbacks\[0\].type: unknown callback 'Nope'"):
+        tiny_trainer(make_config(callbacks=[{"type": "Nope"}]))
