@@ -72,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
     loader = build_eval_loader(config)
     result = evaluate(model, loader, max_batches=steps, device=device)
     if args.json:
-        print(json.dumps({"checkpoint": str(args.checkpoint), **result.as_metrics(), "batches": result.batches}))
+        print(
+            json.dumps({"checkpoint": str(args.checkpoint), **result.as_metrics(), "batches": result.batches})
+        )
     else:
         print(
             f"checkpoint: {args.checkpoint}\nval_loss: {result.loss:.6f}\nval_ppl: {result.perplexity:.4f}\n"

@@ -1,0 +1,110 @@
+"""``lmforge eval --checkpoint DIR --config FILE`` on a saved checkpoint and a Megatron dataset."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from lmforge.cli import main
+from lmforge.config import load_config
+from lmforge.data import IndexedDatasetWriter
+from lmforge.models import build_model
+from lmforge.train.checkpoint import Checkpointable, CheckpointManager
+from lmforge.train.evaluate import build_eval_loader
+from lmforge.train.state import TrainState
+
+MODEL = {
+    "model_type": "qwen3",
+    "architectures": "Qwen3ForCausalLM",
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+    "vocab_size": 64,
+    "seq_length": 16,
+    "compute_dtype": "float32",
+}
+
+
+def _write_data(prefix):
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for _ in range(40):
+            writer.add_document([int(t) for t in rng.integers(1, 64, size=int(rng.integers(5, 30)))] + [0])
+
+
+def _config(tmp_path):
+    prefix = tmp_path / "docs"
+    _write_data(prefix)
+    raw = {
+        "output_dir": str(tmp_path / "run"),
+        "training": {"steps": 1, "local_batch_size": 2, "global_batch_size": 2},
+        "lr_scheduler": {"type": "ConstantWarmUpLR", "learning_rate": 1.0e-4, "warmup_steps": 0},
+        "model": MODEL,
+        "train_dataset": {
+            "dataloader": {
+                "type": "BlendedMegatronDatasetDataLoader",
+                "datasets_type": "GPTDataset",
+                "column_names": ["input_ids", "labels", "loss_mask", "position_ids"],
+                "config": {
+                    "seq_length": 16,
+                    "eod": 0,
+                    "data_path": [str(prefix)],
+                    "split": "50,50,0",
+                    "create_attention_mask": False,
+                    "path_to_cache": str(tmp_path / "cache"),
+                },
+            },
+            "num_parallel_workers": 1,
+        },
+        "eval_steps": 3,
+    }
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _reference(model, loader, batches):
+    total, tokens = 0.0, 0.0
+    with torch.no_grad():
+        for i, b in enumerate(loader):
+            if i == batches:
+                break
+            logits = model(b["input_ids"], position_ids=b.get("position_ids")).logits
+            ce = F.cross_entropy(logits.flatten(0, 1).float(), b["labels"].flatten(), reduction="none")
+            mask = b["loss_mask"].flatten().float()
+            total += float((ce * mask).sum())
+            tokens += float(mask.sum())
+    return total / tokens
+
+
+def test_eval_cli_reports_the_checkpoint_loss(tmp_path, capsys):
+    config_path = _config(tmp_path)
+    torch.manual_seed(1)
+    model = build_model(MODEL)
+    manager = CheckpointManager(tmp_path / "ckpt", no_save_optim=True)
+    manager.save(Checkpointable(model, state=TrainState(max_steps=1)), 1)
+    manager.close()
+
+    expected = _reference(model, build_eval_loader(load_config(config_path)), 3)
+    torch.manual_seed(2)  # the CLI builds a differently initialised model: only loading gives `expected`
+    status = main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--config", str(config_path), "--json"])
+    assert status == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["val_loss"] == pytest.approx(expected, rel=1e-5)
+    assert out["batches"] == 3
+    assert out["val_ppl"] == pytest.approx(np.exp(expected), rel=1e-5)
+
+    no_split = ["--set", "train_dataset.dataloader.config.split='100,0,0'"]
+    assert (
+        main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--config", str(config_path), *no_split]) == 2
+    )
+    assert "has none" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(tmp_path / "nothing"), "--config", str(config_path)]) == 2
+    assert "No checkpoint found" in capsys.readouterr().err
