@@ -1,0 +1,99 @@
+"""Sections read by the building blocks: optimizer, lr_scheduler, train_dataset, model (mostly open)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from lmforge.config.base import Float, OpenSection, Section, check_positive
+
+# --------------------------------------------------------------------------------------------------
+# optimizer and lr_scheduler
+
+
+class OptimizerConfig(OpenSection):
+    type: str = "AdamW"
+    betas: list[Float] = Field(default_factory=lambda: [0.9, 0.95])
+    eps: Float = 1.0e-8
+    weight_decay: Float = 0.01
+    weight_decay_include: list[str] | None = None
+    weight_decay_exclude: list[str] | None = None
+    accumulate_allreduce_grads_in_fp32: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimizerConfig:
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(
+                f"optimizer.betas must be two values, each in [0, 1) (e.g. [0.9, 0.95]); got {self.betas}"
+            )
+        if not self.eps > 0:
+            raise ValueError(f"optimizer.eps must be > 0 (e.g. 1.0e-8), got {self.eps}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        return self
+
+
+class LrSchedulerConfig(OpenSection):
+    type: str
+    learning_rate: Float = 1e-5
+
+    @model_validator(mode="after")
+    def _check(self) -> LrSchedulerConfig:
+        if not self.learning_rate >= 0:
+            raise ValueError(f"lr_scheduler.learning_rate must be >= 0, got {self.learning_rate}")
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# train_dataset
+
+
+class DataloaderConfig(OpenSection):
+    type: str
+    shuffle: bool = False
+    column_names: list[str] = Field(default_factory=lambda: ["input_ids", "labels"])
+    python_multiprocessing: bool = False
+
+
+class TrainDatasetConfig(Section):
+    dataloader: DataloaderConfig
+    drop_remainder: bool = True
+    num_parallel_workers: int = 8
+    prefetch_size: int = 1
+    numa_enable: bool = False
+    use_distribute_dataset: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainDatasetConfig:
+        if self.num_parallel_workers < 0:
+            raise ValueError(
+                f"train_dataset.num_parallel_workers must be >= 0, got {self.num_parallel_workers}"
+            )
+        check_positive(self.prefetch_size, "train_dataset.prefetch_size")
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# model
+
+
+class ModelConfig(OpenSection):
+    model_type: str
+    architectures: str
+
+    def layer_count(self) -> int | None:
+        """Decoder layers plus MTP layers, or None when the section does not say."""
+        layers = None
+        for key in ("num_hidden_layers", "num_layers"):
+            value = getattr(self, key, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                layers = value
+                break
+        if layers is None:
+            return None
+        mtp = 0
+        for key in ("mtp_num_layers", "num_nextn_predict_layers"):
+            value = getattr(self, key, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                mtp = value
+                break
+        return layers + max(mtp, 0)
