@@ -166,6 +166,7 @@ def test_wsd():
     assert lr(sec, 90) == approx(base - (base - end) * (90 - start) / (T - start))
     assert lr(sec, T) == approx(end)
     assert lr(sec, T + 50) == approx(end)  # clamped; the original keeps going down (below 0)
+    assert build_scheduler(sec, T).boundaries() == {"warm-up end": warm, "decay start": start, "decay end": T}
 
 
 def test_wsd_step_zero_without_warmup_is_the_base_lr():
@@ -238,6 +239,7 @@ def test_cosine_annealing_warm_restarts():
     assert lr(sec, 45) == approx(base * (1 + math.cos(math.pi * 15 / 40)) / 2)
     assert lr(sec, 70) == approx(base)
     assert lr(sec, T) == approx(base * (1 + math.cos(math.pi * 30 / 80)) / 2)
+    assert build_scheduler(sec, T).boundaries() == {"restart 1": 10, "restart 2": 30, "restart 3": 70}
     flat = {**sec, "t_mult": 1}
     assert lr(flat, 25) == approx(base * 0.5)
     assert lr(flat, T) == approx(base)

@@ -311,13 +311,15 @@ class CosineAnnealingWarmRestarts(Schedule):
         return self.eta_min + (self.base_lr - self.eta_min) * _half_cosine((t - start) / length)
 
     def boundaries(self) -> dict[str, int]:
+        """The restarts up to total_steps; none when there are more than 20 (a plot would be a comb)."""
         marks: dict[str, int] = {}
-        start, length, n = 0, self.t_0, 1
-        while start + length <= self.total_steps and n <= 20:
+        start, length = 0, self.t_0
+        while start + length <= self.total_steps:
             start += length
             length *= self.t_mult
-            marks[f"restart {n}"] = start
-            n += 1
+            marks[f"restart {len(marks) + 1}"] = start
+            if len(marks) > 20:
+                return {}
         return marks
 
     def _shape(self) -> str:
