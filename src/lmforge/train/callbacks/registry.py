@@ -30,6 +30,14 @@ def build_callback(item: Any, index: int) -> TrainerCallback:
     kwargs = section_to_dict(item)
     name = kwargs.pop("type", None)
     if name not in _REGISTRY:
+        # lmforge's other built-ins, then an import path or an entry point (see plugins.py).
+        from lmforge.train.callbacks.plugins import load_builtin_callbacks, resolve_callback
+
+        load_builtin_callbacks()
+        found = None if name in _REGISTRY else resolve_callback(name, index)
+        if found is not None:
+            _REGISTRY[name] = found
+    if name not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY)) or "(none)"
         raise ConfigError(
             f"callbacks[{index}].type: unknown callback {name!r}; registered callbacks: {known}."

@@ -1,0 +1,78 @@
+"""User callbacks from outside lmforge: an import path in the YAML, or a package's entry point.
+
+A ``callbacks:`` item's ``type`` is looked up in this order:
+
+1. the registry (``@register_callback`` — lmforge's own, and any a user module registered);
+2. an import path, ``package.module:ClassName`` (or ``package.module.ClassName``): the module is
+   imported (it must be importable, e.g. on ``PYTHONPATH``) and the class used;
+3. an entry point of the group ``lmforge.callbacks`` with that name, declared by an installed
+   package (``[project.entry-points."lmforge.callbacks"] MyCallback = "my_pkg.cb:MyCallback"``).
+
+The class is called with the item's other keys as keyword arguments. It should subclass
+``lmforge.train.callbacks.TrainerCallback``; any class with at least one hook method works.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib import metadata
+from typing import Any
+
+from lmforge.errors import ConfigError
+from lmforge.train.callbacks.base import HOOKS
+
+ENTRY_POINT_GROUP = "lmforge.callbacks"
+# lmforge's registered callbacks that live outside the trainer's own modules.
+BUILTIN_MODULES = ("lmforge.train.callbacks.max_logits",)
+
+
+def load_builtin_callbacks() -> None:
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def _check(cls: Any, name: str, index: int) -> type:
+    if not isinstance(cls, type) or not any(callable(getattr(cls, hook, None)) for hook in HOOKS):
+        raise ConfigError(
+            f"callbacks[{index}].type: {name!r} is not a callback class (it has none of the hooks "
+            f"{', '.join(HOOKS)}); subclass lmforge.train.callbacks.TrainerCallback"
+        )
+    return cls
+
+
+def _from_import_path(name: str, index: int) -> type | None:
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+    elif "." in name:
+        module_name, _, attr = name.rpartition(".")
+    else:
+        return None
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"callbacks[{index}].type: cannot import {module_name!r} for callback {name!r} ({exc}); the "
+            "module must be importable (installed, or on PYTHONPATH)"
+        ) from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ConfigError(f"callbacks[{index}].type: module {module_name!r} has no attribute {attr!r}")
+    return _check(cls, name, index)
+
+
+def _from_entry_point(name: str, index: int) -> type | None:
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            return _check(ep.load(), name, index)
+    return None
+
+
+def resolve_callback(name: Any, index: int) -> type | None:
+    """The class an unregistered ``type`` names, or None (the caller reports the unknown type)."""
+    if not isinstance(name, str) or not name:
+        return None
+    return _from_import_path(name, index) or _from_entry_point(name, index)
+
+
+def entry_point_names() -> list[str]:
+    return sorted(ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP))
