@@ -40,6 +40,28 @@ def is_muon_shape(p: torch.Tensor) -> bool:
     return p.dim() in (2, 3)
 
 
+def _split_by_route(params: Any) -> list[dict]:
+    """Groups without a ``route`` are split into a Muon part (2-D/3-D) and an AdamW part."""
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    out = []
+    for g in groups:
+        if "route" in g:
+            out.append(g)
+            continue
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        names = g.get("param_names")
+        for route in ("muon", "adamw"):
+            keep = [i for i, p in enumerate(ps) if is_muon_shape(p) == (route == "muon")]
+            if keep:
+                sub = {**g, "params": [ps[i] for i in keep], "route": route}
+                if names is not None:
+                    sub["param_names"] = [names[i] for i in keep]
+                out.append(sub)
+    return out
+
+
 class Muon(MasterWeightOptimizer):
     """Param groups carry ``route`` ("muon" or "adamw"); groups without it are routed by shape."""
 
@@ -82,7 +104,9 @@ class Muon(MasterWeightOptimizer):
         self.qk_clip_threshold = qk_clip_threshold
         self.qk_clip_group = qk_clip_group
         self.model = model
-        super().__init__(params, defaults, model=model, accumulate_grads_in_fp32=accumulate_grads_in_fp32)
+        super().__init__(
+            _split_by_route(params), defaults, model=model, accumulate_grads_in_fp32=accumulate_grads_in_fp32
+        )
 
         self._names: dict[int, str] = {}
         for g in self.param_groups:

@@ -74,22 +74,18 @@ def newton_schulz(
         raise ValueError(f"newton_schulz needs a matrix, got shape {tuple(x.shape)}")
     shape = x.shape
     tall = shape[-2] > shape[-1]
-    X = x.reshape(-1, shape[-2], shape[-1]) if x.dim() > 3 else x
-    X = X.to(dtype)
+    # Always batched (a lone matrix is a batch of one), so a matrix's result never depends on which
+    # other matrices share its batch: the sharded strategies then match the single process bitwise.
+    X = x.reshape(-1, shape[-2], shape[-1]).to(dtype)
     if tall:
         X = X.mT
     # Frobenius norm per matrix, accumulated in fp32 (bf16 would round the sum).
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
     X = X / (norm + eps).to(dtype)
     for a, b, c in schedule:
-        if X.dim() == 2:
-            P = X @ X.mT
-            Q = torch.addmm(P, P, P, beta=b, alpha=c)  # b*P + c*P@P
-            X = torch.addmm(X, Q, X, beta=a)  # a*X + Q@X
-        else:
-            P = torch.bmm(X, X.mT)
-            Q = torch.baddbmm(P, P, P, beta=b, alpha=c)
-            X = torch.baddbmm(X, Q, X, beta=a)
+        P = torch.bmm(X, X.mT)
+        Q = torch.baddbmm(P, P, P, beta=b, alpha=c)  # b*P + c*P@P
+        X = torch.baddbmm(X, Q, X, beta=a)  # a*X + Q@X
     if tall:
         X = X.mT
     return X.reshape(shape)
@@ -113,11 +109,9 @@ def orthogonalize_many(
         buckets.setdefault((m3.shape[-2], m3.shape[-1], m3.device), []).append(i)
     out: list[torch.Tensor | None] = [None] * len(mats)
     for idx in buckets.values():
-        stacked = flat[idx[0]] if len(idx) == 1 else torch.cat([flat[i] for i in idx])
-        if stacked.shape[0] == 1:
-            result = newton_schulz(stacked[0], schedule, eps, dtype).unsqueeze(0)
-        else:
-            result = newton_schulz(stacked, schedule, eps, dtype)
+        # Contiguous in every case: a transposed view takes a different (not bitwise equal) bmm path.
+        stacked = flat[idx[0]].contiguous() if len(idx) == 1 else torch.cat([flat[i] for i in idx])
+        result = newton_schulz(stacked, schedule, eps, dtype)
         start = 0
         for i in idx:
             n = flat[i].shape[0]
