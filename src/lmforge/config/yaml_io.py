@@ -123,6 +123,8 @@ def read_yaml_file(path: str | Path) -> Any:
 
 def dump_yaml_text(data: Any) -> str:
     """YAML text that :func:`parse_yaml_text` (and plain PyYAML) reads back to the same data."""
+    # allow_unicode=False: PyYAML writes some characters (U+0085 NEL, U+2028...) raw when unicode is
+    # allowed, and reads them back as line breaks; escaped, every string round-trips exactly.
     return yaml.dump(
-        data, Dumper=ConfigDumper, sort_keys=False, allow_unicode=True, default_flow_style=False, width=100
+        data, Dumper=ConfigDumper, sort_keys=False, allow_unicode=False, default_flow_style=False, width=100
     )
