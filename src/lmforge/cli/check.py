@@ -10,7 +10,7 @@ import argparse
 import importlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lmforge.config import derive, read_raw
@@ -18,14 +18,20 @@ from lmforge.config.load import apply_overrides, split_key, validate_config
 from lmforge.errors import ConfigError
 
 # Validation owned by the building blocks (which scheduler keys a scheduler takes, which model types
-# exist, Muon's rules...). Each entry is (module, function, section attribute); the function takes the
-# section and raises an LmforgeError. Missing modules or functions are skipped, so this list can name
-# hooks before they land.
-BUILDER_CHECKS: list[tuple[str, str, str]] = [
-    ("lmforge.models", "validate_model_section", "model"),
-    ("lmforge.optim", "validate_optimizer_section", "optimizer"),
-    ("lmforge.lr", "validate_scheduler_section", "lr_scheduler"),
-    ("lmforge.data", "validate_dataset_section", "train_dataset"),
+# exist, Muon's rules...): (module, function, section attribute, extra keyword arguments from the
+# whole config). Each function takes the section and raises an LmforgeError; a module or function
+# that does not exist is skipped.
+BUILDER_CHECKS: list[tuple[str, str, str, Callable[[Any], dict[str, Any]]]] = [
+    ("lmforge.models", "validate_model_section", "model", lambda cfg: {}),
+    ("lmforge.optim", "validate_optimizer_section", "optimizer", lambda cfg: {}),
+    # The original injects total_steps = training.steps into every scheduler.
+    (
+        "lmforge.lr",
+        "validate_scheduler_section",
+        "lr_scheduler",
+        lambda cfg: {"total_steps": cfg.training.steps},
+    ),
+    ("lmforge.data", "validate_dataset_section", "train_dataset", lambda cfg: {}),
 ]
 
 
@@ -180,14 +186,14 @@ def _data_file_warnings(cfg: Any) -> list[str]:
 
 
 def _builder_checks(cfg: Any) -> None:
-    for module_name, function_name, attribute in BUILDER_CHECKS:
+    for module_name, function_name, attribute, kwargs in BUILDER_CHECKS:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
         check = getattr(module, function_name, None)
         if callable(check):
-            check(getattr(cfg, attribute))
+            check(getattr(cfg, attribute), **kwargs(cfg))
 
 
 def run(args: argparse.Namespace) -> int:
