@@ -20,7 +20,6 @@ from torch import nn
 from lmforge.errors import LmforgeError
 from lmforge.train.parallel_seam import ParallelContext, sync_gradients
 
-IGNORE_INDEX = -100
 CLIP_EPS = 1e-6  # coef = max_norm / (norm + eps), as the original
 MODEL_INPUTS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask", "actual_seq_len")
 
@@ -59,13 +58,13 @@ class StepResult:
 
 
 def count_loss_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Label positions that contribute to the loss: label != -100 and loss_mask != 0."""
-    labels = batch["labels"]
-    valid = labels != IGNORE_INDEX
+    """The loss weight of a batch, as the models count it: labels >= 0 (so -100 is ignored), each
+    weighted by its loss_mask value (1/0 in practice)."""
+    weights = (batch["labels"] >= 0).to(torch.float64)
     mask = batch.get("loss_mask")
     if mask is not None:
-        valid = valid & (mask != 0)
-    return valid.sum()
+        weights = weights * mask.to(torch.float64)
+    return weights.sum()
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:
@@ -159,11 +158,12 @@ class TrainStep:
         for batch in batches:
             out = self.model(**{k: v for k, v in batch.items() if k in MODEL_INPUTS})
             objective = out.loss_sum * inv_tokens
-            if getattr(out, "aux_losses", None):
-                # .loss = token mean + weighted auxiliary losses; the auxiliary part is averaged over
-                # micro-batches and ranks (the original's 1/num_accum and 1/dp scaling).
-                aux = out.loss - out.loss_sum / out.num_tokens.clamp(min=1)
+            aux = getattr(out, "aux_loss", None)
+            if isinstance(aux, torch.Tensor) and aux.requires_grad:
+                # .loss = token mean + aux_loss (weighted auxiliary losses); the auxiliary part is
+                # averaged over micro-batches and ranks (the original's 1/num_accum and 1/dp scaling).
                 objective = objective + aux * aux_scale
+            if getattr(out, "aux_losses", None):
                 for name, value in out.aux_losses.items():
                     v = value.detach().to(torch.float64)
                     aux_totals[name] = aux_totals.get(name, 0) + v / accum
@@ -173,8 +173,8 @@ class TrainStep:
 
         if not torch.equal(model_tokens, counts.sum()):
             raise RuntimeError(
-                f"the model counted {int(model_tokens)} loss tokens but the trainer counted {int(counts.sum())} "
-                "(labels != -100 and loss_mask != 0): the model's loss masking disagrees with the trainer's"
+                f"the model counted {float(model_tokens)} loss tokens but the trainer counted {float(counts.sum())} "
+                "(labels >= 0, weighted by loss_mask): the model's loss masking disagrees with the trainer's"
             )
         sync_gradients(self.model, ctx)
 
@@ -215,10 +215,15 @@ class TrainStep:
             self.scheduler.step()
         update_bias = getattr(self.model, "update_expert_bias", None)
         if callable(update_bias):
-            update_bias()
+            # Aux-loss-free balancing uses the token counts of the whole data-parallel batch.
+            update_bias(self._reduce_over_dp if ctx.distributed else None)
         self.optimizer.zero_grad(set_to_none=True)
         _clear_main_grads(self.params)
         return result
+
+    def _reduce_over_dp(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self.ctx.dp_group)
+        return t
 
     def _current_lr(self) -> float:
         group = self.optimizer.param_groups[0]

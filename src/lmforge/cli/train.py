@@ -1,0 +1,50 @@
+"""``lmforge train``: train from a train.yaml (one process, or every process under torchrun).
+
+lmforge train --config FILE [--set KEY=VALUE ...] [--output-dir DIR]
+torchrun --nproc-per-node 2 -m lmforge train --config FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train a model from a train.yaml",
+        description=(
+            "Train from a train.yaml. Outputs (metrics.jsonl, train.log, curves.png, summary.json) go to "
+            "output_dir (or --output-dir); checkpoints go to checkpoint.save_path. Under torchrun every "
+            "process runs this command. SIGTERM/SIGINT save a checkpoint at the end of the current step."
+        ),
+    )
+    parser.add_argument("--config", required=True, metavar="FILE", help="the train.yaml")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value (YAML), e.g. --set training.steps=20; repeatable",
+    )
+    parser.add_argument("--output-dir", default=None, metavar="DIR", help="overrides the config's output_dir")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from lmforge.config import load_config
+    from lmforge.train.builder import build_trainer
+
+    config = load_config(args.config, args.overrides)
+    try:
+        trainer = build_trainer(config, output_dir=args.output_dir, device=args.device)
+        trainer.fit()
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

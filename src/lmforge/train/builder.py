@@ -1,0 +1,184 @@
+"""From a validated ``TrainConfig`` to a ready :class:`Trainer` (DESIGN §4).
+
+config ─ ParallelDims ─ build_model (meta when parallel) ─ parallelize ─ init weights
+       ─ build_scheduler ─ build_optimizer ─ ScheduleLR ─ build_dataloader (at the resume position)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmforge.errors import ConfigError
+from lmforge.train.parallel_seam import ParallelContext, distributed_env
+from lmforge.train.rng import seed_everything
+from lmforge.train.trainer import Trainer
+from lmforge.utils.logging import get_logger
+from lmforge.utils.sections import section_to_dict
+
+logger = get_logger("lmforge.train")
+
+
+def _section_enabled(section: Any, key: str, off: Any) -> bool:
+    values = section_to_dict(section)
+    return bool(values) and values.get(key, off) not in (off, None, False)
+
+
+def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int):
+    """Recompute / swap, applied on one device too (the original only applies them when parallel)."""
+    wanted = (
+        _section_enabled(cfg.recompute, "mode", "None")
+        or _section_enabled(cfg.recompute_comm, "enable", False)
+        or _section_enabled(cfg.swap, "enable", False)
+    )
+    if not wanted:
+        return None
+    from lmforge.parallel.activation import apply_activation_memory
+
+    def apply(model: torch.nn.Module) -> None:
+        summary = apply_activation_memory(
+            model,
+            cfg.recompute,
+            cfg.recompute_comm,
+            cfg.swap,
+            num_layers,
+            pipeline_parallel=pp,
+            has_comm_ops=has_comm_ops,
+        )
+        logger.info("Activation memory: %s", summary)
+
+    return apply
+
+
+def find_tokenizer(cfg: Any) -> Path | None:
+    """The tokenizer.json of the run's data: ``train_dataset.dataloader.tokenizer`` if it is a local
+    path, else a tokenizer.json next to the first training data prefix (as ``lmforge data demo`` lays out)."""
+    loader = section_to_dict(getattr(cfg.train_dataset, "dataloader", None))
+    candidates: list[Path] = []
+    tok = loader.get("tokenizer")
+    if isinstance(tok, str) and tok:
+        candidates.append(Path(tok))
+    elif isinstance(tok, dict):
+        for key in ("tokenizer_file", "path", "vocab_file"):
+            if isinstance(tok.get(key), str):
+                candidates.append(Path(tok[key]))
+    data = loader.get("config") or {}
+    for key in ("train_data_path", "data_path"):
+        paths = data.get(key) or []
+        for p in paths if isinstance(paths, list) else [paths]:
+            if isinstance(p, str) and not _is_number(p):
+                candidates.append(Path(p).parent)
+    for c in candidates:
+        file = c / "tokenizer.json" if c.is_dir() else c
+        if file.is_file() and file.name.endswith(".json"):
+            return file
+    return None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def build_trainer(
+    cfg: Any, *, output_dir: str | os.PathLike | None = None, device: str | None = None
+) -> Trainer:
+    """Build everything a run needs from ``cfg`` (one process or under torchrun)."""
+    from lmforge.data import build_dataloader
+    from lmforge.lr import ScheduleLR, build_scheduler
+    from lmforge.models import build_model, build_model_config, load_hf_weights
+    from lmforge.optim import build_optimizer
+    from lmforge.parallel import ParallelDims
+
+    ctx = distributed_env(device)
+    training = cfg.training
+    seed_everything(int(training.seed), bool(training.deterministic))
+    model_cfg = build_model_config(cfg.model)
+    dims = ParallelDims.from_section(cfg.parallelism, ctx.world_size)
+    batch = int(training.global_batch_size) // max(int(training.local_batch_size) * dims.dp, 1)
+    hook = _activation_hook(cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp)
+    if dims.pp > 1:
+        raise ConfigError(
+            "parallelism.pipeline_parallel > 1: the pipeline schedule is not wired into lmforge train yet; "
+            "use data, tensor, context or expert parallelism (pipeline_parallel: 1)."
+        )
+    if not dims.is_parallel:
+        model = build_model(cfg.model, device=ctx.device)  # initialised now, from the seeded RNG
+        if hook is not None:
+            hook(model)
+    else:
+        from lmforge.parallel import parallelize
+
+        model = build_model(cfg.model, device="meta")
+        mesh = dims.build_mesh(ctx.device.type)
+        model, info = parallelize(
+            model,
+            dims,
+            mesh,
+            cfg.parallelism,
+            num_microbatches=max(batch, 1),
+            apply_activation=hook,
+            device=ctx.device,
+        )
+        model.to_empty(device=ctx.device)
+        with torch.no_grad():
+            model.init_weights()
+        ctx = ParallelContext(
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            local_rank=ctx.local_rank,
+            dp_rank=info.dp_rank,
+            dp_size=info.dp_size,
+            device=ctx.device,
+            # FSDP sums gradients over data-parallel ranks; the step divides by the global token count.
+            wrapper_reduces_grads=True,
+            grad_reduce_is_mean=False,
+            dp_group=info.dp_group,
+        )
+    logger.info(
+        "Model %s: %.2fM parameters, %s; parallel: %s",
+        getattr(cfg.model, "architectures", "?"),
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        getattr(model, "compute_dtype", next(model.parameters()).dtype),
+        dims.describe(),
+    )
+    schedule = build_scheduler(cfg.lr_scheduler, int(training.steps))
+    optimizer = build_optimizer(cfg.optimizer, model, schedule)
+    scheduler = ScheduleLR(optimizer, schedule)
+
+    def dataloader_factory(consumed_samples: int) -> Any:
+        loader = build_dataloader(
+            cfg.train_dataset,
+            local_batch_size=int(training.local_batch_size),
+            dp_rank=ctx.dp_rank,
+            dp_size=ctx.dp_size,
+            seed=int(training.seed),
+            vocab_size=model_cfg.vocab_size,
+            seq_length=model_cfg.seq_length,
+            consumed_samples=consumed_samples,
+        )
+        if loader is None:
+            raise ConfigError(
+                "train_dataset: the training split is empty; check train_dataset.dataloader.config "
+                "(train_data_path / data_path and split)."
+            )
+        return loader
+
+    tokenizer = find_tokenizer(cfg)
+    return Trainer(
+        cfg,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        dataloader_factory=dataloader_factory,
+        ctx=ctx,
+        output_dir=output_dir,
+        hf_loader=load_hf_weights,
+        files_to_copy=[tokenizer] if tokenizer else None,
+    )
