@@ -120,3 +120,13 @@ def test_launch_flags(
     base_config["training"]["global_batch_size"] = 4
     got, out, err = _check(capsys, "--config", _write(tmp_path, base_config), *flags)
     assert got == status and text in out + err
+
+
+def test_adjusted_values_and_warnings(tmp_path: Path, base_config: dict[str, Any], capsys: Any) -> None:
+    base_config["parallelism"] = {"tensor_parallel": 2, "sequence_parallel": False}
+    base_config["context"] = {"device_target": "GPU"}
+    status, out, err = _check(capsys, "--config", _write(tmp_path, base_config), "--world-size", "2")
+    assert status == 0
+    assert "parallelism.sequence_parallel: true  [file, adjusted]" in out
+    assert "context.device_target = 'GPU' has no effect" in out
+    assert "has no effect" not in err  # printed once, in the report

@@ -274,3 +274,23 @@ def test_extras_named_like_pydantic_methods(base_config: dict[str, Any]) -> None
     cfg = load_config(base_config)
     assert cfg.model.get("schema") == "v2" and cfg.model["schema"] == "v2"
     assert cfg.model.to_dict()["schema"] == "v2"
+
+
+def test_unknown_top_level_keys_pass_through_with_a_warning(base_config: dict[str, Any]) -> None:
+    base_config["trainig"] = {"steps": 5}
+    base_config["eval_dataset"] = {"x": 1}
+    cfg = load_config(base_config)
+    assert cfg.trainig.steps == 5 and cfg.training.steps == 10
+    assert any(
+        "'trainig' is not a section lmforge reads" in w and "did you mean training?" in w
+        for w in cfg.warnings
+    )
+    assert any("'eval_dataset'" in w for w in cfg.warnings)
+
+
+def test_fp32_accumulation_cannot_be_turned_off(base_config: dict[str, Any]) -> None:
+    base_config["optimizer"] = {"accumulate_allreduce_grads_in_fp32": False}
+    warnings = load_config(base_config).warnings
+    assert any(
+        w.startswith("optimizer.accumulate_allreduce_grads_in_fp32 = False has no effect") for w in warnings
+    )

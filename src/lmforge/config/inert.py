@@ -7,6 +7,7 @@ nothing, when the file writes the section at all. ``docs/compatibility.md`` list
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,8 @@ INERT_FIELDS: dict[str, str] = {
     "parallelism.pipeline_parallel_p2p_transport": "torch.distributed.pipelining chooses its own transport",
     "train_dataset.numa_enable": "NUMA binding of MindSpore's data pipeline",
     "profiler.mstx": "Ascend's lightweight marker collection; use torch.profiler record_function ranges",
+    "optimizer.accumulate_allreduce_grads_in_fp32": "gradients are always accumulated in fp32 (as in the "
+    "original's current version, which removed this flag)",
 }
 
 # Sections that lmforge accepts but does not implement yet: a warning whenever the file writes them.
@@ -43,6 +46,20 @@ def _lookup(raw: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
             return False, None
         node = node[part]
     return True, node
+
+
+def _unknown_top_level(raw: Mapping[str, Any], sections: Mapping[str, Any]) -> list[str]:
+    # The top level passes unknown keys through (allow_extra), so a misspelt section name would be
+    # ignored without a word; say so, with the closest section name.
+    known = [*sections, "output_dir"]
+    out = []
+    for key in raw:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        out.append(f"top-level key {key!r} is not a section lmforge reads; it is passed through unused{hint}")
+    return out
 
 
 def collect_warnings(raw: Mapping[str, Any], cfg: Any) -> list[str]:
@@ -62,6 +79,7 @@ def collect_warnings(raw: Mapping[str, Any], cfg: Any) -> list[str]:
     for section, why in INERT_SECTIONS.items():
         if raw.get(section) is not None:
             warnings.append(f"{section} is accepted but has no effect: {why}.")
+    warnings.extend(_unknown_top_level(raw, SECTION_CLASSES))
     present, sp = _lookup(raw, "parallelism.sequence_parallel")
     if present and sp is False and cfg.parallelism.tensor_parallel > 1:
         warnings.append(
