@@ -42,10 +42,7 @@ from torch.utils.checkpoint import (
 )
 
 from lmforge.errors import ConfigError
-from lmforge.utils.logging import get_logger
 from lmforge.utils.sections import section_to_dict
-
-log = get_logger(__name__)
 
 # The spec's examples use MindSpore-Transformers graph-mode names ("attention"); lmforge models use
 # Megatron names ("self_attention"). A pattern may use either: each path is also offered with these
@@ -732,7 +729,6 @@ def plan_activation_memory(
         plan.prefetch = prefetch
         plan.swapper = swapper
 
-    log.info("activation memory: %s", plan.summary())
     return plan
 
 

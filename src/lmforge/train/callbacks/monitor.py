@@ -8,7 +8,10 @@ from typing import Any
 
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.monitor import MoeTokenMonitor, PeakMemory, TrainStateMonitor, format_bytes
+from lmforge.utils.logging import get_logger
 from lmforge.utils.sections import section_to_dict
+
+log = get_logger("lmforge.train")
 
 
 def _rank() -> int:
@@ -104,6 +107,11 @@ class MemoryCallback(TrainerCallback):
         device = getattr(getattr(trainer, "ctx", None), "device", None)
         if device is not None:
             self.meter = PeakMemory(device)
+        # What recompute / swap do, stated at the start of the run's log (the model is built, and
+        # the plan applied, before the run's log file exists).
+        plan = getattr(_model(kwargs), "_lmforge_activation_plan", None)
+        if plan is not None:
+            log.info("Activation memory: %s", plan.summary())
 
     def on_step_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
         self.meter.begin_step()
