@@ -113,3 +113,17 @@ def test_muon_routes_by_shape_and_adamw_include():
     assert route["decoder.layers.0.self_attention.linear_qkv.bias"] == "adamw"
     assert isinstance(opt.state[model.output_layer.weight]["exp_avg"], torch.Tensor)
     assert "momentum_buffer" in opt.state[model.decoder.layers[0].mlp.linear_fc1.weight]
+
+
+def test_pipeline_chunks_share_one_optimizer_and_the_same_rules():
+    first, last = TinyLM(), TinyLM()
+    opt = build_optimizer(
+        {"weight_decay_exclude": ["linear_proj"], "lr_scale": {"output_layer": 0.5}}, [first, last], 1e-3
+    )
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(params) == len(list(first.parameters())) + len(list(last.parameters()))
+    for chunk in (first, last):
+        proj = chunk.decoder.layers[0].self_attention.linear_proj.weight
+        out = chunk.output_layer.weight
+        assert next(g for g in opt.param_groups if any(p is proj for p in g["params"]))["weight_decay"] == 0.0
+        assert next(g for g in opt.param_groups if any(p is out for p in g["params"]))["lr_scale"] == 0.5

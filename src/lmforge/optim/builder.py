@@ -13,6 +13,7 @@ from lmforge.optim.lamb import LAMB
 from lmforge.optim.lion import Lion
 from lmforge.optim.master_weights import MasterWeightOptimizer
 from lmforge.optim.matching import first_matching_glob
+from lmforge.optim.model_chunks import as_model
 from lmforge.optim.muon import Muon, is_muon_shape
 from lmforge.optim.options import parse_optimizer_section
 from lmforge.optim.param_groups import build_param_groups
@@ -27,7 +28,7 @@ def initial_lr(lr: Any) -> float:
 
 def build_optimizer(
     section: Any,
-    model: nn.Module | None,
+    model: nn.Module | list[nn.Module] | None,
     lr: Any,
     *,
     qk_clip_group: dist.ProcessGroup | None = None,
@@ -46,6 +47,8 @@ def build_optimizer(
             if opts.type == "Muon"
             else f"optimizer.{key}: a model is needed to build the {opts.type} optimizer."
         )
+    # Several pipeline chunks on one rank: one optimizer, and the section's rules apply to every chunk.
+    model = as_model(model)
     lr0 = initial_lr(lr)
     h = opts.hyper
 

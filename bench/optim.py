@@ -1,0 +1,192 @@
+"""Optimizer step time: lmforge's AdamW and Muon against torch's, same process, same tensors.
+
+    .venv/bin/python bench/optim.py [--repeats N] [--models demo,100m] [--no-write]
+
+For each model's parameter shapes it times ``optimizer.step()`` (median of repeats, ours and torch's
+interleaved so background load hits both alike) and prints the ratio ours / torch:
+
+* AdamW, fp32 parameters: ours (fused kernel on the parameters) vs ``torch.optim.AdamW(foreach=True)``.
+* AdamW, bf16 parameters: ours including the fp32 masters (update on the master + copy back) vs
+  torch's foreach AdamW on fp32 parameters of the same shapes (what a run without masters would pay
+  for fp32 weights).
+* Muon on the 2-D hidden matrices (torch's Muon takes 2-D only; no split schema, so both do the same
+  Newton-Schulz work): ours (batched by shape) vs ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")``.
+
+The table replaces the "## Optimizer step" section of docs/benchmarks.md (other sections untouched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lmforge.optim import AdamW, Muon
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "benchmarks.md"
+SECTION = "## Optimizer step"
+
+
+def transformer_shapes(vocab, hidden, layers, ffn, q_rows, kv_rows, head_dim=None, tied=True):
+    """Parameter shapes of a Megatron-style decoder (fused QKV, SwiGLU fc1 = 2*ffn rows)."""
+    hidden_mats, others = [], [(vocab, hidden)]
+    if not tied:
+        others.append((vocab, hidden))
+    for _ in range(layers):
+        hidden_mats += [(q_rows + 2 * kv_rows, hidden), (hidden, q_rows), (2 * ffn, hidden), (hidden, ffn)]
+        others += [(hidden,), (hidden,)]
+        if head_dim:
+            others += [(head_dim,), (head_dim,)]
+    others.append((hidden,))
+    return hidden_mats, others
+
+
+MODELS = {
+    # configs/demo.yaml: qwen3, hidden 256, 4 layers, 4 heads / 2 KV heads of 64, ffn 768, vocab 8192, tied.
+    "demo": transformer_shapes(8192, 256, 4, 768, 4 * 64, 2 * 64, head_dim=64),
+    # ~110M parameters: hidden 768, 12 layers, 12 heads of 64 (MHA), SwiGLU ffn 2048, vocab 32000, tied.
+    "100m": transformer_shapes(32000, 768, 12, 2048, 768, 768),
+}
+
+
+def make_params(shapes, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(dtype)) for s in shapes]
+
+
+def set_grads(params, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+def time_pair(make_ours, make_theirs, params_ours, params_theirs, repeats):
+    """Median step seconds (ours, theirs), interleaved."""
+    ours, theirs = make_ours(), make_theirs()
+    set_grads(params_ours, 0)
+    set_grads(params_theirs, 0)
+    ours.step()  # warm-up (kernel selection, lazy state in torch's optimizers)
+    theirs.step()
+    t_ours, t_theirs = [], []
+    for r in range(repeats):
+        for opt, params, out in ((ours, params_ours, t_ours), (theirs, params_theirs, t_theirs)):
+            set_grads(params, r + 1)
+            start = time.perf_counter()
+            opt.step()
+            out.append(time.perf_counter() - start)
+    return statistics.median(t_ours), statistics.median(t_theirs)
+
+
+def bench_model(name, repeats):
+    hidden, others = MODELS[name]
+    shapes = hidden + others
+    n_params = sum(torch.Size(s).numel() for s in shapes)
+    rows = []
+
+    a, b = make_params(shapes, torch.float32), make_params(shapes, torch.float32)
+    t = time_pair(
+        lambda: AdamW(a, lr=1e-3, weight_decay=0.1),
+        lambda: torch.optim.AdamW(b, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), foreach=True),
+        a,
+        b,
+        repeats,
+    )
+    rows.append((name, n_params, "AdamW, fp32 params", "torch AdamW foreach (fp32)", *t))
+    del a, b
+
+    a, b = make_params(shapes, torch.bfloat16), make_params(shapes, torch.float32)
+    t = time_pair(
+        lambda: AdamW(a, lr=1e-3, weight_decay=0.1),
+        lambda: torch.optim.AdamW(b, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), foreach=True),
+        a,
+        b,
+        repeats,
+    )
+    rows.append((name, n_params, "AdamW, bf16 params + fp32 masters", "torch AdamW foreach (fp32)", *t))
+    del a, b
+
+    n_hidden = sum(torch.Size(s).numel() for s in hidden)
+    a, b = make_params(hidden, torch.float32), make_params(hidden, torch.float32)
+    t = time_pair(
+        lambda: Muon(a, lr=0.02, qk_clip_enabled=False),
+        lambda: torch.optim.Muon(b, lr=0.02, adjust_lr_fn="match_rms_adamw"),
+        a,
+        b,
+        max(3, repeats // 2),
+    )
+    rows.append((name, n_hidden, "Muon, 2-D hidden matrices", "torch Muon (match_rms_adamw)", *t))
+    return rows
+
+
+def machine() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        model = re.search(r"Model name:\s*(.+)", out)
+        cpu = model.group(1).strip() if model else platform.processor()
+    except OSError:
+        cpu = platform.processor()
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def render(rows, repeats) -> str:
+    lines = [
+        SECTION,
+        "",
+        f"`bench/optim.py` (median of {repeats} steps, ours and torch's interleaved in one process on the same",
+        f"shapes and gradients). Machine: {machine()}. Load average at start: "
+        f"{os.getloadavg()[0]:.1f} (the machine is shared, so absolute times are noisy; the ratio is the result).",
+        "",
+        "| model | parameters | ours | peer | ours ms | peer ms | ratio |",
+        "|---|---:|---|---|---:|---:|---:|",
+    ]
+    for model, n, ours, peer, t_ours, t_peer in rows:
+        lines.append(
+            f"| {model} | {n / 1e6:.1f}M | {ours} | {peer} | {t_ours * 1e3:.1f} | {t_peer * 1e3:.1f} | "
+            f"{t_ours / t_peer:.2f}x |"
+        )
+    lines += [
+        "",
+        "Targets (issue 4): AdamW <= 1.1x torch's step with masters included; Muon <= 0.8x torch's Muon.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_section(text: str) -> None:
+    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n\n"
+    start = doc.find(SECTION)
+    if start < 0:
+        doc = doc.rstrip("\n") + "\n\n" + text
+    else:
+        nxt = doc.find("\n## ", start + len(SECTION))
+        doc = doc[:start] + text + (doc[nxt + 1 :] if nxt >= 0 else "")
+    DOC.write_text(doc if doc.endswith("\n") else doc + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--models", default="demo,100m")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    for name in args.models.split(","):
+        rows += bench_model(name, args.repeats)
+    text = render(rows, args.repeats)
+    print(text)
+    if not args.no_write:
+        write_section(text)
+        print(f"updated {DOC.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
