@@ -137,10 +137,8 @@ def _lookup(raw: Any, dotted: str) -> tuple[bool, Any]:
 def _format_value(value: Any) -> str:
     import yaml
 
-    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
-    if text.endswith("\n..."):
-        text = text[: -len("\n...")]
-    return text.removesuffix("...").strip()
+    # A scalar document ends with an explicit "..." line; one-line flow style for everything.
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).replace("\n...\n", "").strip()
 
 
 def _source_of(key: str, value: Any, file_raw: Mapping[str, Any], set_keys: list[str]) -> str:
@@ -150,14 +148,9 @@ def _source_of(key: str, value: Any, file_raw: Mapping[str, Any], set_keys: list
             return "--set"
     present, raw_value = _lookup(file_raw, key)
     if not present:
-        # callbacks[i] items are lists of mappings; their keys all come from the file.
-        top = key.split(".")[0].split("[")[0]
-        if top == "callbacks" and file_raw.get("callbacks"):
-            return "file"
         return "default"
-    if raw_value != value and not (isinstance(raw_value, Mapping) and not raw_value):
-        return "file, adjusted"
-    return "file"
+    # A value lmforge changed (sequence_parallel under tensor parallel, a null recompute mode).
+    return "file, adjusted" if raw_value != value else "file"
 
 
 def _data_file_warnings(cfg: Any) -> list[str]:
