@@ -220,3 +220,33 @@ def test_no_weight_decay_names_are_norms_and_biases():
     assert "decoder.layers.0.self_attention.linear_qkv.bias" in names
     assert "decoder.final_layernorm.weight" in names
     assert not any(n.endswith("linear_qkv.weight") or "word_embeddings" in n for n in names)
+
+
+def test_original_transformer_config_names_are_aliases():
+    cfg = build_model_config(
+        {
+            "model_type": "llama",
+            "architectures": "LlamaForCausalLM",
+            "num_layers": 3,
+            "ffn_hidden_size": 96,
+            "num_query_groups": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "vocab_size": 128,
+            "rotary_base": 5e5,
+        }
+    )
+    assert (cfg.num_layers, cfg.intermediate_size, cfg.num_key_value_heads, cfg.rope_theta) == (3, 96, 2, 5e5)
+    moe = build_model_config(
+        {
+            "model_type": "qwen3_moe",
+            "architectures": "Qwen3MoeForCausalLM",
+            "num_moe_experts": 4,
+            "num_experts_per_tok": 2,
+        }
+    )
+    assert moe.num_experts == 4
+    with pytest.raises(ConfigError, match=r"model\.num_layers"):
+        build_model_config({**TINY_LLAMA, "num_layers": "3"})
+    with pytest.raises(ConfigError, match=r"model\.mtp_num_layers"):
+        build_model_config({**TINY_LLAMA, "mtp_num_layers": 1})  # no MTP in llama

@@ -82,7 +82,7 @@ def test_grouped_matmul_equals_per_expert_matmul():
 def _moe(**kw):
     settings = RouterSettings(**{"num_experts": 8, "top_k": 2, **kw})
     torch.manual_seed(0)
-    layer = MoELayer(16, 12, settings, shared_ffn_hidden_size=kw.pop("shared", 0))
+    layer = MoELayer(16, 12, settings)
     layer.router.reset_parameters(0.3)
     for p in (layer.experts.linear_fc1.weight, layer.experts.linear_fc2.weight):
         p.data.normal_(0, 0.3)

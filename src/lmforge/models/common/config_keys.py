@@ -97,17 +97,47 @@ INERT_KEYS = {
     "moe_router_fusion",
     "moe_permute_fusion",
     "mla_qkv_concat",
+    "ep_size",
 }
 FP32_ONLY_KEYS = ("layernorm_compute_dtype", "softmax_compute_dtype", "rotary_dtype", "router_dense_type")
-# alias -> canonical Hugging Face key
-ALIASES = {
-    "moe_router_score_function": "scoring_func",
-    "moe_router_topk_scaling_factor": "routed_scaling_factor",
-    "moe_router_topk": "num_experts_per_tok",
-    "moe_router_num_groups": "n_group",
-    "moe_router_group_topk": "topk_group",
-    "scaling_factor": "rotary_scaling_factor",
+# alias -> the Hugging Face key(s) it stands for (the first one the family has is used). The original's
+# TransformerConfig names (DeepseekV3ConfigConverter's rename table) and its moe_router_* spellings.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "moe_router_score_function": ("scoring_func",),
+    "moe_router_topk_scaling_factor": ("routed_scaling_factor",),
+    "moe_router_topk": ("num_experts_per_tok",),
+    "moe_router_num_groups": ("n_group",),
+    "moe_router_group_topk": ("topk_group",),
+    "scaling_factor": ("rotary_scaling_factor",),
+    "num_layers": ("num_hidden_layers",),
+    "ffn_hidden_size": ("intermediate_size",),
+    "num_query_groups": ("num_key_value_heads",),
+    "mtp_num_layers": ("num_nextn_predict_layers",),
+    "num_moe_experts": ("n_routed_experts", "num_experts"),
+    "shared_expert_num": ("n_shared_experts",),
+    "moe_ffn_hidden_size": ("moe_intermediate_size",),
+    "rotary_base": ("rope_theta",),
+    "qk_pos_emb_head_dim": ("qk_rope_head_dim",),
+    "layernorm_epsilon": ("rms_norm_eps",),
+    "init_method_std": ("initializer_range",),
 }
+ALIAS_DEFAULTS = {
+    alias: (None, f"alias of {' / '.join(targets)} (the original's name)")
+    for alias, targets in ALIASES.items()
+    if alias
+    not in (
+        "moe_router_score_function",
+        "moe_router_topk_scaling_factor",
+        "moe_router_topk",
+        "moe_router_num_groups",
+        "moe_router_group_topk",
+        "scaling_factor",
+    )
+}
+
+
+def alias_target(alias: str, keys: dict[str, Any] | list[str]) -> str | None:
+    return next((t for t in ALIASES.get(alias, ()) if t in keys), None)
 
 
 @dataclass
@@ -121,16 +151,14 @@ class FamilyKeys:
 
     def mf_keys(self) -> dict[str, tuple[Any, str]]:
         keys = dict(COMMON_MF_KEYS)
+        keys.update(ALIAS_DEFAULTS)
         if self.moe:
             keys.update(MOE_MF_KEYS)
         if self.mla:
             keys.update(MLA_MF_KEYS)
         keys.update(self.extra_mf)
-        return {
-            k: v
-            for k, v in keys.items()
-            if not (k in ALIASES and ALIASES[k] not in self.hf and ALIASES[k] not in keys)
-        }
+        names = [*self.hf, *keys]
+        return {k: v for k, v in keys.items() if k not in ALIASES or alias_target(k, names) is not None}
 
     def valid_keys(self) -> list[str]:
         return ["model_type", "architectures", *self.hf, *self.mf_keys(), *HF_BOOKKEEPING_KEYS]
@@ -174,13 +202,15 @@ def resolve_section(raw: dict[str, Any], family: FamilyKeys) -> dict[str, Any]:
         if key in family.hf or key in family.mf_keys():
             _check_type(key, value, default)
         values[key] = value
-    for alias, canonical in ALIASES.items():
-        if alias in raw:
+    for alias in ALIASES:
+        canonical = alias_target(alias, list(values))
+        if alias in raw and canonical is not None:
             if canonical in raw and raw[canonical] != raw[alias]:
                 raise ConfigError(
                     f"model.{alias} = {raw[alias]!r} contradicts model.{canonical} = {raw[canonical]!r}; "
                     f"they are the same setting, give one of them (or equal values)."
                 )
+            _check_type(alias, raw[alias], family.hf.get(canonical))
             values[canonical] = raw[alias]
     for key in FP32_ONLY_KEYS:
         if key in raw and parse_dtype(raw[key], f"model.{key}") != parse_dtype("float32", key):
