@@ -250,3 +250,13 @@ def test_original_transformer_config_names_are_aliases():
         build_model_config({**TINY_LLAMA, "num_layers": "3"})
     with pytest.raises(ConfigError, match=r"model\.mtp_num_layers"):
         build_model_config({**TINY_LLAMA, "mtp_num_layers": 1})  # no MTP in llama
+
+
+def test_deepseek_balance_loss_defaults():
+    assert build_model_config(_tiny_ds3()).load_balancing_type == "none"
+    cfg = build_model_config(_tiny_ds3(aux_loss_alpha=0.001))
+    assert (cfg.load_balancing_type, cfg.aux_loss_coeff) == ("seq_aux_loss", 0.001)
+    assert (
+        build_model_config(_tiny_ds3(aux_loss_alpha=0.001, seq_aux=False)).load_balancing_type == "aux_loss"
+    )
+    assert build_model_config(_tiny_ds3()).enable_expert_bias is True

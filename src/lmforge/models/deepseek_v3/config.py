@@ -102,9 +102,8 @@ def to_transformer_config(values: dict[str, Any]) -> TransformerConfig:
         raise ConfigError(f"model.scoring_func = {scoring!r}; valid: 'sigmoid', 'softmax'.")
     # DeepSeek's own config names the sequence balance loss aux_loss_alpha (+ seq_aux).
     alpha = values.get("aux_loss_alpha")
-    default_type = (
-        "seq_aux_loss" if alpha and values.get("seq_aux", True) else ("aux_loss" if alpha else "none")
-    )
+    per_sequence = values.get("seq_aux") is not False
+    default_type = ("seq_aux_loss" if per_sequence else "aux_loss") if alpha else "none"
     kind, coeff = moe_balance(values, default_type, float(alpha or 0.0))
     bias = values.get("moe_router_enable_expert_bias")
     shared = values.get("moe_shared_expert_intermediate_size")
