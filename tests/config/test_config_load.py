@@ -294,3 +294,12 @@ def test_fp32_accumulation_cannot_be_turned_off(base_config: dict[str, Any]) -> 
     assert any(
         w.startswith("optimizer.accumulate_allreduce_grads_in_fp32 = False has no effect") for w in warnings
     )
+
+
+def test_union_type_errors_are_one_message(base_config: dict[str, Any]) -> None:
+    base_config["parallelism"] = {"pipeline_parallel_layers_per_stage": 5}
+    with pytest.raises(ConfigError) as info:
+        load_config(base_config)
+    message = str(info.value)
+    assert "parallelism.pipeline_parallel_layers_per_stage must be a string or a list, got int (5)" in message
+    assert "problems" not in message

@@ -301,6 +301,7 @@ def _suggest(key: str, valid: Sequence[str]) -> str:
 def _format_errors(exc: ValidationError, source: str) -> str:
     unknown: dict[tuple[str | int, ...], list[str]] = {}
     messages: list[str] = []
+    wrong_type: dict[str, tuple[list[str], Any]] = {}
     for err in exc.errors():
         loc = _clean_loc(err["loc"])
         path = _dotted(loc)
@@ -324,15 +325,22 @@ def _format_errors(exc: ValidationError, source: str) -> str:
                 f"default, or give {_TYPE_WORDS[kind]}"
             )
         elif kind in _TYPE_WORDS:
-            want = _TYPE_WORDS[kind]
-            hint = ""
-            if kind in ("model_type", "model_attributes_type", "dict_type"):
-                hint = " (a section of key: value lines)"
-            if isinstance(value, bool) and kind.startswith(("float", "int")):
-                hint = " (a boolean is never accepted as a number)"
-            messages.append(f"{path} must be {want}{hint}, got {_describe(value)}")
+            # A union field fails once per member type at the same path: one message lists them all.
+            if path not in wrong_type:
+                wrong_type[path] = ([], value)
+                messages.append(path)  # placeholder, filled in below
+            wants = wrong_type[path][0]
+            if _TYPE_WORDS[kind] not in wants:
+                wants.append(_TYPE_WORDS[kind])
         else:
             messages.append(f"{path}: {err['msg']}, got {_describe(value)}")
+    for path, (wants, value) in wrong_type.items():
+        hint = ""
+        if "a mapping" in wants:
+            hint = " (a section of key: value lines)"
+        if isinstance(value, bool) and {"a number", "an integer"} & set(wants):
+            hint = " (a boolean is never accepted as a number)"
+        messages[messages.index(path)] = f"{path} must be {' or '.join(wants)}{hint}, got {_describe(value)}"
     unknown_messages = []
     for parent, keys in unknown.items():
         cls = _class_at(parent)
