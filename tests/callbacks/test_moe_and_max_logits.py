@@ -77,18 +77,23 @@ def test_moe_monitor_errors(tmp_path):
         drive([cb], _model(), steps=1, micro=1)
 
 
-def test_max_logits_monitor_logs_per_layer_values_every_interval(caplog):
+def test_max_logits_monitor_logs_per_layer_values_every_interval():
     model = _model()
     cb = build_callback({"type": "MaxLogitsMonitor", "step_interval": 2}, 0)
     assert isinstance(cb, MaxLogitsMonitor)
-    logger = logging.getLogger("lmforge")
-    logger.propagate = True
+    captured: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = captured.append
+    logger = logging.getLogger("lmforge.train.callbacks.max_logits")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
-        with caplog.at_level(logging.INFO, logger="lmforge"):
-            metrics = drive([cb], model, steps=3, micro=1)
+        metrics = drive([cb], model, steps=3, micro=1)
     finally:
-        logger.propagate = False
-    lines = [r.getMessage() for r in caplog.records if "max_attention_logit" in r.getMessage()]
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    lines = [r.getMessage() for r in captured if "max_attention_logit" in r.getMessage()]
     steps_logged = sorted({int(re.match(r"step:\[\s*(\d+)/\s*3\]", line).group(1)) for line in lines})
     assert steps_logged == [2]
     per_layer = [line for line in lines if "self_attention:" in line]
