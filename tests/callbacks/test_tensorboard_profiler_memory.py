@@ -130,3 +130,24 @@ def test_peak_rss_is_per_step():
     meter.begin_step()
     second = meter.end_step()["peak_rss_bytes"]
     assert first - second > size * 0.8, (first, second)
+
+
+class _FakeEval:
+    order = 25
+
+    def on_train_begin(self, args, state, **kwargs): ...
+    def on_step_begin(self, args, state, **kwargs): ...
+    def on_train_end(self, args, state, **kwargs): ...
+
+    def on_step_end(self, args, state, **kwargs):
+        if state.global_step == 3:
+            kwargs["metrics"].update({"val_loss": 2.5, "val_ppl": 12.18})
+
+
+def test_tensorboard_writes_validation_between_logged_steps(tmp_path):
+    cb = TensorBoardCallback({"log_interval": 2}, tmp_path)
+    drive([_FakeEval(), cb], TinyLM(), steps=4, micro=1)
+    scalars = _scalars(cb.log_dir)
+    assert scalars["val-loss"] == [(3, 2.5)]
+    assert [s for s, _ in scalars["val-ppl vs samples"]] == [12]
+    assert [s for s, _ in scalars["loss"]] == [2, 4]

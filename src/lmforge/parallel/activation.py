@@ -329,7 +329,8 @@ class ActivationSwap:
             nbytes = t.untyped_storage().nbytes()
             if t.device.type == "cuda":
                 stream = self._side_stream(t.device)
-                host = torch.empty_like(t, device="cpu", pin_memory=True)
+                # Pinned, so the copy is asynchronous; contiguous, as torch's own save_on_cpu does.
+                host = torch.empty(t.size(), dtype=t.dtype, device="cpu", pin_memory=True)
                 stream.wait_stream(torch.cuda.current_stream(t.device))
                 with torch.cuda.stream(stream):
                     host.copy_(t, non_blocking=True)

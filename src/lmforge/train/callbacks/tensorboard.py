@@ -113,7 +113,10 @@ class TensorBoardCallback(TrainerCallback):
         if step % self.log_interval != 0 and not has_eval:
             return
         samples = int(getattr(state, "consumed_samples", 0))
-        for tag, value in self.scalars(state, kwargs).items():
+        scalars = self.scalars(state, kwargs)
+        if step % self.log_interval != 0:  # an evaluation between logged steps: only its results
+            scalars = {k: v for k, v in scalars.items() if k.startswith("val-")}
+        for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
             self.writer.add_scalar(f"{tag} vs samples", value, samples)
 
