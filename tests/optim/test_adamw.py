@@ -192,3 +192,32 @@ def test_lamb_matches_the_paper_update():
             ref[n] = w - lr * trust * r
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.double(), ref[n], atol=2e-6, rtol=0, msg=n)
+
+
+@pytest.mark.parametrize(
+    "section", [{"type": "AdamW"}, {"type": "Muon", "qk_clip_enabled": False}], ids=["adamw", "muon"]
+)
+def test_fqn_state_dict_of_torch_dcp_resumes_bitwise(section):
+    # The trainer saves optimizer state through torch.distributed.checkpoint's FQN-keyed state dicts.
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = TinyLM(dtype=torch.bfloat16, tie=True)
+    opt = build_optimizer(section, model, 1e-2)
+    for step in range(2):
+        set_random_grads(model, step)
+        opt.step()
+    saved = copy.deepcopy(get_optimizer_state_dict(model, opt))
+    weights = copy.deepcopy(model.state_dict())
+    assert saved["state"]["embedding.word_embeddings.weight"]["master"].dtype == torch.float32
+    for step in range(2, 4):
+        set_random_grads(model, step)
+        opt.step()
+    resumed = TinyLM(dtype=torch.bfloat16, tie=True)
+    resumed.load_state_dict(weights)
+    opt2 = build_optimizer(section, resumed, 1e-2)
+    set_optimizer_state_dict(resumed, opt2, saved)
+    for step in range(2, 4):
+        set_random_grads(resumed, step)
+        opt2.step()
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)

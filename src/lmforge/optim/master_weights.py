@@ -156,11 +156,21 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _copy_masters_to_params(self) -> None:
+        by_device: dict[tuple[torch.device, torch.device], tuple[list, list]] = {}
         for g in self.param_groups:
             for p in g["params"]:
                 m = self.state[p].get("master")
                 if m is not None:
-                    local(p).copy_(local(m))
+                    dst, src = local(p), local(m)
+                    pair = by_device.setdefault((dst.device, src.device), ([], []))
+                    pair[0].append(dst)
+                    pair[1].append(src)
+        for (dst_dev, src_dev), (dst, src) in by_device.items():
+            if dst_dev == src_dev:
+                torch._foreach_copy_(dst, src)  # one fused pass, casting fp32 -> bf16/fp16
+            else:
+                for d, s in zip(dst, src):
+                    d.copy_(s, non_blocking=True)
 
     @torch.no_grad()
     def reload_main_params_from_model(self) -> None:
