@@ -76,3 +76,33 @@ def test_saved_directory_loads_in_transformers(pair, tmp_path):
     ids = torch.randint(0, 128, (1, 16))
     with torch.no_grad():
         assert (reloaded(input_ids=ids).logits - hf(input_ids=ids).logits).abs().max() <= 1e-5
+
+
+def test_sharded_checkpoint_and_transformers4_rope_keys(tmp_path, make_hf_model):
+    """A sharded safetensors index loads; a transformers-4 style config.json (rope_theta + rope_scaling)
+    means the same as transformers 5's rope_parameters."""
+    import json
+
+    hf = make_hf_model(
+        "llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = params.pop("rope_theta")
+    cfg["rope_scaling"] = params
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ours = load_hf_pretrained(tmp_path).eval()
+    assert ours.config.rope_theta == 500000.0 and ours.config.rope_scaling["rope_type"] == "llama3"
+    ids = torch.randint(0, 128, (1, 20))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(input_ids=ids).logits).abs().max() <= 1e-4

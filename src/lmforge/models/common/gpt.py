@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.common.attention import SelfAttention
+from lmforge.models.common.attention import CoreAttention, SelfAttention
 from lmforge.models.common.masks import build_allowed_mask
 from lmforge.models.common.mla import MultiLatentAttention
 from lmforge.models.common.mlp import SwiGLUMLP
-from lmforge.models.common.moe import MoELayer, RouterSettings
+from lmforge.models.common.moe import ExpertWeight, MoELayer, RouterSettings, TopKRouter
 from lmforge.models.common.norms import RMSNorm
 from lmforge.models.common.rope import RotaryEmbedding, yarn_softmax_scale_factor
 from lmforge.models.common.transformer_config import TransformerConfig
@@ -192,20 +192,15 @@ class GPTModel(nn.Module):
         """
         std = self.config.initializer_range
         for module in self.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, (nn.Linear, nn.Embedding, ExpertWeight)):
                 module.weight.normal_(0.0, std)
-                if module.bias is not None:
+                if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
-            elif isinstance(module, nn.Embedding):
-                module.weight.normal_(0.0, std)
-            elif hasattr(module, "reset_parameters") and not isinstance(module, (nn.Linear, nn.Embedding)):
-                if module.__class__.__name__ == "TopKRouter":
-                    module.reset_parameters(std)
-                else:
-                    module.reset_parameters()
-            if module.__class__.__name__ == "ExpertWeight":
-                module.weight.normal_(0.0, std)
-            if isinstance(module, MoELayer):
+            elif isinstance(module, TopKRouter):
+                module.reset_parameters(std)
+            elif isinstance(module, (RMSNorm, RotaryEmbedding, CoreAttention)):
+                module.reset_parameters()
+            elif isinstance(module, MoELayer):
                 module.tokens_per_expert.zero_()
                 module.bias_update_counts.zero_()
 
