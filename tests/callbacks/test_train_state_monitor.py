@@ -86,3 +86,36 @@ def test_norm_filters(value, expected):
 def test_norm_filters_rejects_other_types():
     with pytest.raises(ConfigError, match="monitor.train_state.device_norm only supports bool, str, or list"):
         norm_filters(3, "monitor.train_state.device_norm")
+
+
+def test_local_norms_under_fsdp2(tmp_path):
+    """FSDP2 never runs tensor hooks on its sharded parameters; local norms still come out right."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = TinyLM()
+        expected = _expected(plain, 0, 2)[0]
+        sharded = TinyLM()
+        sharded.load_state_dict(plain.state_dict())
+        for layer in sharded.decoder.layers:
+            fully_shard(layer)
+        fully_shard(sharded)
+        cb = TrainStateMonitorCallback(
+            {"local_norm": "decoder.layers", "device_norm": "decoder.layers.0"}, tmp_path
+        )
+        drive([cb], sharded, steps=1, micro=2)
+        records = _records(cb.path)
+        local = [r for r in records if "local_norm" in r]
+        assert [r["micro_step"] for r in local] == [1, 2]
+        for rec, grads in zip(local, expected):
+            assert set(rec["local_norm"]) == {n for n in grads if n.startswith("decoder.layers")}
+            for name, value in rec["local_norm"].items():
+                assert value == pytest.approx(float(grads[name].norm()), rel=1e-5)
+        device = next(r["device_norm"] for r in records if "device_norm" in r)
+        for name, value in device.items():
+            assert value == pytest.approx(float((expected[0][name] + expected[1][name]).norm()), rel=1e-5)
+    finally:
+        dist.destroy_process_group()

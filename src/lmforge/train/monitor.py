@@ -54,6 +54,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "placements")
+
+
 def _norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(_local(t).detach().float()))
 
@@ -109,6 +113,7 @@ class TrainStateMonitor:
         self.step = 0
         self.micro_step = 0  # 1-based index of the micro-batch whose backward runs now
         self._local: dict[int, dict[str, float]] = {}
+        self._accumulated: dict[str, torch.Tensor] = {}  # sharded parameters' gradient so far this step
         self._device: dict[str, float] = {}
         self._handles: list[Any] = []
 
@@ -128,7 +133,15 @@ class TrainStateMonitor:
             if not param.requires_grad:
                 continue
             if _selected(name, self.local_filters):
-                self._handles.append(param.register_hook(self._local_hook(name)))
+                if _is_dtensor(param):
+                    # FSDP2 feeds the gradient to a separate unsharded parameter, so a tensor hook
+                    # on the sharded one never fires; its post-accumulate hook does (after the
+                    # reduce-scatter): the micro-batch's share is the growth of the accumulated shard.
+                    self._handles.append(
+                        param.register_post_accumulate_grad_hook(self._local_sharded_hook(name))
+                    )
+                else:
+                    self._handles.append(param.register_hook(self._local_hook(name)))
             if _selected(name, self.device_filters):
                 self._handles.append(param.register_post_accumulate_grad_hook(self._device_hook(name)))
         # Each training forward is one micro-batch: count them and read their loss.
@@ -145,11 +158,30 @@ class TrainStateMonitor:
 
         return hook
 
+    def _local_sharded_hook(self, name: str):
+        def hook(param: torch.Tensor) -> None:
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is None:
+                return
+            now = _local(grad).detach().float()
+            before = self._accumulated.get(name)
+            share = now if before is None else now - before
+            self._accumulated[name] = now.clone()
+            self._local.setdefault(max(self.micro_step, 1), {})[name] = float(torch.linalg.vector_norm(share))
+
+        return hook
+
     def _device_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
-            # Fires after every accumulation; the last value of the step is the full gradient.
-            if param.grad is not None:
-                self._device[name] = _norm(param.grad)
+            # Fires after every accumulation; the last value of the step is the full gradient. With
+            # fp32 accumulation (optim.master_weights) the sum lives in ``main_grad``: depending on
+            # hook order this backward's ``.grad`` may not have been moved into it yet.
+            main, grad = getattr(param, "main_grad", None), param.grad
+            parts = [_local(g).detach().float() for g in (main, grad) if g is not None]
+            if parts:
+                total = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+                self._device[name] = float(torch.linalg.vector_norm(total))
 
         return hook
 
@@ -169,6 +201,7 @@ class TrainStateMonitor:
         self.micro_step = 0
         self._local.clear()
         self._device.clear()
+        self._accumulated.clear()
 
     def end_step(self, loss: float | None = None) -> None:
         for micro, norms in sorted(self._local.items()):
