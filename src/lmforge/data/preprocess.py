@@ -137,7 +137,10 @@ def preprocess(
     pool = None
     try:
         if workers > 1:
-            pool = multiprocessing.get_context("spawn").Pool(
+            # fork starts workers without re-importing torch; safe because the parent has only
+            # loaded the tokenizer file, not run its thread pool.
+            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            pool = multiprocessing.get_context(method).Pool(
                 workers, _init_worker, (os.fspath(tokenizer_path),)
             )
             encoded = pool.imap(_encode, batches, chunksize=1)
