@@ -13,7 +13,7 @@ Chrome-trace JSON (``*.pt.trace.json``): open them in TensorBoard's profiler plu
 
 ``profile_memory``, ``with_stack`` and ``profile_cpu`` (CPU activity) pass through; CUDA activity is
 recorded whenever a GPU is in use. ``mstx`` (Ascend's lightweight markers) has no torch counterpart
-here and is accepted with a warning.
+here; loading the config warns when it is set.
 """
 
 from __future__ import annotations
@@ -76,13 +76,7 @@ class StepProfiler:
         self.profile_cpu = bool(cfg.get("profile_cpu", True))
         base = cfg.get("output_path") or str(Path(output_dir) / "profile")
         self.trace_dir = Path(base) / f"rank_{self.rank}"
-        if self.enabled and cfg.get("mstx"):
-            warnings.warn(
-                "profiler.mstx has no effect in lmforge (Ascend's mstx markers have no torch counterpart); "
-                "the torch profiler trace is written without them",
-                UserWarning,
-                stacklevel=2,
-            )
+        # profiler.mstx (Ascend markers) has no torch counterpart: config loading warns about it.
         self._prof: profile | None = None
         self._step_range: record_function | None = None
         self.finished = False
