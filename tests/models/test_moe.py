@@ -151,3 +151,16 @@ def test_aux_losses_are_one_times_coefficient_when_balanced_and_match_formula():
     scores = torch.full((8, 8), 0.5)
     idx = torch.arange(8).view(4, 2).repeat(2, 1)
     assert torch.allclose(seq.router._aux_loss(scores, idx, 2), torch.tensor(0.01))
+
+
+def test_group_limited_greedy_uses_the_group_maximum():
+    router = _router(score_function="softmax", n_group=4, topk_group=1, group_score="max")
+    x = torch.randn(30, 32)
+    idx, _, _ = router(x, 1)
+    probs = torch.softmax(x @ router.weight.T, -1)
+    for t in range(30):
+        best_group = int(probs[t].view(4, 4).amax(-1).argmax())
+        assert {e // 4 for e in idx[t].tolist()} == {best_group}
+        assert set(idx[t].tolist()) == set(
+            probs[t].view(4, 4)[best_group].topk(4).indices.add(4 * best_group).tolist()
+        )

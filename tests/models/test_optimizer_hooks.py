@@ -71,9 +71,18 @@ def _hf_max_logits(model, tmp_path, family, monkeypatch, ids):
     return found
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_max_logits_match_transformers_and_qk_clip_targets_bound_them(family, tiny, tmp_path, monkeypatch):
-    model = tiny(family, initializer_range=0.3)
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("llama", {}), ("llama", {"attention_bias": True}), ("qwen3", {}), ("deepseek_v3", {})],
+)
+def test_max_logits_match_transformers_and_qk_clip_targets_bound_them(
+    family, overrides, tiny, tmp_path, monkeypatch
+):
+    model = tiny(family, initializer_range=0.3, **overrides)
+    if overrides:
+        with torch.no_grad():
+            model.decoder.layers[0].self_attention.linear_qkv.bias.normal_(0, 1.0)
+            model.decoder.layers[1].self_attention.linear_qkv.bias.normal_(0, 1.0)
     ids = torch.randint(0, 128, (2, 16))
     model.track_max_logits = True
     with torch.no_grad():

@@ -123,12 +123,14 @@ class SelfAttention(nn.Module):
                 )
             return layer
         q_rows = torch.arange(n * d).view(n, d)
-        layer.targets.append(
-            QKClipTarget(f"{prefix}.linear_qkv.weight", 0, q_rows, torch.arange(n)[:, None], 0.5)
-        )
         k_rows = self.q_rows + torch.arange(g * d).view(g, d)
         k_heads = torch.arange(n).view(g, per_group)
-        layer.targets.append(QKClipTarget(f"{prefix}.linear_qkv.weight", 0, k_rows, k_heads, 0.5))
+        # A q/k bias is part of the same rows: it scales with them so the logit scales exactly.
+        kinds = ("weight", "bias") if self.linear_qkv.bias is not None else ("weight",)
+        for kind in kinds:
+            name = f"{prefix}.linear_qkv.{kind}"
+            layer.targets.append(QKClipTarget(name, 0, q_rows, torch.arange(n)[:, None], 0.5))
+            layer.targets.append(QKClipTarget(name, 0, k_rows, k_heads, 0.5))
         return layer
 
     def flops_per_token(self, hidden_size: int, seq_length: int) -> float:

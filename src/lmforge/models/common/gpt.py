@@ -94,6 +94,7 @@ class TransformerLayer(nn.Module):
                 score_function=cfg.score_function,
                 n_group=cfg.n_group,
                 topk_group=cfg.topk_group,
+                group_score=cfg.group_score,
                 norm_topk_prob=cfg.norm_topk_prob,
                 scaling_factor=cfg.routed_scaling_factor,
                 enable_expert_bias=cfg.enable_expert_bias,

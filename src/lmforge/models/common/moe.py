@@ -29,6 +29,7 @@ class RouterSettings:
     score_function: str = "softmax"  # "softmax" (Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
     n_group: int = 1
     topk_group: int = 1
+    group_score: str = "top2_sum"  # "top2_sum" (DeepSeek-V3 noaux_tc) or "max" (group_limited_greedy)
     norm_topk_prob: bool = False
     scaling_factor: float = 1.0
     enable_expert_bias: bool = False
@@ -69,10 +70,10 @@ class TopKRouter(nn.Module):
         scores = logits.sigmoid() if st.score_function == "sigmoid" else logits.softmax(dim=-1)
         choice = scores + self.expert_bias if st.enable_expert_bias else scores
         if st.n_group > 1:
-            # Group-limited routing: keep the topk_group groups with the best group score (sum of the top two
-            # for sigmoid scores as DeepSeek-V3's noaux_tc, the maximum for softmax scores as DeepSeek-V2).
+            # Group-limited routing: keep the topk_group groups with the best group score (the sum of the
+            # top two, DeepSeek-V3's noaux_tc, or the maximum, DeepSeek-V2's group_limited_greedy).
             grouped = choice.view(-1, st.n_group, st.num_experts // st.n_group)
-            if st.score_function == "sigmoid":
+            if st.group_score == "top2_sum":
                 group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
             else:
                 group_scores = grouped.amax(dim=-1)

@@ -50,6 +50,7 @@ class TransformerConfig:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    group_score: str = "top2_sum"
     norm_topk_prob: bool = False
     score_function: str = "softmax"
     enable_expert_bias: bool = False

@@ -131,6 +131,7 @@ def to_transformer_config(values: dict[str, Any]) -> TransformerConfig:
         routed_scaling_factor=float(values["routed_scaling_factor"]),
         n_group=n_group,
         topk_group=topk_group,
+        group_score="max" if values.get("topk_method") == "group_limited_greedy" else "top2_sum",
         norm_topk_prob=bool(values.get("norm_topk_prob")),
         score_function=scoring,
         enable_expert_bias=True if bias is None else bool(bias),

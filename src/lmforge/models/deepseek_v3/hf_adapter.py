@@ -197,7 +197,7 @@ def hf_config(cfg: TransformerConfig) -> dict:
         "topk_group": cfg.topk_group,
         "norm_topk_prob": cfg.norm_topk_prob,
         "scoring_func": cfg.score_function,
-        "topk_method": "noaux_tc",
+        "topk_method": "group_limited_greedy" if cfg.group_score == "max" else "noaux_tc",
         "num_nextn_predict_layers": cfg.mtp_num_layers,
         "rope_interleave": _interleaved(cfg),
         "attention_bias": False,
