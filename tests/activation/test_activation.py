@@ -346,3 +346,87 @@ def test_recompute_comm_re_runs_collectives_in_backward_only(tmp_path):
             assert torch.equal(g0[name], g1[name])
     finally:
         dist.destroy_process_group()
+
+
+DEEPSEEK = {
+    "model_type": "deepseek_v3",
+    "architectures": "DeepseekV3ForCausalLM",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 3,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "seq_length": 16,
+    "compute_dtype": "float32",
+}
+
+
+def test_lmforge_model_with_mtp_spec_examples_identical_gradients():
+    """The spec's select example ('attention', 'mlp') and an MTP layer id on a real lmforge model."""
+    from lmforge.models import build_model
+
+    torch.manual_seed(0)
+    base = build_model(DEEPSEEK)
+    other = copy.deepcopy(base)
+    assert [d.name for d in find_decoder_layers(base, 3)][-1] == "mtp.layers.0.transformer_layer"
+    plan = plan_activation_memory(
+        other,
+        {
+            "mode": "select",
+            "full_recompute_layer": ["3"],
+            "select_module": {"attention": ["0-1"], "mlp": ["2"]},
+        },
+        None,
+        {"enable": True, "layer_swap": [{"layers": ["1"]}], "default_prefetch": 2},
+        3,
+    )
+    assert plan.selected_paths == [
+        "decoder.layers.0.self_attention",
+        "decoder.layers.1.self_attention",
+        "decoder.layers.2.mlp",
+    ]
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+
+    def run(model):
+        with count_saved_activation_bytes(model) as saved:
+            out = model(ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, saved["bytes"]
+
+    ref, res = run(base), run(other)
+    _assert_bitwise(ref, res)
+    assert res[2] < ref[2]
+    # recomputed MoE layers do not count their tokens twice
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(base.tokens_per_expert().values(), other.tokens_per_expert().values())
+    )
+
+
+def test_mtp_layer_recompute_alone_saves_memory():
+    from lmforge.models import build_model
+
+    torch.manual_seed(0)
+    base = build_model(DEEPSEEK)
+    other = copy.deepcopy(base)
+    apply_activation_memory(other, {"mode": "full", "full_recompute_layer": ["3"]}, None, None, 3)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    sizes = []
+    for model in (base, other):
+        with count_saved_activation_bytes(model) as saved:
+            model(ids, labels=ids).loss.backward()
+        sizes.append(saved["bytes"])
+    assert sizes[1] < sizes[0]

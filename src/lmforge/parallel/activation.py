@@ -78,11 +78,18 @@ def find_decoder_layers(model: nn.Module, num_layers: int | None = None) -> list
     for path, container in model.named_modules():
         if path.rsplit(".", 1)[-1] != "layers" or not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
             continue
-        target = mtp if "mtp" in path.split(".") or "mtp" in path else decoder
+        is_mtp = "mtp" in path
+        target = mtp if is_mtp else decoder
         for key, child in container.named_children():
             if not key.isdigit():
                 continue
-            target.append(DecoderLayer(int(key), f"{path}.{key}", child))
+            inner = getattr(child, "transformer_layer", None)
+            if is_mtp and isinstance(inner, nn.Module):
+                # An MTP block is called piecewise (projection, then its transformer layer), never
+                # as a whole: its transformer layer is what runs as "the layer".
+                target.append(DecoderLayer(int(key), f"{path}.{key}.transformer_layer", inner))
+            else:
+                target.append(DecoderLayer(int(key), f"{path}.{key}", child))
         # Only the first (outermost) decoder container counts; nested "layers" inside a layer do not.
     decoder = _outermost(decoder)
     mtp = _outermost(mtp)
@@ -111,7 +118,7 @@ def _path_forms(layer: DecoderLayer, rel_path: str) -> list[str]:
     (``layers.3.self_attention.linear_qkv``, the form of the original's DeepSeek-V4 example) and
     the full model path, each also with the graph-mode aliases of :data:`_PATH_ALIASES`.
     """
-    container_key = ".".join(layer.name.split(".")[-2:])  # "layers.3"
+    container_key = "layers." + layer.name.rsplit("layers.", 1)[-1]  # "layers.3"
     forms = [rel_path, f"{container_key}.{rel_path}", f"{layer.name}.{rel_path}"]
     aliased = []
     for form in forms:
