@@ -430,3 +430,30 @@ def test_mtp_layer_recompute_alone_saves_memory():
             model(ids, labels=ids).loss.backward()
         sizes.append(saved["bytes"])
     assert sizes[1] < sizes[0]
+
+
+def test_recompute_and_swap_under_fsdp2(tmp_path):
+    """Applied before fully_shard (as parallelize does): gradients still match the unsharded run."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        base, other = _pair()
+        reference = _run(base)
+        apply_activation_memory(
+            other,
+            {"mode": "select", "full_recompute_layer": ["0"], "select_module": {"mlp": ["1-2"]}},
+            None,
+            {"enable": True, "layer_swap": [{"layers": ["2"]}]},
+            NUM_LAYERS,
+        )
+        for layer in other.decoder.layers:
+            fully_shard(layer)
+        fully_shard(other)
+        loss, grads, _ = _run(other)
+        assert torch.equal(loss, reference[0])
+        for name, grad in grads.items():
+            assert torch.equal(grad.full_tensor(), reference[1][name]), name
+    finally:
+        dist.destroy_process_group()

@@ -273,6 +273,16 @@ def recompute_module(module: nn.Module, policy: Callable[..., CheckpointPolicy] 
 # --------------------------------------------------------------------------------------------------
 
 
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage (a DTensor's local shard); None for tensors without one."""
+    if hasattr(t, "to_local") and hasattr(t, "placements"):
+        t = t.to_local()
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None  # wrapper subclasses and other storage-less tensors
+
+
 class _SwappedTensor:
     """One saved activation that lives off the compute device between forward and backward."""
 
@@ -323,7 +333,7 @@ class ActivationSwap:
     def offload(self, layer_id: int, keep: Sequence[torch.Tensor]) -> Iterator[None]:
         """Within the block, saved tensors are swapped, except those sharing storage with ``keep``
         (parameters and the block's inputs, which stay alive anyway)."""
-        keep_ptrs = {t.untyped_storage().data_ptr() for t in keep if isinstance(t, torch.Tensor)}
+        keep_ptrs = {_storage_ptr(t) for t in keep if isinstance(t, torch.Tensor)}
         records = self._records.setdefault(layer_id, [])
         # A new forward of this layer starts a new generation of activations.
         records[:] = [r for r in records if r() is not None]
@@ -331,7 +341,8 @@ class ActivationSwap:
         self._visited_layers.discard(layer_id)
 
         def pack(t: torch.Tensor) -> Any:
-            if t.layout != torch.strided or t.untyped_storage().data_ptr() in keep_ptrs or t.numel() == 0:
+            ptr = _storage_ptr(t)
+            if ptr is None or ptr in keep_ptrs or t.layout != torch.strided or t.numel() == 0:
                 return t
             nbytes = t.untyped_storage().nbytes()
             if t.device.type == "cuda":
@@ -434,13 +445,13 @@ def count_saved_activation_bytes(model: nn.Module | None = None) -> Iterator[dic
     """
     exclude = set()
     if model is not None:
-        exclude = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        exclude = {_storage_ptr(t) for t in (*model.parameters(), *model.buffers())}
     seen: set[int] = set()
     result = {"bytes": 0, "tensors": 0}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.layout == torch.strided:
-            ptr = t.untyped_storage().data_ptr()
+        ptr = _storage_ptr(t)
+        if ptr is not None and t.layout == torch.strided:
             if ptr not in exclude and ptr not in seen:
                 seen.add(ptr)
                 result["bytes"] += t.untyped_storage().nbytes()
