@@ -451,11 +451,10 @@ def count_saved_activation_bytes(model: nn.Module | None = None) -> Iterator[dic
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = _storage_ptr(t)
-        if ptr is not None and t.layout == torch.strided:
-            if ptr not in exclude and ptr not in seen:
-                seen.add(ptr)
-                result["bytes"] += t.untyped_storage().nbytes()
-                result["tensors"] += 1
+        if ptr is not None and t.layout == torch.strided and ptr not in exclude and ptr not in seen:
+            seen.add(ptr)
+            result["bytes"] += t.untyped_storage().nbytes()
+            result["tensors"] += 1
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
