@@ -114,11 +114,11 @@ def test_tokens_per_expert_counts_each_routed_slot_once_even_with_recompute():
 
 
 def test_expert_bias_update_moves_load_toward_balance():
-    layer = _moe(score_function="sigmoid", enable_expert_bias=True, bias_update_rate=0.02)
+    layer = _moe(score_function="sigmoid", enable_expert_bias=True, bias_update_rate=0.05)
     with torch.no_grad():
-        layer.router.weight[0] += 1.0  # expert 0 attracts most tokens
+        layer.router.weight[0] += 3.0  # expert 0 attracts most tokens
     torch.manual_seed(1)
-    x = torch.randn(4, 32, 16)
+    x = torch.randn(4, 32, 16) + 0.5  # a shared direction, so expert 0 wins for most tokens
 
     def imbalance() -> float:
         layer.bias_update_counts.zero_()
@@ -128,12 +128,12 @@ def test_expert_bias_update_moves_load_toward_balance():
         return (counts.max() / counts.mean()).item()
 
     before = imbalance()
-    for _ in range(60):
+    for _ in range(20):
         with torch.no_grad():
             layer(x)
         layer.update_expert_bias()
     after = imbalance()
-    assert after < before * 0.7, (before, after)
+    assert before > 3.0 and after < 0.6 * before, (before, after)
     assert layer.router.expert_bias[0] < 0  # the overloaded expert is pushed down
 
 
