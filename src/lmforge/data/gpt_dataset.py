@@ -162,6 +162,9 @@ class GPTDataset:
     # -- samples ----------------------------------------------------------------------------
     def text(self, k: int) -> np.ndarray:
         """The ``seq_length + extra`` raw tokens of sample ``k`` (after the shuffle), right-padded."""
+        return self._text(k)[0]
+
+    def _text(self, k: int) -> tuple[np.ndarray, bool]:
         j = int(self.shuffle_index[k])
         doc_first, off_first = (int(v) for v in self.sample_index[j])
         doc_last, off_last = (int(v) for v in self.sample_index[j + 1])
@@ -179,57 +182,90 @@ class GPTDataset:
                     pieces.append(self.indexed.get(seq, 0, off_last + x))
                 else:
                     pieces.append(self.indexed.get(seq))
-        text = np.concatenate(pieces).astype(np.int64)
+        text = np.concatenate(pieces).astype(np.int64) if len(pieces) > 1 else pieces[0].astype(np.int64)
         want = self.config.seq_length + x
-        if len(text) < want:  # the last, partial validation sample
+        padded = len(text) < want
+        if padded:  # the last, partial validation sample
             text = np.concatenate([text, np.full(want - len(text), self.config.pad, dtype=np.int64)])
-        return text
+        return text, padded
 
     def __getitem__(self, k: int | None) -> dict[str, np.ndarray]:
         """One sample. ``k=None`` is a padding sample: sample 0 with an all-zero loss mask."""
         cfg = self.config
-        text = self.text(0 if k is None else k)
+        text, padded = self._text(0 if k is None else k)
+        # Token ids are >= 0, so a pad of -1 can only come from padding (a short sample or the
+        # rolled label); a real pad id (>= 0) may occur anywhere.
+        may_hold_pad = cfg.pad >= 0 or not cfg.add_extra_token_to_sequence or padded
         if cfg.add_extra_token_to_sequence:
-            tokens, labels = text[:-1].copy(), text[1:].copy()
+            # Views of one buffer unless the padding pass will write to them.
+            tokens, labels = text[:-1], text[1:]
+            if may_hold_pad:
+                tokens, labels = tokens.copy(), labels.copy()
         else:
             tokens, labels = text, np.roll(text, -1)
             labels[-1] = cfg.pad
-        sample = make_sample_columns(tokens, labels, cfg)
+        sample = make_sample_columns(tokens, labels, cfg, may_hold_pad)
         if k is None:
             sample["loss_mask"][:] = 0.0
         return sample
 
 
 def make_sample_columns(
-    tokens: np.ndarray, labels: np.ndarray, cfg: GPTDatasetConfig
+    tokens: np.ndarray, labels: np.ndarray, cfg: GPTDatasetConfig, may_hold_pad: bool = True
 ) -> dict[str, np.ndarray]:
-    """input_ids, labels, loss_mask, position_ids and attention_mask / actual_seq_len of one sample."""
+    """input_ids, labels, loss_mask, position_ids and attention_mask / actual_seq_len of one sample.
+
+    ``may_hold_pad=False`` skips the padding pass when the caller knows no pad id can occur.
+    """
     seq = len(tokens)
-    is_eod = tokens == cfg.eod if cfg.eod >= 0 else np.zeros(seq, dtype=bool)
     loss_mask = np.ones(seq, dtype=np.float32)
-    if cfg.eod_mask_loss:
+    need_eod = cfg.eod >= 0 and (
+        cfg.eod_mask_loss
+        or cfg.reset_position_ids
+        or cfg.reset_attention_mask
+        or cfg.create_compressed_eod_mask
+    )
+    is_eod = tokens == cfg.eod if need_eod else None
+    if cfg.eod_mask_loss and is_eod is not None:
         # Masks the prediction made *from* an EOD (the next document's first token); predicting
         # the EOD itself is still trained. Megatron's choice, kept for the same loss.
         loss_mask[is_eod] = 0.0
-    # Document id of every position: a new document starts right after each EOD.
-    segment = np.concatenate([[0], np.cumsum(is_eod[:-1])]) if seq else np.zeros(0, np.int64)
-    if cfg.reset_position_ids:
+    segment = None
+    if is_eod is not None and (cfg.reset_position_ids or cfg.reset_attention_mask) and seq:
+        # Document id of every position: a new document starts right after each EOD.
+        segment = np.concatenate([[0], np.cumsum(is_eod[:-1])])
+    if cfg.reset_position_ids and segment is not None:
         starts = np.flatnonzero(np.concatenate([[True], segment[1:] != segment[:-1]]))
         position_ids = np.arange(seq, dtype=np.int64) - starts[segment]
     else:
-        position_ids = np.arange(seq, dtype=np.int64)
+        position_ids = _arange(seq)
     out = {"input_ids": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
     if cfg.create_compressed_eod_mask:
-        out["actual_seq_len"] = actual_seq_len(is_eod, cfg.eod_pad_length)
+        out["actual_seq_len"] = actual_seq_len(
+            is_eod if is_eod is not None else np.zeros(seq, dtype=bool), cfg.eod_pad_length
+        )
     elif cfg.create_attention_mask:
         causal = np.tril(np.ones((seq, seq), dtype=bool))
-        if cfg.reset_attention_mask:
+        if cfg.reset_attention_mask and segment is not None:
             causal &= segment[:, None] == segment[None, :]
         out["attention_mask"] = ~causal[None]  # True = masked, as Megatron and MindSpore Transformers
-    loss_mask[labels == cfg.pad] = 0.0
-    tokens[tokens == cfg.pad] = 0  # padding ids must still be valid embedding rows
-    labels[labels == cfg.pad] = 0
+    if may_hold_pad:
+        loss_mask[labels == cfg.pad] = 0.0
+        tokens[tokens == cfg.pad] = 0  # padding ids must still be valid embedding rows
+        labels[labels == cfg.pad] = 0
     return out
+
+
+_ARANGES: dict[int, np.ndarray] = {}
+
+
+def _arange(n: int) -> np.ndarray:
+    """A shared read-only ``arange(n)`` (position ids without resets are the same for every sample)."""
+    if n not in _ARANGES:
+        array = np.arange(n, dtype=np.int64)
+        array.flags.writeable = False
+        _ARANGES[n] = array
+    return _ARANGES[n]
 
 
 def actual_seq_len(is_eod: np.ndarray, pad_length: int) -> np.ndarray:
