@@ -44,3 +44,40 @@ def test_convert_needs_one_direction(capsys):
 def test_convert_missing_hf_dir_is_a_user_error(tmp_path, capsys):
     assert main(["convert", "--from-hf", str(tmp_path / "nope"), "--to", str(tmp_path / "c")]) == 2
     assert "config.json does not exist" in capsys.readouterr().err
+
+
+def test_load_hf_weights_into_existing_model_and_mismatch_error(tmp_path, make_hf_model):
+    from lmforge.errors import CheckpointError
+    from lmforge.models import build_model, load_hf_weights
+
+    hf = make_hf_model("llama")
+    hf.save_pretrained(tmp_path)
+    section = {
+        "model_type": "llama",
+        "architectures": "LlamaForCausalLM",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "compute_dtype": "float32",
+    }
+    model = build_model(section)
+    load_hf_weights(model, tmp_path)
+    ids = torch.randint(0, 128, (1, 8))
+    with torch.no_grad():
+        assert (model(ids).logits - hf(input_ids=ids).logits).abs().max() <= 1e-4
+    with pytest.raises(CheckpointError, match="num_layers: checkpoint 2 vs model 3"):
+        load_hf_weights(build_model({**section, "num_hidden_layers": 3}), tmp_path)
+
+
+def test_model_section_from_the_config_loader():
+    from lmforge.config import load_config
+    from lmforge.models import build_model_config
+
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
+    assert build_model_config(cfg.model).model_type == cfg.model.to_dict()["model_type"]
