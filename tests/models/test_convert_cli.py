@@ -74,10 +74,10 @@ def test_load_hf_weights_into_existing_model_and_mismatch_error(tmp_path, make_h
 
 
 def test_model_section_from_the_config_loader():
+    from pathlib import Path
+
     from lmforge.config import load_config
     from lmforge.models import build_model_config
-
-    from pathlib import Path
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
     assert build_model_config(cfg.model).model_type == cfg.model.to_dict()["model_type"]
