@@ -222,6 +222,11 @@ def build_dataloader(
     for flag in ("numa_enable", "use_distribute_dataset"):
         if section.get(flag):
             log.warning("train_dataset.%s has no effect in lmforge (see docs/data.md)", flag)
+    if loader.get("python_multiprocessing"):
+        log.warning(
+            "train_dataset.dataloader.python_multiprocessing has no effect in lmforge: "
+            "num_parallel_workers > 1 always uses worker processes (see docs/data.md)"
+        )
     drop_remainder = section.get("drop_remainder", True)
     name = f"the {SPLIT_NAMES[PHASES[phase]]} dataset ({', '.join(_prefixes(dataset))})"
     return MegatronDataLoader(
