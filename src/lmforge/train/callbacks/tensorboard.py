@@ -7,8 +7,8 @@ writes (with pipeline parallelism it is the one that holds the loss). ``queue_si
 writer's event queue length.
 
 Tags keep the original's names: ``loss``, ``learning-rate``, ``grad-norm``, ``iteration-time``
-(seconds), ``throughput`` (TFLOPS per device when the model reports its FLOPs, else absent),
-``tokens-per-second``, ``batch-size``, ``load-balancing-loss``, ``mtp-{k}-loss``; lmforge adds
+(seconds), ``throughput`` (model TFLOPS per device, as in the log line),
+``tokens-per-second``, ``batch-size``, ``load-balancing-loss``, ``mtp-{k}-loss``, ``mfu``; lmforge adds
 ``memory/peak-allocated-bytes`` or ``memory/peak-rss-bytes`` and ``val-loss`` / ``val-ppl``.
 """
 
@@ -24,6 +24,15 @@ import torch.distributed as dist
 
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.utils.sections import section_to_dict
+
+# metrics keys the trainer computes, and their tags (the original's names where it has one)
+_TRAINER_TAGS = {
+    "step_time": "iteration-time",
+    "tokens_per_s": "tokens-per-second",
+    "tflops_per_device": "throughput",
+    "mfu": "mfu",
+    "global_batch_size": "batch-size",
+}
 
 # metrics keys other callbacks add to the step's metrics, and their tags
 _EXTRA_TAGS = {
@@ -99,7 +108,13 @@ class TensorBoardCallback(TrainerCallback):
                 out["throughput"] = self._flops_per_token * input_tokens / (step_time * 1e12 * self._world)
         for name, value in (getattr(result, "aux_losses", None) or {}).items():
             out[name.replace("_", "-")] = float(value)
-        for key, value in (kwargs.get("metrics") or {}).items():
+        metrics = kwargs.get("metrics") or {}
+        # The trainer's own measurements, when present, so TensorBoard agrees with the log line.
+        for key, tag in _TRAINER_TAGS.items():
+            value = metrics.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[tag] = float(value)
+        for key, value in metrics.items():
             if key in _EXTRA_TAGS and isinstance(value, (int, float)):
                 out[_EXTRA_TAGS[key]] = float(value)
         return {k: v for k, v in out.items() if not math.isnan(v)}
