@@ -64,8 +64,15 @@ def test_demo_config_trains_from_the_demo_data(demo_dir, tmp_path, monkeypatch):
     (tmp_path / "data" / "demo").symlink_to(demo_dir, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
     model = config["model"]
+    section = config["train_dataset"]
+    try:  # the validated pydantic section, as the trainer passes it
+        from lmforge.config import load_config
+
+        section = load_config(str(demo_yaml)).train_dataset
+    except ImportError:
+        pass
     loader = build_dataloader(
-        config["train_dataset"],
+        section,
         local_batch_size=config["training"]["local_batch_size"],
         vocab_size=model["vocab_size"],
         seq_length=model["seq_length"],
