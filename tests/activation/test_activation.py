@@ -457,3 +457,19 @@ def test_recompute_and_swap_under_fsdp2(tmp_path):
             assert torch.equal(grad.full_tensor(), reference[1][name]), name
     finally:
         dist.destroy_process_group()
+
+
+def test_plan_reports_wrapped_modules_whose_forward_never_runs():
+    _, model = _pair()
+    plan = plan_activation_memory(
+        model,
+        {"mode": "select", "select_module": {"self_attention": ["0"], "mlp": ["1"]}},
+        None,
+        None,
+        NUM_LAYERS,
+    )
+    assert plan.never_ran() == ["decoder.layers.0.self_attention", "decoder.layers.1.mlp"]
+    # a model that calls the MLP's parts directly would bypass the wrapper
+    model.decoder.layers[1].forward = lambda x: x + model.decoder.layers[1].self_attention(x)
+    model(*_batch()).backward()
+    assert plan.never_ran() == ["decoder.layers.1.mlp"]

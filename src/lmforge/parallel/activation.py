@@ -260,6 +260,7 @@ def recompute_module(module: nn.Module, policy: Callable[..., CheckpointPolicy] 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
+        module._lmforge_ran = True
         extra = {"context_fn": context_fn} if context_fn is not None else {}
         # preserve_rng_state (default) replays dropout masks exactly.
         return checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
@@ -421,6 +422,7 @@ def swap_module(module: nn.Module, swapper: ActivationSwap, layer_id: int) -> No
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
+        module._lmforge_ran = True
         keep = [*module.parameters(), *module.buffers()]
         keep += [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         with swapper.offload(layer_id, keep):
@@ -481,6 +483,12 @@ class ActivationPlan:
     swapped_paths: list[str] = field(default_factory=list)
     prefetch: int = 0
     swapper: ActivationSwap | None = None
+    modules: list[tuple[str, nn.Module]] = field(default_factory=list)  # every wrapped module
+
+    def never_ran(self) -> list[str]:
+        """Wrapped modules whose forward has not run in training (a model that calls their parts
+        directly, never the module itself): recompute / swap has no effect on them."""
+        return [name for name, m in self.modules if not getattr(m, "_lmforge_ran", False)]
 
     def summary(self) -> str:
         parts: list[str] = []
@@ -747,6 +755,11 @@ def plan_activation_memory(
         plan.prefetch = prefetch
         plan.swapper = swapper
 
+    plan.modules = [
+        (name, m)
+        for name, m in model.named_modules()
+        if getattr(m, "_lmforge_recompute", False) or getattr(m, "_lmforge_swap", False)
+    ]
     return plan
 
 

@@ -101,6 +101,7 @@ class MemoryCallback(TrainerCallback):
 
     def __init__(self, device: Any = None) -> None:
         self.meter = PeakMemory(device)
+        self.plan: Any = None
 
     def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
         trainer = kwargs.get("trainer")
@@ -109,14 +110,23 @@ class MemoryCallback(TrainerCallback):
             self.meter = PeakMemory(device)
         # What recompute / swap do, stated at the start of the run's log (the model is built, and
         # the plan applied, before the run's log file exists).
-        plan = getattr(_model(kwargs), "_lmforge_activation_plan", None)
-        if plan is not None:
-            log.info("Activation memory: %s", plan.summary())
+        self.plan = getattr(_model(kwargs), "_lmforge_activation_plan", None)
+        if self.plan is not None:
+            log.info("Activation memory: %s", self.plan.summary())
 
     def on_step_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
         self.meter.begin_step()
 
     def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        if self.plan is not None:
+            idle = self.plan.never_ran()
+            if idle:
+                log.warning(
+                    "recompute / swap has no effect on %s: their forward never ran during the step (the "
+                    "model calls their parts directly); choose other module paths",
+                    ", ".join(idle),
+                )
+            self.plan = None  # checked once, after the first step
         peaks = self.meter.end_step()
         metrics = kwargs.get("metrics")
         if isinstance(metrics, dict):
