@@ -268,6 +268,12 @@ def test_recompute_comm_without_collectives_warns_and_changes_nothing():
     assert not any(getattr(m, "_lmforge_recompute", False) for m in other.modules())
     with pytest.raises(ConfigError, match="recompute_comm.select_module is required"):
         apply_activation_memory(other, None, {"enable": True}, None, NUM_LAYERS)
+    # the spec's example pattern names no lmforge module: a warning here, an error where it would apply
+    spec_example = {"enable": True, "select_module": {"attention.qkv": ["0-3"]}}
+    with pytest.warns(UserWarning, match="matches no submodule"):
+        apply_activation_memory(other, None, spec_example, None, NUM_LAYERS)
+    with pytest.raises(ConfigError, match="matches no submodule"):
+        apply_activation_memory(other, None, spec_example, None, NUM_LAYERS, has_comm_ops=True)
 
 
 def test_comm_recompute_policy_recomputes_only_collectives():

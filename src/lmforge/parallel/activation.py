@@ -657,7 +657,12 @@ def plan_activation_memory(
             targets = present(ids)
             found = [(d, rel, m) for d in targets for rel, m in _match_modules(d, regex)]
             if targets and not found:
-                raise _no_match_error(label, pattern, targets)
+                error = _no_match_error(label, pattern, targets)
+                if has_comm_ops:
+                    raise error
+                # Nothing would be applied anyway (e.g. the spec's own example 'attention.qkv' on one
+                # device): say it, but do not refuse a setting that is a no-op here.
+                warnings.warn(str(error), UserWarning, stacklevel=3)
             resolved.extend(found)
         if not has_comm_ops:
             plan.comm_note = "recompute_comm: no effect (no communication ops in the forward on this layout)"
