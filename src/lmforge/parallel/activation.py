@@ -593,6 +593,10 @@ def plan_activation_memory(
         )
     by_id = {d.layer_id: d for d in layers}
     mtp_count = sum(1 for d in layers if num_layers is not None and d.layer_id >= num_layers)
+    # A pipeline stage may hold no MTP layer; the model's config still knows how many there are.
+    configured_mtp = getattr(getattr(model, "config", None), "mtp_num_layers", None)
+    if isinstance(configured_mtp, int) and num_layers is not None:
+        mtp_count = max(mtp_count, configured_mtp)
     total = (num_layers if num_layers is not None else len(layers) - mtp_count) + mtp_count
 
     def present(ids: list[int]) -> list[DecoderLayer]:
