@@ -76,17 +76,18 @@ def test_resume_mid_epoch_gives_the_next_batch(prefix, tmp_path, shuffle):
     direct = build_dataloader(
         section, local_batch_size=2, dp_rank=1, dp_size=2, seed=7, consumed_samples=state["consumed_samples"]
     )
-    original = direct.dataset.__class__.__getitem__
+    cls = direct.dataset.__class__
+    original = cls.fill_row
 
-    def spy(self, k):
+    def spy(self, k, batch, row):
         reads.append(k)
-        return original(self, k)
+        return original(self, k, batch, row)
 
-    direct.dataset.__class__.__getitem__ = spy
+    cls.fill_row = spy
     try:
         assert torch.equal(next(direct)["input_ids"], uninterrupted[epoch - 3]["input_ids"])
     finally:
-        direct.dataset.__class__.__getitem__ = original
+        cls.fill_row = original
     assert reads == direct.indices_of_step(state["consumed_samples"] // 4)
 
 
@@ -242,3 +243,47 @@ def test_epoch_boundary_wraps_without_gaps(prefix, tmp_path):
     seen = [k for s in range(2 * n) for k in loader.indices_of_step(s)]
     assert seen == list(range(n * 5)) * 2
     np.testing.assert_array_equal(np.asarray(seen[: n * 5]), np.arange(n * 5))
+
+
+ALL_COLUMNS = ["input_ids", "labels", "loss_mask", "position_ids"]
+
+
+@pytest.mark.parametrize(
+    ("config", "extra_column", "phase"),
+    [
+        (
+            {"eod_mask_loss": True, "reset_position_ids": True, "reset_attention_mask": True},
+            "attention_mask",
+            "train",
+        ),
+        ({"create_compressed_eod_mask": True, "eod_pad_length": 6}, "actual_seq_len", "train"),
+        ({"add_extra_token_to_sequence": False, "pad": 7, "eod_mask_loss": True}, None, "train"),
+        ({"drop_last_partial_validation_sequence": False, "reset_position_ids": True}, None, "valid"),
+    ],
+)
+def test_batched_rows_equal_dataset_samples(prefix, tmp_path, config, extra_column, phase):
+    """The loader writes rows straight into the batch; they must equal dataset[k] column by column."""
+    second = write_docs(tmp_path / "second", random_docs(12, 50, vocab=300))
+    cfg = {
+        "seq_length": 16,
+        "eod": 0,
+        "data_path": ["0.6", prefix, "0.4", second],
+        "split": "70,30,0",
+        "path_to_cache": str(tmp_path / "cache"),
+        "create_attention_mask": extra_column == "attention_mask",
+        **config,
+    }
+    columns = ALL_COLUMNS + ([extra_column] if extra_column else [])
+    section = loader_section(cfg, sizes=[300, 64, 0], columns=columns, drop_remainder=False)
+    dataset, _ = build_dataset(section, phase=phase)
+    loader = build_dataloader(section, local_batch_size=7, phase=phase)
+    steps = list(loader) if phase == "valid" else take(loader, len(loader))
+    assert any(k is None for s in range(len(loader)) for k in loader.indices_of_step(s))
+    for step, batch in enumerate(steps):
+        for row, k in enumerate(loader.indices_of_step(step)):
+            sample = dataset[k]
+            for name in columns:
+                want = sample[name] + (16 * row if name == "actual_seq_len" else 0)
+                np.testing.assert_array_equal(
+                    batch[name][row].numpy(), want, err_msg=f"{name} step {step} row {row}"
+                )

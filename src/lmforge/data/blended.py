@@ -74,6 +74,12 @@ class BlendedDataset:
             return self.datasets[0][None]
         return self.datasets[int(self.dataset_index[k])][int(self.dataset_sample_index[k])]
 
+    def fill_row(self, k: int | None, batch: dict[str, np.ndarray], row: int) -> None:
+        if k is None:
+            self.datasets[0].fill_row(None, batch, row)
+        else:
+            self.datasets[int(self.dataset_index[k])].fill_row(int(self.dataset_sample_index[k]), batch, row)
+
 
 def _open(prefix: str, path_key: str) -> IndexedDataset:
     prefix = strip_suffix(prefix)

@@ -164,30 +164,72 @@ class GPTDataset:
         """The ``seq_length + extra`` raw tokens of sample ``k`` (after the shuffle), right-padded."""
         return self._text(k)[0]
 
-    def _text(self, k: int) -> tuple[np.ndarray, bool]:
+    def _pieces(self, k: int) -> list[np.ndarray]:
+        """Views on the memory map whose concatenation is sample ``k``'s text (unpadded)."""
         j = int(self.shuffle_index[k])
         doc_first, off_first = (int(v) for v in self.sample_index[j])
         doc_last, off_last = (int(v) for v in self.sample_index[j + 1])
         x = self.config.extra_token
-        pieces = []
         if doc_first == doc_last:
             seq = int(self.document_index[doc_first])
-            pieces.append(self.indexed.get(seq, off_first, off_last - off_first + x))
+            return [self.indexed.get(seq, off_first, off_last - off_first + x)]
+        pieces = []
+        for pos in range(doc_first, doc_last + 1):
+            seq = int(self.document_index[pos])
+            if pos == doc_first:
+                pieces.append(self.indexed.get(seq, off_first))
+            elif pos == doc_last:
+                pieces.append(self.indexed.get(seq, 0, off_last + x))
+            else:
+                pieces.append(self.indexed.get(seq))
+        return pieces
+
+    def _text(self, k: int) -> tuple[np.ndarray, bool]:
+        want = self.config.seq_length + self.config.extra_token
+        text = np.empty(want, dtype=np.int64)
+        filled = copy_range(self._pieces(k), text, 0)
+        if filled < want:  # the last, partial validation sample
+            text[filled:] = self.config.pad
+        return text, filled < want
+
+    def fill_row(self, k: int | None, batch: dict[str, np.ndarray], row: int) -> None:
+        """Write sample ``k`` into row ``row`` of preallocated batch arrays (the loader's fast path).
+
+        ``batch`` holds ``input_ids`` and ``labels`` (int64 [B, S]); ``loss_mask`` must come
+        pre-filled with ones and ``position_ids`` with ``arange(S)``; other columns are optional.
+        Same values as ``self[k]`` without the per-sample arrays and the stacking copy.
+        """
+        cfg = self.config
+        seq = cfg.seq_length
+        tokens, labels = batch["input_ids"][row], batch["labels"][row]
+        pieces = self._pieces(0 if k is None else k)
+        filled = copy_range(pieces, tokens, 0)
+        if filled < seq:
+            tokens[filled:] = cfg.pad
+        if cfg.add_extra_token_to_sequence:
+            got = copy_range(pieces, labels, 1)
+            if got < seq:
+                labels[got:] = cfg.pad
         else:
-            for pos in range(doc_first, doc_last + 1):
-                seq = int(self.document_index[pos])
-                if pos == doc_first:
-                    pieces.append(self.indexed.get(seq, off_first))
-                elif pos == doc_last:
-                    pieces.append(self.indexed.get(seq, 0, off_last + x))
-                else:
-                    pieces.append(self.indexed.get(seq))
-        text = np.concatenate(pieces).astype(np.int64) if len(pieces) > 1 else pieces[0].astype(np.int64)
-        want = self.config.seq_length + x
-        padded = len(text) < want
-        if padded:  # the last, partial validation sample
-            text = np.concatenate([text, np.full(want - len(text), self.config.pad, dtype=np.int64)])
-        return text, padded
+            labels[:-1] = tokens[1:]
+            labels[-1] = cfg.pad
+        padded = filled < seq + cfg.extra_token
+        may_hold_pad = cfg.pad >= 0 or not cfg.add_extra_token_to_sequence or padded
+        plain = not (
+            cfg.eod_mask_loss
+            or cfg.reset_position_ids
+            or "attention_mask" in batch
+            or "actual_seq_len" in batch
+        )
+        if plain and not may_hold_pad:
+            pass  # loss_mask = 1 and position_ids = arange, as pre-filled
+        else:
+            sample = make_sample_columns(tokens, labels, cfg, may_hold_pad)  # edits tokens/labels in place
+            for name, value in sample.items():
+                if name in batch and name not in ("input_ids", "labels"):
+                    batch[name][row] = value
+        if k is None:
+            batch["loss_mask"][row] = 0.0
 
     def __getitem__(self, k: int | None) -> dict[str, np.ndarray]:
         """One sample. ``k=None`` is a padding sample: sample 0 with an all-zero loss mask."""
@@ -208,6 +250,26 @@ class GPTDataset:
         if k is None:
             sample["loss_mask"][:] = 0.0
         return sample
+
+
+def copy_range(pieces: list[np.ndarray], out: np.ndarray, start: int) -> int:
+    """Copy text positions ``[start, start + len(out))`` of the concatenated pieces into ``out``.
+
+    Returns how many positions were filled (fewer than ``len(out)`` only at the end of the text).
+    Each token is converted to ``out``'s dtype exactly once, straight from the memory map.
+    """
+    n = len(out)
+    pos = filled = 0
+    for piece in pieces:
+        end = pos + len(piece)
+        lo, hi = max(pos, start), min(end, start + n)
+        if lo < hi:
+            out[lo - start : hi - start] = piece[lo - pos : hi - pos]
+            filled = hi - start
+        pos = end
+        if pos >= start + n:
+            break
+    return filled
 
 
 def make_sample_columns(

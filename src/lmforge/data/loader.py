@@ -34,11 +34,16 @@ COLUMN_DTYPES = {
 
 
 class _Columns(torch.utils.data.Dataset):
-    """A dataset view that keeps only the requested columns (runs inside worker processes)."""
+    """A dataset view that builds whole micro-batches of the requested columns (in worker processes).
+
+    Datasets with ``fill_row`` (GPTDataset, BlendedDataset) write each row straight into the batch
+    arrays; others fall back to stacking per-sample dicts.
+    """
 
     def __init__(self, dataset: Any, columns: list[str]) -> None:
         self.dataset = dataset
         self.columns = columns
+        self.seq_length = dataset.config.seq_length if hasattr(dataset, "config") else None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -47,22 +52,39 @@ class _Columns(torch.utils.data.Dataset):
         sample = self.dataset[k]
         return {c: sample[c] for c in self.columns}
 
+    def __getitems__(self, indices: list[int | None]) -> dict[str, np.ndarray]:
+        if not hasattr(self.dataset, "fill_row"):
+            samples = [self[k] for k in indices]
+            return {c: np.stack([s[c] for s in samples]) for c in self.columns}
+        cfg = self.dataset.config
+        rows, seq = len(indices), cfg.seq_length
+        batch = {
+            "input_ids": np.empty((rows, seq), dtype=np.int64),
+            "labels": np.empty((rows, seq), dtype=np.int64),
+            "loss_mask": np.ones((rows, seq), dtype=np.float32),
+            "position_ids": np.broadcast_to(np.arange(seq, dtype=np.int64), (rows, seq)).copy(),
+        }
+        if "attention_mask" in self.columns:
+            batch["attention_mask"] = np.empty((rows, 1, seq, seq), dtype=bool)
+        if "actual_seq_len" in self.columns:
+            batch["actual_seq_len"] = np.empty((rows, cfg.eod_pad_length), dtype=np.int64)
+        for row, k in enumerate(indices):
+            self.dataset.fill_row(k, batch, row)
+        return {c: batch[c] for c in self.columns}
 
-def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
-    """Stack samples into tensors; ``actual_seq_len`` becomes cumulative over the batch's rows."""
-    batch = {}
-    for name in samples[0]:
-        stacked = np.stack([s[name] for s in samples])
+
+def collate(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Batch arrays to tensors; ``actual_seq_len`` becomes cumulative over the batch's rows."""
+    out = {}
+    for name, array in batch.items():
         if name == "actual_seq_len":
             # The rows of a micro-batch are flattened into one varlen sequence: offset row i by
             # i * seq_length. (MindSpore Transformers offsets by the previous row's last entry,
             # which is wrong when a row's EOD list fills the whole vector.)
-            seq_length = samples[0]["input_ids"].shape[-1] if "input_ids" in samples[0] else None
-            if seq_length is None:
-                seq_length = int(stacked[0].max())
-            stacked = stacked + (np.arange(len(samples)) * seq_length)[:, None]
-        batch[name] = torch.from_numpy(np.ascontiguousarray(stacked)).to(COLUMN_DTYPES.get(name, torch.long))
-    return batch
+            seq_length = batch["input_ids"].shape[-1] if "input_ids" in batch else int(array[0].max())
+            array = array + (np.arange(len(array)) * seq_length)[:, None]
+        out[name] = torch.from_numpy(np.ascontiguousarray(array)).to(COLUMN_DTYPES.get(name, torch.long))
+    return out
 
 
 class SampleOrder:
