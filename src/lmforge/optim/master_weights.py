@@ -84,10 +84,16 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         accumulate_grads_in_fp32: bool = True,
     ) -> None:
         groups = list(params)
-        # Checked before torch's own check, so that the error names the parameter.
-        check_group_coverage(
-            groups if groups and isinstance(groups[0], dict) else [{"params": groups}], model
-        )
+        if groups and isinstance(groups[0], dict):
+            # Materialise each group's params once (a generator would be consumed by the check).
+            groups = [
+                {**g, "params": [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])}
+                for g in groups
+            ]
+            # Checked before torch's own check, so that the error names the parameter.
+            check_group_coverage(groups, model)
+        else:
+            check_group_coverage([{"params": groups}], model)
         super().__init__(groups, defaults)
         self.offload_states = offload_states
         for g in self.param_groups:

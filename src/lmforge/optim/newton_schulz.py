@@ -80,7 +80,8 @@ def newton_schulz(
     if tall:
         X = X.mT
     # Frobenius norm per matrix, accumulated in fp32 (bf16 would round the sum).
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=acc)
     X = X / (norm + eps).to(dtype)
     for a, b, c in schedule:
         P = torch.bmm(X, X.mT)

@@ -271,8 +271,9 @@ def parse_optimizer_section(section: Any) -> OptimizerOptions:
         raw["offload_states"] = raw.pop("enable_cpu_offload")
     hyper: dict[str, Any] = {k: raw[k] for k in defaults if k not in ("weight_decay",)}
     if kind == "Muon":
-        if raw.get("offload_states") or raw.get("enable_cpu_offload"):
-            raise _err("offload_states", "state offload is implemented for AdamW, Lion and LAMB, not Muon.")
+        for key in ("offload_states", "enable_cpu_offload"):
+            if raw.get(key):
+                raise _err(key, "state offload is implemented for AdamW, Lion and LAMB, not Muon.")
         _validate_muon(raw, hyper)
     else:
         _validate_adamw_like(kind, raw, hyper)
