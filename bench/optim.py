@@ -138,24 +138,38 @@ def machine() -> str:
 
 
 def render(rows, repeats) -> str:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO, check=False
+        ).stdout.strip()
+    except OSError:
+        commit = "?"
     lines = [
         SECTION,
         "",
         f"`bench/optim.py` (median of {repeats} steps, ours and torch's interleaved in one process on the same",
-        f"shapes and gradients). Machine: {machine()}. Load average at start: "
-        f"{os.getloadavg()[0]:.1f} (the machine is shared, so absolute times are noisy; the ratio is the result).",
+        f"shapes and gradients; commit {commit}). Machine: {machine()}. Load average at start: "
+        f"{LOAD_AT_START:.1f} (the machine is shared, so absolute times are noisy; the ratio is the result).",
         "",
-        "| model | parameters | ours | peer | ours ms | peer ms | ratio |",
-        "|---|---:|---|---|---:|---:|---:|",
+        "| model | parameters | ours | peer | ours ms | peer ms | ratio | target |",
+        "|---|---:|---|---|---:|---:|---:|---|",
     ]
     for model, n, ours, peer, t_ours, t_peer in rows:
+        target = 0.8 if ours.startswith("Muon") else 1.1
+        verdict = "met" if t_ours / t_peer <= target else "**missed**"
         lines.append(
             f"| {model} | {n / 1e6:.1f}M | {ours} | {peer} | {t_ours * 1e3:.1f} | {t_peer * 1e3:.1f} | "
-            f"{t_ours / t_peer:.2f}x |"
+            f"{t_ours / t_peer:.2f}x | <= {target}x {verdict} |"
         )
     lines += [
         "",
         "Targets (issue 4): AdamW <= 1.1x torch's step with masters included; Muon <= 0.8x torch's Muon.",
+        "",
+        "Why: ours runs torch's fused AdamW kernel (one pass over each tensor) where torch's default is the",
+        "foreach path (several passes); with bf16 parameters ours also updates the fp32 masters and copies them",
+        "back. Both Muons run the same Newton-Schulz (same FLOPs, bf16); ours stacks every matrix of one shape",
+        "into one batched matmul, which pays off most when matrices are small; large matrices keep the matmul",
+        "units busy one at a time, so there the ratio tends to 1.",
         "",
     ]
     return "\n".join(lines)
@@ -170,6 +184,9 @@ def write_section(text: str) -> None:
         nxt = doc.find("\n## ", start + len(SECTION))
         doc = doc[:start] + text + (doc[nxt + 1 :] if nxt >= 0 else "")
     DOC.write_text(doc if doc.endswith("\n") else doc + "\n")
+
+
+LOAD_AT_START = os.getloadavg()[0]
 
 
 def main() -> None:
