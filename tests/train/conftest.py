@@ -60,6 +60,16 @@ def tiny_trainer(cfg, *, optimizer: str = "adamw", callbacks=None, masked: bool 
     )
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is faster than two fighting over a shared machine (and the
+    results are bitwise the same either way, see torch_cpu.md)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def make_config(tmp_path):
     return lambda **sections: tiny_config(tmp_path, **sections)

@@ -16,7 +16,7 @@ from lmforge.errors import ConfigError
 from lmforge.train.parallel_seam import ParallelContext, distributed_env
 from lmforge.train.rng import seed_everything
 from lmforge.train.trainer import Trainer
-from lmforge.utils.logging import get_logger
+from lmforge.utils.logging import get_logger, setup_logging
 from lmforge.utils.sections import section_to_dict
 
 logger = get_logger("lmforge.train")
@@ -97,6 +97,11 @@ def build_trainer(
     from lmforge.parallel import ParallelDims
 
     ctx = distributed_env(device)
+    run_dir = Path(output_dir or getattr(cfg, "output_dir", None) or "./output")
+    if ctx.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    # Logging first, so that model / optimizer construction messages reach train.log too.
+    setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)
     training = cfg.training
     seed_everything(int(training.seed), bool(training.deterministic))
     model_cfg = build_model_config(cfg.model)
@@ -178,7 +183,7 @@ def build_trainer(
         scheduler=scheduler,
         dataloader_factory=dataloader_factory,
         ctx=ctx,
-        output_dir=output_dir,
+        output_dir=run_dir,
         hf_loader=load_hf_weights,
         files_to_copy=[tokenizer] if tokenizer else None,
     )

@@ -1,0 +1,136 @@
+"""``lmforge train`` / ``generate`` / ``checkpoint inspect`` with the real builders on a tiny Qwen3."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+from lmforge.cli import main
+from lmforge.config import load_config
+from lmforge.data import IndexedDatasetWriter
+from lmforge.train.builder import build_trainer
+from lmforge.train.callbacks import TrainerCallback, read_metrics
+
+VOCAB = 64
+
+
+def _write_data(prefix):
+    """Learnable documents: arithmetic token sequences ending with the eod token 0."""
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for _ in range(120):
+            start, step, n = int(rng.integers(1, VOCAB)), int(rng.integers(1, 4)), int(rng.integers(10, 40))
+            writer.add_document([1 + (start + step * i) % (VOCAB - 1) for i in range(n)] + [0])
+
+
+def write_config(tmp_path, optimizer: dict, steps: int = 12, **training) -> str:
+    prefix = tmp_path / "data" / "docs"
+    prefix.parent.mkdir(exist_ok=True)
+    if not (prefix.parent / "docs.bin").exists():
+        _write_data(prefix)
+    raw = {
+        "output_dir": str(tmp_path / "run"),
+        "training": {
+            "steps": steps,
+            "local_batch_size": 2,
+            "global_batch_size": 4,
+            "seed": 3,
+            "deterministic": True,
+            **training,
+        },
+        "optimizer": optimizer,
+        "lr_scheduler": {
+            "type": "CosineWithWarmUpLR",
+            "learning_rate": 1.0e-2,
+            "warmup_steps": 1,
+            "lr_end": 1.0e-3,
+        },
+        "checkpoint": {"save_path": str(tmp_path / "ckpt"), "save_interleaved_steps": 6, "save_max": 3},
+        "model": {
+            "model_type": "qwen3",
+            "architectures": "Qwen3ForCausalLM",
+            "num_hidden_layers": 2,
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 64,
+            "vocab_size": VOCAB,
+            "seq_length": 16,
+            "compute_dtype": "bfloat16",
+        },
+        "train_dataset": {
+            "dataloader": {
+                "type": "BlendedMegatronDatasetDataLoader",
+                "datasets_type": "GPTDataset",
+                "column_names": ["input_ids", "labels", "loss_mask", "position_ids"],
+                "shuffle": True,
+                "config": {
+                    "seq_length": 16,
+                    "eod": 0,
+                    "data_path": [str(prefix)],
+                    "split": "90,10,0",
+                    "create_attention_mask": False,
+                    "path_to_cache": str(tmp_path / "cache"),
+                },
+            },
+            "num_parallel_workers": 0,
+        },
+    }
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+ADAMW = {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.01}
+MUON = {"type": "Muon", "momentum": 0.95, "weight_decay": 0.01, "adamw_betas": [0.9, 0.95]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", [ADAMW, MUON], ids=["adamw", "muon"])
+def test_train_cli_end_to_end(tmp_path, optimizer, capsys):
+    cfg = write_config(tmp_path, optimizer, steps=16)
+    assert main(["train", "--config", cfg]) == 0
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert len(records) == 16 and not any(r.get("skipped") for r in records)
+    assert sum(r["loss"] for r in records[-3:]) / 3 < sum(r["loss"] for r in records[:3]) / 3 - 0.3
+    assert all(r["mfu"] is not None and r["tokens_per_s"] > 0 for r in records)
+    assert (tmp_path / "run" / "curves.png").is_file() and (tmp_path / "run" / "summary.json").is_file()
+    capsys.readouterr()
+    assert main(["checkpoint", "inspect", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "iteration_00000016" in out and "global_step=16" in out and "optimizer" in out
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, **kw):
+        if state.global_step == self.step:
+            kw["trainer"].request_stop("test stop")
+
+
+@pytest.mark.slow
+def test_real_stack_resume_is_bitwise_exact(tmp_path):
+    """bf16 model + lmforge AdamW (fp32 masters) + Megatron loader: 6 straight == 3, stop, resume, 3."""
+    straight = tmp_path / "a"
+    straight.mkdir()
+    cfg = write_config(straight, ADAMW, steps=6)
+    assert main(["train", "--config", cfg, "--set", "checkpoint.save_interleaved_steps=100"]) == 0
+    split = tmp_path / "b"
+    split.mkdir()
+    cfg = write_config(split, ADAMW, steps=6)
+    trainer = build_trainer(load_config(cfg, ["checkpoint.save_interleaved_steps=100"]))
+    trainer.callbacks.add(StopAt(3))
+    trainer.fit()
+    assert (split / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert main(["train", "--config", cfg, "--set", f"checkpoint.load_path={split / 'ckpt'}"]) == 0
+    a = [
+        (r["step"], r["loss"], r["grad_norm"], r["lr"])
+        for r in read_metrics(straight / "run" / "metrics.jsonl")
+    ]
+    b = [
+        (r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in read_metrics(split / "run" / "metrics.jsonl")
+    ]
+    assert len(a) == 6 and a == b
