@@ -71,10 +71,29 @@ def test_moe_monitor_interval_counts_micro_batches(tmp_path):
     assert [(r["step"], r["micro_step"], r["layer"]) for r in records] == [(2, 1, 0), (3, 2, 0)]
 
 
-def test_moe_monitor_errors(tmp_path):
-    cb = MoeMonitorCallback({"save_tokens_per_expert_interval": 1, "target_layers": [7]}, tmp_path)
-    with pytest.raises(ConfigError, match=r"target_layers names layers \[7\] that have no experts"):
+def test_moe_monitor_dense_target_layers_are_skipped(tmp_path):
+    """The spec's skeleton targets layers that may be dense: skipped with a warning, not an error."""
+    captured: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = captured.append
+    logger = logging.getLogger("lmforge.train.monitor")
+    logger.addHandler(handler)
+    try:
+        cb = MoeMonitorCallback({"save_tokens_per_expert_interval": 1, "target_layers": [1, 7]}, tmp_path)
         drive([cb], _model(), steps=1, micro=1)
+    finally:
+        logger.removeHandler(handler)
+    assert any("layers [7] have no experts" in r.getMessage() for r in captured)
+    records = [json.loads(line) for line in cb.path.read_text().splitlines()]
+    assert [r["layer"] for r in records] == [1]
+
+
+def test_moe_monitor_needs_an_moe_model(tmp_path):
+    from .helpers import TinyLM
+
+    cb = MoeMonitorCallback({"save_tokens_per_expert_interval": 1}, tmp_path)
+    with pytest.raises(ConfigError, match="the model has no experts"):
+        drive([cb], TinyLM(), steps=1, micro=1)
 
 
 def test_max_logits_monitor_logs_per_layer_values_every_interval():

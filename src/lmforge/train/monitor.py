@@ -31,6 +31,9 @@ import torch
 from torch import nn
 
 from lmforge.errors import ConfigError
+from lmforge.utils.logging import get_logger
+
+log = get_logger("lmforge.train.monitor")
 
 
 def norm_filters(value: Any, name: str) -> list[str] | None:
@@ -261,9 +264,13 @@ class MoeTokenMonitor:
         if self.target_layers is not None:
             missing = [i for i in self.target_layers if i not in available]
             if missing:
-                raise ConfigError(
-                    f"monitor.moe_monitor.target_layers names layers {missing} that have no experts; "
-                    f"MoE layers of this model: {available}"
+                # The spec's own skeleton targets [0, 1, 2] of a DeepSeek-V3 whose first layers are
+                # dense: not an error, but nothing is recorded for those layers.
+                log.warning(
+                    "monitor.moe_monitor.target_layers: layers %s have no experts (dense layers) and are "
+                    "skipped; MoE layers of this model: %s",
+                    missing,
+                    available,
                 )
         self._handle = self.model.register_forward_hook(self._after_forward)
 
