@@ -166,7 +166,8 @@ def test_index_cache_is_written_and_reused(tmp_path):
     files = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert len(files) == 4 and any(f.endswith("-GPTDataset-train-shuffle_index.npy") for f in files)
     second, _ = build_dataset(loader_section(cfg), phase="train")
-    assert isinstance(second.shuffle_index, np.memmap)  # loaded, not rebuilt
+    assert isinstance(second.shuffle_index.base, np.memmap)  # loaded from the cache, not rebuilt
+    assert not isinstance(first.shuffle_index.base, np.memmap)
     np.testing.assert_array_equal(first.sample_index, second.sample_index)
     np.testing.assert_array_equal(first.shuffle_index, second.shuffle_index)
 

@@ -152,9 +152,10 @@ class GPTDataset:
                 "shuffle_index": shuffle_index,
             }
             cache.save(arrays)
-        self.document_index = arrays["document_index"]
-        self.sample_index = arrays["sample_index"]
-        self.shuffle_index = arrays["shuffle_index"]
+        # Plain ndarray views: indexing a np.memmap element by element is several times slower.
+        self.document_index = arrays["document_index"].view(np.ndarray)
+        self.sample_index = arrays["sample_index"].view(np.ndarray)
+        self.shuffle_index = arrays["shuffle_index"].view(np.ndarray)
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
@@ -210,10 +211,11 @@ class GPTDataset:
             got = copy_range(pieces, labels, 1)
             if got < seq:
                 labels[got:] = cfg.pad
+            padded = got < seq
         else:
             labels[:-1] = tokens[1:]
             labels[-1] = cfg.pad
-        padded = filled < seq + cfg.extra_token
+            padded = filled < seq
         may_hold_pad = cfg.pad >= 0 or not cfg.add_extra_token_to_sequence or padded
         plain = not (
             cfg.eod_mask_loss
