@@ -220,6 +220,11 @@ def train_one(model: str, optimizer: str, lr: float, args: argparse.Namespace, v
         trainer = build_trainer(cfg, output_dir=out, device=args.device)
         result.params = sum(p.numel() for p in trainer.model.parameters())
         summary = trainer.fit()
+        if trainer.stop_requested and not str(trainer.stop_reason or "").startswith("diverged"):
+            # SIGTERM/SIGINT: the trainer stopped cleanly; stop the study too, keeping finished runs.
+            raise SystemExit(
+                f"stopped ({trainer.stop_reason}); finished runs are kept under {args.output_dir}"
+            )
         result.status = "completed" if summary.get("status", "completed") == "completed" else str(summary)
     except Exception as exc:  # a diverged or broken run is a result of the sweep, not the end of it
         result.status = f"failed: {type(exc).__name__}: {exc}"
@@ -410,7 +415,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated: deepseek_v3,qwen3")
     p.add_argument("--optimizers", default="adamw,muon", help="comma-separated: adamw,muon")
-    p.add_argument("--adamw-lrs", type=_lrs, default=_lrs("3e-3,1e-2,3e-2"), help="AdamW peak lr grid")
+    p.add_argument("--adamw-lrs", type=_lrs, default=_lrs("1e-3,3e-3,1e-2"), help="AdamW peak lr grid")
     p.add_argument("--muon-lrs", type=_lrs, default=_lrs("3e-3,1e-2,3e-2"), help="Muon peak lr grid")
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
