@@ -168,21 +168,17 @@ class GPTDataset:
     def _pieces(self, k: int) -> list[np.ndarray]:
         """Views on the memory map whose concatenation is sample ``k``'s text (unpadded)."""
         j = int(self.shuffle_index[k])
-        doc_first, off_first = (int(v) for v in self.sample_index[j])
-        doc_last, off_last = (int(v) for v in self.sample_index[j + 1])
+        (doc_first, off_first), (doc_last, off_last) = self.sample_index[j : j + 2].tolist()
         x = self.config.extra_token
+        seqs = self.document_index[doc_first : doc_last + 1]
+        starts = self.indexed.token_offsets[seqs].tolist()
+        tokens = self.indexed.tokens
         if doc_first == doc_last:
-            seq = int(self.document_index[doc_first])
-            return [self.indexed.get(seq, off_first, off_last - off_first + x)]
-        pieces = []
-        for pos in range(doc_first, doc_last + 1):
-            seq = int(self.document_index[pos])
-            if pos == doc_first:
-                pieces.append(self.indexed.get(seq, off_first))
-            elif pos == doc_last:
-                pieces.append(self.indexed.get(seq, 0, off_last + x))
-            else:
-                pieces.append(self.indexed.get(seq))
+            return [tokens[starts[0] + off_first : starts[0] + off_last + x]]
+        lengths = self.indexed.sequence_lengths[seqs].tolist()
+        pieces = [tokens[starts[0] + off_first : starts[0] + lengths[0]]]
+        pieces.extend(tokens[s : s + n] for s, n in zip(starts[1:-1], lengths[1:-1]))
+        pieces.append(tokens[starts[-1] : starts[-1] + off_last + x])
         return pieces
 
     def _text(self, k: int) -> tuple[np.ndarray, bool]:
@@ -196,26 +192,26 @@ class GPTDataset:
     def fill_row(self, k: int | None, batch: dict[str, np.ndarray], row: int) -> None:
         """Write sample ``k`` into row ``row`` of preallocated batch arrays (the loader's fast path).
 
-        ``batch`` holds ``input_ids`` and ``labels`` (int64 [B, S]); ``loss_mask`` must come
+        ``batch`` holds ``input_ids`` and ``labels`` (int64 [B, S]) and a scratch ``_text`` (int64
+        [B, S + extra]); ``loss_mask`` must come
         pre-filled with ones and ``position_ids`` with ``arange(S)``; other columns are optional.
         Same values as ``self[k]`` without the per-sample arrays and the stacking copy.
         """
         cfg = self.config
         seq = cfg.seq_length
         tokens, labels = batch["input_ids"][row], batch["labels"][row]
-        pieces = self._pieces(0 if k is None else k)
-        filled = copy_range(pieces, tokens, 0)
-        if filled < seq:
-            tokens[filled:] = cfg.pad
+        # One walk over the pieces into a scratch row (converting to int64 once), then two memcpys.
+        text = batch["_text"][row]
+        filled = copy_range(self._pieces(0 if k is None else k), text, 0)
+        padded = filled < len(text)
+        if padded:
+            text[filled:] = cfg.pad
+        tokens[:] = text[:seq]
         if cfg.add_extra_token_to_sequence:
-            got = copy_range(pieces, labels, 1)
-            if got < seq:
-                labels[got:] = cfg.pad
-            padded = got < seq
+            labels[:] = text[1:]
         else:
-            labels[:-1] = tokens[1:]
+            labels[:-1] = text[1:]
             labels[-1] = cfg.pad
-            padded = filled < seq
         may_hold_pad = cfg.pad >= 0 or not cfg.add_extra_token_to_sequence or padded
         plain = not (
             cfg.eod_mask_loss

@@ -158,6 +158,10 @@ class IndexedDataset:
             )
         # np.memmap refuses empty files; an empty dataset simply has no bytes to map.
         self._bin_buffer = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        # The whole file as one flat token array (a view), and where each sequence starts in it:
+        # slicing these is much cheaper than a frombuffer call per read.
+        self.tokens = np.frombuffer(self._bin_buffer, dtype=self.dtype, count=size // itemsize)
+        self.token_offsets = self.sequence_pointers // itemsize
 
     # Worker processes started with 'spawn' get the prefix and map the files themselves, instead
     # of a pickled copy of the whole memory map.

@@ -59,6 +59,7 @@ class _Columns(torch.utils.data.Dataset):
         cfg = self.dataset.config
         rows, seq = len(indices), cfg.seq_length
         batch = {
+            "_text": np.empty((rows, seq + cfg.extra_token), dtype=np.int64),
             "input_ids": np.empty((rows, seq), dtype=np.int64),
             "labels": np.empty((rows, seq), dtype=np.int64),
             "loss_mask": np.ones((rows, seq), dtype=np.float32),
