@@ -185,7 +185,10 @@ class TrainStep:
         aux_losses = {k: float(v) / ctx.dp_size for k, v in zip(aux_totals, reduced[1:].tolist())}
 
         grad_norm = float(global_grad_norm(self.params, ctx))
-        emb_norm = float(global_grad_norm(self.embedding_params, ctx)) if self.embedding_params else None
+        # Every rank joins the reduction (under pipeline parallel only the first stage holds the embedding).
+        emb_norm = (
+            float(global_grad_norm(self.embedding_params, ctx)) if (self.embedding_params or ctx.distributed) else None
+        )
         lr = self._current_lr()
         result = StepResult(
             loss=loss,
