@@ -154,9 +154,12 @@ def render(pre_rows, loader_row, repeats) -> str:
     )
     lines += [
         "",
-        "At 4096 tokens per sample the loader delivers far more samples per second than a small model",
-        "consumes on this CPU; its per-sample cost is the index lookups and the four columns it builds",
-        "(labels, loss mask, position ids) on top of the memmap copy.",
+        "Reading: preprocessing adds JSON parsing, batching and the .bin/.idx writes to the tokenizer's own",
+        "time. The loader's peer reads one contiguous window per sample and emits one int64 column; the",
+        "loader follows the shuffled document/sample indices (a 4096-token sample spans about six KJV",
+        "chapters, each a separate slice) and emits four columns (input_ids, labels, loss_mask,",
+        "position_ids: about 3.5x the bytes). Even so it delivers tens of thousands of 4096-token samples",
+        "per second in one process, orders of magnitude more than a training step consumes.",
         "",
     ]
     return "\n".join(lines)
