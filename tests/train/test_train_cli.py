@@ -117,7 +117,8 @@ def test_real_stack_resume_is_bitwise_exact(tmp_path):
     straight = tmp_path / "a"
     straight.mkdir()
     cfg = write_config(straight, ADAMW, steps=6)
-    assert main(["train", "--config", cfg, "--set", "checkpoint.save_interleaved_steps=100"]) == 0
+    # Saving every 2 steps must not disturb training (a save only reads the live state).
+    assert main(["train", "--config", cfg, "--set", "checkpoint.save_interleaved_steps=2"]) == 0
     split = tmp_path / "b"
     split.mkdir()
     cfg = write_config(split, ADAMW, steps=6)

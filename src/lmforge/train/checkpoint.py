@@ -89,13 +89,50 @@ def _model_state_dict(model: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(model)
 
 
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _canonical_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def _masters_by_key(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
+    """State-dict key -> the optimizer's fp32 master of that parameter, for parameters that have one.
+
+    A checkpoint stores each weight once, at full precision: the fp32 master where the optimizer keeps
+    one (a bf16 model on one device), else the parameter (FSDP keeps fp32 parameters). So a checkpoint
+    moves between layouts that keep masters and layouts that do not, without rounding the weights.
+    """
+    master_of = getattr(optimizer, "master", None)
+    if optimizer is None or not callable(master_of):
+        return {}
+    out = {}
+    for name, p in model.named_parameters():
+        if p in getattr(optimizer, "state", {}):
+            m = master_of(p)
+            if m is not p:
+                out[_canonical_name(name)] = m
+    return out
+
+
 def _optimizer_state_dict(model: nn.Module, optimizer: Any) -> tuple[str, dict[str, Any]]:
-    """(format, state dict). "fqn": keyed by parameter names, reshardable; "plain": the optimizer's own."""
+    """(format, state dict). "fqn": keyed by parameter names, reshardable; "plain": the optimizer's own.
+
+    In "fqn" form the masters are left out: they are the checkpoint's model weights (see above).
+    """
     if isinstance(optimizer, torch.optim.Optimizer) and _optimizer_holds_model_params(model, optimizer):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return "fqn", get_optimizer_state_dict(model, optimizer)
+        return "fqn", _without_masters(get_optimizer_state_dict(model, optimizer))
     return "plain", optimizer.state_dict()
+
+
+def _without_masters(sd: dict[str, Any]) -> dict[str, Any]:
+    # A new dict per parameter: torch's optimizer state dict shares them with the live optimizer state.
+    state = {k: {kk: vv for kk, vv in v.items() if kk != "master"} for k, v in sd.get("state", {}).items()}
+    return {**sd, "state": state}
 
 
 def _optimizer_holds_model_params(model: nn.Module, optimizer: Any) -> bool:
@@ -266,7 +303,12 @@ class CheckpointManager:
     # -- internals ----------------------------------------------------------------------------
 
     def _build_state_dict(self, target: Checkpointable, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        sd: dict[str, Any] = {"model": _model_state_dict(target.model)}
+        model_sd = _model_state_dict(target.model)
+        if not self.no_save_optim:
+            model_sd.update(
+                {k: m for k, m in _masters_by_key(target.model, target.optimizer).items() if k in model_sd}
+            )
+        sd: dict[str, Any] = {"model": model_sd}
         optimizer_format = None
         if target.optimizer is not None and not self.no_save_optim:
             optimizer_format, sd["optimizer"] = _optimizer_state_dict(target.model, target.optimizer)
@@ -570,7 +612,9 @@ def load_checkpoint(
             f"{', '.join(missing[:5])}. Check that the model section is the one the checkpoint was trained with."
         )
     _check_shapes(header.path, model_sd, keys)
-    sd: dict[str, Any] = {"model": model_sd}
+    # Weights with an fp32 master load straight into the master (no bf16 rounding on the way).
+    masters = {k: m for k, m in _masters_by_key(target.model, target.optimizer).items() if k in model_sd}
+    sd: dict[str, Any] = {"model": {**model_sd, **masters}}
     optimizer_format = header.common.get("optimizer_format") or "plain"
     own_rng, own_loader = f"rank_{rank}", f"rank_{rank}"
     same_layout = int(header.common.get("world_size", 1)) == (dist.get_world_size() if _distributed() else 1)
@@ -579,7 +623,7 @@ def load_checkpoint(
             if optimizer_format == "fqn":
                 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-                sd["optimizer"] = get_optimizer_state_dict(target.model, target.optimizer)
+                sd["optimizer"] = _without_masters(get_optimizer_state_dict(target.model, target.optimizer))
             else:
                 sd["optimizer"] = _allocate_encoded(metadata, "optimizer")
         if target.scheduler is not None and _has_key(keys, "scheduler"):
@@ -595,9 +639,14 @@ def load_checkpoint(
 
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(target.model, sd["model"])
+    master_tensors = {id(m) for m in masters.values()}
+    set_model_state_dict(
+        target.model, {k: v for k, v in sd["model"].items() if k not in masters}, options=_non_strict()
+    )
     if no_load_optim:
-        _resync_optimizer_masters(target.optimizer)
+        _copy_masters_to_model(target.optimizer)
+        if not master_tensors:
+            _resync_optimizer_masters(target.optimizer)
         logger.info(
             "Loaded model weights from %s (no_load_optim: optimizer and step start fresh).", header.path
         )
@@ -606,7 +655,15 @@ def load_checkpoint(
         if optimizer_format == "fqn":
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+            saved_masters = {
+                p: target.optimizer.state[p]["master"]
+                for p in target.model.parameters()
+                if p in target.optimizer.state and "master" in target.optimizer.state[p]
+            }
             set_optimizer_state_dict(target.model, target.optimizer, sd["optimizer"])
+            for p, m in saved_masters.items():  # loading replaced the state; the masters were loaded above
+                target.optimizer.state[p]["master"] = m
+            _copy_masters_to_model(target.optimizer)
         else:
             target.optimizer.load_state_dict(decode_state(sd["optimizer"]))
     if "scheduler" in sd:
@@ -711,6 +768,27 @@ def _allocate_encoded(metadata: Any, prefix: str) -> dict[str, Any]:
 
 def _has_key(metadata_keys: Any, prefix: str) -> bool:
     return any(k == prefix or k.startswith(prefix + ".") for k in metadata_keys)
+
+
+def _non_strict():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(strict=False)
+
+
+@torch.no_grad()
+def _copy_masters_to_model(optimizer: Any) -> None:
+    """Cast the loaded fp32 masters into the (low-precision) model parameters."""
+    master_of = getattr(optimizer, "master", None)
+    if optimizer is None or not callable(master_of):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            m = master_of(p)
+            if m is not p:
+                dst = p.to_local() if hasattr(p, "to_local") else p
+                src = m.to_local() if hasattr(m, "to_local") else m
+                dst.copy_(src)
 
 
 def _resync_optimizer_masters(optimizer: Any) -> None:
