@@ -14,7 +14,7 @@ from lmforge.data import IndexedDataset, build_dataloader
 from lmforge.data.demo import FILES, build_demo, kjv_chapters, kjv_path
 from lmforge.data.tokenizer import load_tokenizer
 
-from .conftest_paths import REPO_ROOT
+from .paths import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
