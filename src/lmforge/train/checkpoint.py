@@ -210,7 +210,7 @@ class CheckpointManager:
     ) -> None:
         if not str(save_path):
             raise CheckpointError(
-                "checkpoint.save_path must be provided when checkpoint.enable_save is true: set it to the "
+                "checkpoint.save_path: save_path must be provided for CheckpointCallback. Set it to the "
                 "directory where iteration_XXXXXXXX/ checkpoints should be written, or set "
                 "checkpoint.enable_save: false."
             )

@@ -140,7 +140,21 @@ class Trainer:
 
     # -- construction helpers -----------------------------------------------------------------
 
+    def _warn_inert_checkpoint_fields(self) -> None:
+        ck = self.checkpoint_cfg
+        if ck.get("load_balanced"):
+            logger.warning(
+                "checkpoint.load_balanced: true has no effect in lmforge: torch.distributed.checkpoint already "
+                "reads on every rank only the shards that rank needs."
+            )
+        if ck.get("remove_redundancy"):
+            logger.warning(
+                "checkpoint.remove_redundancy: true has no effect in lmforge: torch.distributed.checkpoint "
+                "always writes a replicated tensor once (redundancy is always removed)."
+            )
+
     def _add_builtin_callbacks(self, files_to_copy: list[str | Path] | None) -> None:
+        self._warn_inert_checkpoint_fields()
         self.callbacks.add(LoggingCallback())
         self.callbacks.add(MetricsCallback())
         self.callbacks.add(PlotCallback())
