@@ -297,3 +297,20 @@ def test_global_batch_smaller_than_one_step(prefix, tmp_path):
     assert build_dataloader(
         section_for(prefix, tmp_path), local_batch_size=4, dp_size=2, global_batch_size=16
     )
+
+
+def test_validate_section_needs_no_files(tmp_path):
+    from lmforge.data import validate_dataset_section
+
+    section = loader_section({"seq_length": 16, "train_data_path": [str(tmp_path / "not-built-yet")]})
+    validate_dataset_section(section, vocab_size=100, seq_length=16)
+    with pytest.raises(ConfigError, match=r"config\.seq_length \(16\) must equal model\.seq_length \(8\)"):
+        validate_dataset_section(section, seq_length=8)
+    with pytest.raises(ConfigError, match=r"column_names .*create_attention_mask is false"):
+        validate_dataset_section(
+            loader_section({"seq_length": 16, "train_data_path": ["x"]}, columns=["attention_mask"])
+        )
+    with pytest.raises(ConfigError, match=r"train_dataset\.num_parallel_workers must be an integer >= 0"):
+        validate_dataset_section({**section, "num_parallel_workers": -2})
+    with pytest.raises(ConfigError, match="MindDataset"):
+        validate_dataset_section({"dataloader": {"type": "MindDataset"}})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 from lmforge.errors import ConfigError, DataError
@@ -115,17 +116,11 @@ def _check_vocab_upfront(dataset: GPTDataset | BlendedDataset, vocab_size: int) 
             )
 
 
-def build_dataset(
-    dataset_section: Any,
-    *,
-    phase: str = "train",
-    vocab_size: int | None = None,
-    seq_length: int | None = None,
-) -> tuple[GPTDataset | BlendedDataset | None, dict[str, Any]]:
-    """The GPTDataset/BlendedDataset of one phase (None if that split is empty) and the section dict."""
+def _parse_section(
+    dataset_section: Any, *, vocab_size: int | None, seq_length: int | None
+) -> tuple[dict[str, Any], dict[str, Any], GPTDatasetConfig, list[int | None]]:
+    """Validate the section without touching any file: (section, dataloader, config, sizes)."""
     section = section_to_dict(dataset_section)
-    if phase not in PHASES:
-        raise ValueError(f"phase must be one of {sorted(PHASES)}, got {phase!r}")
     loader = section.get("dataloader")
     if not isinstance(loader, dict):
         raise ConfigError(
@@ -139,11 +134,6 @@ def build_dataset(
         raise ConfigError(
             f"train_dataset.dataloader.datasets_type is '{kind}'; the only supported value is GPTDataset."
         )
-    unknown = sorted(set(loader) - _DATALOADER_KEYS)
-    if unknown:
-        log.warning(
-            "train_dataset.dataloader.%s is not used by BlendedMegatronDatasetDataLoader; ignored", unknown[0]
-        )
     raw_config = loader.get("config")
     if raw_config is None:
         raise ConfigError(
@@ -152,19 +142,51 @@ def build_dataset(
         )
     raw_config = section_to_dict(raw_config)
     cfg = parse_gpt_config(raw_config, vocab_size=vocab_size)
-    for key in no_effect_keys(raw_config):
-        log.warning("%s.%s has no effect in lmforge (see docs/data.md)", CONFIG_PATH, key)
     if seq_length is not None and cfg.seq_length != seq_length:
         raise ConfigError(
             f"{CONFIG_PATH}.seq_length ({cfg.seq_length}) must equal model.seq_length ({seq_length})."
         )
+    sizes = _parse_sizes(loader.get("sizes"))
+    _check_columns(loader.get("column_names"), cfg)
+    for key in ("num_parallel_workers", "prefetch_size"):
+        value = section.get(key, 8 if key == "num_parallel_workers" else 1)
+        low = 0 if key == "num_parallel_workers" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"train_dataset.{key} must be an integer >= {low}; got {value!r}.")
+    return section, loader, cfg, sizes
+
+
+def validate_dataset_section(
+    dataset_section: Any, *, vocab_size: int | None = None, seq_length: int | None = None
+) -> None:
+    """Every check of ``build_dataloader`` that needs no data file (used by ``lmforge check``)."""
+    _parse_section(dataset_section, vocab_size=vocab_size, seq_length=seq_length)
+
+
+def build_dataset(
+    dataset_section: Any,
+    *,
+    phase: str = "train",
+    vocab_size: int | None = None,
+    seq_length: int | None = None,
+) -> tuple[GPTDataset | BlendedDataset | None, dict[str, Any]]:
+    """The GPTDataset/BlendedDataset of one phase (None if that split is empty) and the section dict."""
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {sorted(PHASES)}, got {phase!r}")
+    section, loader, cfg, sizes = _parse_section(
+        dataset_section, vocab_size=vocab_size, seq_length=seq_length
+    )
+    unknown = sorted(set(loader) - _DATALOADER_KEYS)
+    if unknown:
+        log.warning(
+            "train_dataset.dataloader.%s is not used by BlendedMegatronDatasetDataLoader; ignored", unknown[0]
+        )
+    for key in no_effect_keys(section_to_dict(loader["config"])):
+        log.warning("%s.%s has no effect in lmforge (see docs/data.md)", CONFIG_PATH, key)
     if 0 <= cfg.pad == cfg.eod:
         # Megatron: a pad id equal to EOD would mask every EOD label; it is dropped with a warning.
         log.warning("%s.pad equals eod (%d); treating pad as unset (-1)", CONFIG_PATH, cfg.pad)
-        from dataclasses import replace
-
         cfg = replace(cfg, pad=-1)
-    sizes = _parse_sizes(loader.get("sizes"))
     dataset = build_split_dataset(cfg, sizes, PHASES[phase])
     if dataset is not None and vocab_size is not None:
         _check_vocab_upfront(dataset, vocab_size)
@@ -211,11 +233,7 @@ def build_dataloader(
     loader = parsed["loader"]
     columns = _check_columns(loader.get("column_names"), parsed["config"])
     workers = section.get("num_parallel_workers", 8)
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise ConfigError(f"train_dataset.num_parallel_workers must be an integer >= 0; got {workers!r}.")
     prefetch = section.get("prefetch_size", 1)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-        raise ConfigError(f"train_dataset.prefetch_size must be an integer >= 1; got {prefetch!r}.")
     cpus = os.cpu_count() or 1
     if workers > cpus:
         log.warning(
@@ -260,4 +278,11 @@ def _prefixes(dataset: GPTDataset | BlendedDataset) -> list[str]:
     return [m.indexed.prefix for m in members]
 
 
-__all__ = ["COLUMN_DTYPES", "KNOWN_UNSUPPORTED_TYPES", "SUPPORTED_TYPES", "build_dataloader", "build_dataset"]
+__all__ = [
+    "COLUMN_DTYPES",
+    "KNOWN_UNSUPPORTED_TYPES",
+    "SUPPORTED_TYPES",
+    "build_dataloader",
+    "build_dataset",
+    "validate_dataset_section",
+]
