@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,12 @@ def _worker(rank: int, world: int, init_file: str, spec: dict[str, Any]) -> None
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    import faulthandler
+
     out_path = Path(spec["out"]) / f"rank{rank}.json"
+    stacks = open(Path(spec["out"]) / f"rank{rank}.stacks", "w")  # noqa: SIM115 (kept open until exit)
+    faulthandler.dump_traceback_later(spec["timeout"] - 5, exit=True, file=stacks)
+    faulthandler.register(15, file=stacks, all_threads=True)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         result = globals()[spec["task"]](rank, world, spec)
@@ -212,6 +218,8 @@ def train_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     losses, norms = [], []
     for s in range(data["input_ids"].shape[0]):
         r = step(micro_batches(data, s, rows, spec["lbs"]))
+        if os.environ.get("LMFORGE_TEST_DEBUG"):
+            print(f"rank {rank} step {s} loss {r.loss} norm {r.grad_norm}", flush=True)
         losses.append(r.loss)
         norms.append(r.grad_norm)
     return {"loss": losses, "grad_norm": norms}
@@ -222,19 +230,20 @@ def _restore_buffers(model, state) -> None:
     return None
 
 
-def run_workers(world: int, spec: dict[str, Any], timeout: float = 120.0) -> list[dict[str, Any]]:
+def run_workers(world: int, spec: dict[str, Any], timeout: float = 90.0) -> list[dict[str, Any]]:
     """Run ``spec['task']`` on ``world`` spawned gloo ranks; return each rank's JSON result."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {**spec, "out": tmp}
+        spec = {**spec, "out": tmp, "timeout": timeout}
         init_file = os.path.join(tmp, "init")
         procs = [
             ctx.Process(target=_worker, args=(r, world, init_file, spec), daemon=True) for r in range(world)
         ]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout
         for p in procs:
-            p.join(timeout)
+            p.join(max(0.1, deadline - time.monotonic()))
         alive = [p for p in procs if p.is_alive()]
         for p in alive:
             p.kill()
@@ -245,7 +254,15 @@ def run_workers(world: int, spec: dict[str, Any], timeout: float = 120.0) -> lis
             results.append(
                 json.loads(path.read_text()) if path.exists() else {"ok": False, "error": "no result"}
             )
-        errors = [f"rank {r}: {res.get('error')}" for r, res in enumerate(results) if not res["ok"]]
+        errors = [
+            f"rank {r} (exit code {procs[r].exitcode}): {res.get('error')}"
+            for r, res in enumerate(results)
+            if not res["ok"]
+        ]
+        for r in range(world):
+            dump = Path(tmp) / f"rank{r}.stacks"
+            if dump.exists() and dump.read_text().strip():
+                errors.append(f"rank {r} stacks at the timeout:\n{dump.read_text()[-3000:]}")
         if alive:
             errors.insert(0, f"{len(alive)} rank(s) timed out after {timeout}s")
         if errors:

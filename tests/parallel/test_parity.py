@@ -59,3 +59,20 @@ def _check(section, parallelism, world, tmp_path, *, gbs=4, lbs=1, rel=1e-4):
 
 def test_fsdp_two_ranks_matches_single_process(tmp_path):
     _check(tiny_llama(), {}, 2, tmp_path)
+
+
+def test_tp_two_ranks(tmp_path):
+    _check(tiny_llama(), {"tensor_parallel": 2, "sequence_parallel": True}, 2, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "schedule,interleave,gbs",
+    [("1f1b", 1, 4), ("gpipe", 1, 4), ("interleaved_1f1b", 2, 4)],
+)
+def test_pp_two_ranks(tmp_path, schedule, interleave, gbs):
+    par = {
+        "pipeline_parallel": 2,
+        "pipeline_parallel_schedule": schedule,
+        "pipeline_parallel_interleave_num": interleave,
+    }
+    _check(tiny_llama(), par, 2, tmp_path, gbs=gbs)

@@ -202,6 +202,7 @@ def parallelize(
         stage_specs = split_for_pipeline(model, pp_rank=pp_mesh.get_local_rank(), pp=dims.pp, opts=opts)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
+        model.tensor_parallel_size = dims.tp
         _install_tp_output(model, mesh["tp"])
     if dims.ep > 1:
         apply_ep(model, mesh.expert["ep"], opts, tp_mesh=mesh["tp"] if dims.tp > 1 else None)
@@ -227,6 +228,7 @@ def parallelize(
             schedule=opts["pipeline_parallel_schedule"],
             num_microbatches=num_microbatches,
             device=device,
+            compute_dtype=compute_dtype,
         )
         roots = pipeline.stage_modules
     else:

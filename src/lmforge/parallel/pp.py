@@ -159,6 +159,7 @@ class PipelineRunner:
         schedule: str,
         num_microbatches: int,
         device: torch.device,
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
@@ -167,6 +168,7 @@ class PipelineRunner:
         self.dp_group = dp_group
         self.n_micro = num_microbatches
         self.device = device
+        self.compute_dtype = compute_dtype
         self.modules = [StageModule(model, ids, s == 0, s == n_stages - 1) for s, ids in stage_specs]
         self.has_first = any(m.first for m in self.modules)
         self.has_last = any(m.last for m in self.modules)
@@ -192,8 +194,8 @@ class PipelineRunner:
 
     def _build(self) -> None:
         stages = [
-            self._pipeline_stage(m, s, self._n_stages, self.device, group=self.pp_group)
-            for m, s in zip(self.modules, self._stage_ids)
+            self._pipeline_stage(m, sid, self._n_stages, self.device, group=self.pp_group)
+            for m, sid in zip(self.modules, self._stage_ids)
         ]
         cls = _schedule_class(self._schedule_name)
         target = stages if self._schedule_name == "interleaved_1f1b" else stages[0]
@@ -210,7 +212,8 @@ class PipelineRunner:
         """Forward + backward of the whole step; returns the summed token loss (same on every pp rank)."""
         from lmforge.models.common.masks import build_allowed_mask
 
-        if self._schedule is None:
+        first_run = self._schedule is None
+        if first_run:
             self._build()
         counts = torch.zeros((), dtype=torch.float64, device=self.device)
         for b in micro_batches:
@@ -232,6 +235,10 @@ class PipelineRunner:
                 cos, sin = self.model.rotary_pos_emb(pos)
                 allowed = build_allowed_mask(s, ids.device, b.get("attention_mask"), b.get("actual_seq_len"))
                 m.side.extras.append((cos, sin, allowed))
+            if first_run:
+                # torch infers the stage shapes on the first step by running each stage once more before
+                # the micro-batches (and the loss once); give that run the first micro-batch's inputs.
+                m.side.extras.appendleft(m.side.extras[0])
         self.loss_sums = []
         x = torch.cat([b["input_ids"] for b in micro_batches]) if self.has_first else None
         target = None
@@ -253,6 +260,8 @@ class PipelineRunner:
             self._schedule.step(target=target, losses=[])
         else:
             self._schedule.step()
+        # Only the last n_micro loss calls are the micro-batches (the first step adds a shape-inference call).
+        self.loss_sums = self.loss_sums[-self.n_micro :]
         total = torch.stack(self.loss_sums).sum() if self.loss_sums else torch.zeros((), device=self.device)
         total = total.to(torch.float32).reshape(1).clone()
         dist.broadcast(total, src=self.last_stage_global_rank, group=self.pp_group)

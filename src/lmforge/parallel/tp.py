@@ -56,8 +56,12 @@ def _local(param: Any) -> torch.Tensor:
 # ------------------------------------------------------------------ replicated parameters
 
 
-def _replicate_params(module: nn.Module, mesh: Any, group: Any) -> None:
-    """Make the direct parameters of ``module`` replicated DTensors whose gradient is summed over tp."""
+def _replicate_params(module: nn.Module, mesh: Any, group: Any, caller: nn.Module | None = None) -> None:
+    """Make the direct parameters of ``module`` replicated DTensors whose gradient is summed over tp.
+
+    ``caller`` is the module whose forward reads them (the module itself, or the parent of a parameter
+    holder that is never called, like the MoE experts' ``linear_fc1``).
+    """
     from torch.distributed.tensor import Replicate
 
     names = [n for n, p in module.named_parameters(recurse=False) if p is not None]
@@ -68,14 +72,15 @@ def _replicate_params(module: nn.Module, mesh: Any, group: Any) -> None:
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
         for n in names:
-            mod.__dict__[n] = comm.all_reduce_grad(_local(mod._parameters[n]), group)
+            module.__dict__[n] = comm.all_reduce_grad(_local(module._parameters[n]), group)
 
     def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
         for n in names:
-            mod.__dict__.pop(n, None)
+            module.__dict__.pop(n, None)
 
-    module.register_forward_pre_hook(pre_hook)
-    module.register_forward_hook(post_hook)
+    target = caller or module
+    target.register_forward_pre_hook(pre_hook)
+    target.register_forward_hook(post_hook)
 
 
 # ------------------------------------------------------------------ linear layers
@@ -287,9 +292,12 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
             _vocab_parallel_output(out, tp_mesh, group)
     # Everything else (norms, routers, routed experts, MLA down projections) is replicated over tp and
     # sees only this rank's tokens or heads: its gradient is the sum over tp.
+    parents = {id(child): parent for parent in model.modules() for child in parent.children()}
     for module in model.modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
-            _replicate_params(module, tp_mesh, group)
+            # A holder that is never called itself (no forward of its own): hook its parent instead.
+            caller = parents.get(id(module)) if type(module).forward is nn.Module.forward else None
+            _replicate_params(module, tp_mesh, group, caller)
 
 
 def _tied_output_forward(group: Any):
