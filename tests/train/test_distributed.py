@@ -34,7 +34,8 @@ def torchrun(nproc: int, cfg: str, *overrides: str, port: int) -> None:
 @pytest.mark.distributed
 def test_checkpoint_from_two_ranks_resumes_on_one_and_four(tmp_path):
     cfg = write_config(tmp_path, ADAMW, steps=6)
-    torchrun(2, cfg, "checkpoint.save_interleaved_steps=3", port=29611)
+    # async_save: DCP writes in the background on its own gloo group while the two ranks train on.
+    torchrun(2, cfg, "checkpoint.save_interleaved_steps=3", "checkpoint.async_save=true", port=29611)
     two = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     assert [s for s, _ in two] == [1, 2, 3, 4, 5, 6] and two[-1][1] < two[0][1]
     it3 = tmp_path / "ckpt" / "iteration_00000003"

@@ -15,6 +15,17 @@ from lmforge.train.callbacks import TrainerCallback, read_metrics
 VOCAB = 64
 
 
+def _write_tokenizer(path):
+    """A word-level tokenizer whose ids are the data's token ids ("t0" .. "t63"; t0 is the eod)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    vocab["<|endoftext|>"] = 0
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+
+
 def _write_data(prefix):
     """Learnable documents: arithmetic token sequences ending with the eod token 0."""
     rng = np.random.default_rng(0)
@@ -29,6 +40,7 @@ def write_config(tmp_path, optimizer: dict, steps: int = 12, **training) -> str:
     prefix.parent.mkdir(exist_ok=True)
     if not (prefix.parent / "docs.bin").exists():
         _write_data(prefix)
+        _write_tokenizer(prefix.parent / "tokenizer.json")
     raw = {
         "output_dir": str(tmp_path / "run"),
         "training": {
@@ -100,6 +112,19 @@ def test_train_cli_end_to_end(tmp_path, optimizer, capsys):
     assert main(["checkpoint", "inspect", str(tmp_path / "ckpt")]) == 0
     out = capsys.readouterr().out
     assert "iteration_00000016" in out and "global_step=16" in out and "optimizer" in out
+    assert (tmp_path / "ckpt" / "iteration_00000016" / "tokenizer.json").is_file()
+    argv = [
+        "generate",
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--prompt",
+        "t5 t7 t9",
+        "--max-new-tokens",
+        "6",
+    ]
+    assert main([*argv, "--temperature", "0"]) == 0
+    text = capsys.readouterr().out.strip()
+    assert text.startswith("t5 t7 t9") and len(text.split()) > 3
 
 
 class StopAt(TrainerCallback):
