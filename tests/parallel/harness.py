@@ -59,6 +59,8 @@ def tiny_qwen3_moe(**overrides: Any) -> dict[str, Any]:
         "compute_dtype": "float32",
         "initializer_range": 0.2,
         "tie_word_embeddings": False,
+        "output_router_logits": True,  # the Switch balancing loss, so its gradient is compared too
+        "router_aux_loss_coef": 0.05,
     }
     section.update(overrides)
     return section
@@ -194,12 +196,20 @@ def build_parallel(rank: int, world: int, spec: dict[str, Any]):
 
 
 def train_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Train every case of ``spec['cases']`` in turn (one spawn, several layouts)."""
+    out: dict[str, Any] = {}
+    for case in spec["cases"]:
+        out[case["name"]] = _train_case(rank, world, {**spec, **case})
+    return out
+
+
+def _train_case(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     from lmforge.train.parallel_seam import ParallelContext
     from lmforge.train.step import TrainStep
 
+    torch.manual_seed(0)
     model, info, accum = build_parallel(rank, world, spec)
     state = torch.load(spec["state"], weights_only=True)
-    _restore_buffers(model, state)
     _load_full_state(model, state)
     data = torch.load(spec["data"], weights_only=True)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -218,8 +228,6 @@ def train_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     losses, norms = [], []
     for s in range(data["input_ids"].shape[0]):
         r = step(micro_batches(data, s, rows, spec["lbs"]))
-        if os.environ.get("LMFORGE_TEST_DEBUG"):
-            print(f"rank {rank} step {s} loss {r.loss} norm {r.grad_norm}", flush=True)
         losses.append(r.loss)
         norms.append(r.grad_norm)
     return {"loss": losses, "grad_norm": norms}

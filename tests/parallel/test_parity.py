@@ -1,10 +1,12 @@
 """Each parallel layout reproduces the single-process losses and gradient norms of the same global batch.
 
-Models are lmforge's own families (tiny, fp32), the reference is a plain torch loop (see harness.py).
-Tolerances: fp32 end to end, the only differences are summation orders of the collectives, so 1e-4
-relative on the loss and the gradient norm over 3 steps of AdamW (lr 3e-3, clipping at 1.0) is loose
-enough for rounding and tight enough that a wrong shard, a missing reduction or a double count
-(errors of 1e-2 and more) fails.
+Models are lmforge's own families (tiny, fp32: Llama with GQA, Qwen3-MoE with a balancing loss,
+DeepSeek-V3 with MLA and shared experts); the reference is a plain torch loop (see harness.py). One
+spawn per world size runs all its layouts in turn (process start-up dominates on 2 cores).
+
+Tolerance: fp32 end to end, the layouts only change summation orders, so 1e-5 relative on the loss
+and 1e-4 on the gradient norm over 3 AdamW steps (lr 3e-3, clipping at 1.0). A wrong shard, a missing
+or doubled reduction, or a wrong micro-batch weighting moves them by 1e-2 or more.
 """
 
 from __future__ import annotations
@@ -14,65 +16,96 @@ import math
 import pytest
 import torch
 
-from .harness import (
-    make_data,
-    reference_run,
-    run_workers,
-    tiny_llama,
-)
+from .harness import make_data, reference_run, run_workers, tiny_deepseek, tiny_llama, tiny_qwen3_moe
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 3
 SEQ = 16
+GBS = 4
+MODELS = {"llama": tiny_llama, "qwen3_moe": tiny_qwen3_moe, "deepseek": tiny_deepseek}
+TOL = {"loss": 1e-5, "grad_norm": 1e-4}
 
 
-def _check(section, parallelism, world, tmp_path, *, gbs=4, lbs=1, rel=1e-4):
+def _run_cases(cases: list[dict], world: int, tmp_path) -> None:
     from lmforge.models import build_model
 
-    torch.manual_seed(0)
-    model = build_model(section)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    data = make_data(STEPS, gbs, SEQ, section["vocab_size"])
-    ref = reference_run(section, state, data, lbs)
-    torch.save(state, tmp_path / "state.pt")
-    torch.save(data, tmp_path / "data.pt")
-    spec = {
-        "task": "train_task",
-        "model": section,
-        "parallelism": parallelism,
-        "state": str(tmp_path / "state.pt"),
-        "data": str(tmp_path / "data.pt"),
-        "gbs": gbs,
-        "lbs": lbs,
-    }
-    results = run_workers(world, spec)
-    for rank, res in enumerate(results):
-        for key in ("loss", "grad_norm"):
-            for step, (got, want) in enumerate(zip(res[key], ref[key])):
-                assert math.isclose(got, want, rel_tol=rel, abs_tol=1e-6), (
-                    f"rank {rank} {key} step {step}: {got} vs single-process {want} "
-                    f"(all: {res[key]} vs {ref[key]})"
-                )
-    return results, ref
+    refs = {}
+    for name in {c["model_name"] for c in cases}:
+        section = MODELS[name]()
+        torch.manual_seed(0)
+        model = build_model(section)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        data = make_data(STEPS, GBS, SEQ, section["vocab_size"])
+        refs[name] = reference_run(section, state, data, 1)
+        torch.save(state, tmp_path / f"{name}_state.pt")
+        torch.save(data, tmp_path / f"{name}_data.pt")
+    spec_cases = [
+        {
+            "name": c["name"],
+            "model": MODELS[c["model_name"]](),
+            "parallelism": c["parallelism"],
+            "state": str(tmp_path / f"{c['model_name']}_state.pt"),
+            "data": str(tmp_path / f"{c['model_name']}_data.pt"),
+        }
+        for c in cases
+    ]
+    results = run_workers(
+        world, {"task": "train_task", "cases": spec_cases, "gbs": GBS, "lbs": 1}, timeout=170
+    )
+    failures = []
+    for case in cases:
+        ref = refs[case["model_name"]]
+        for rank, res in enumerate(results):
+            got = res[case["name"]]
+            for key, rel in TOL.items():
+                for step, (a, b) in enumerate(zip(got[key], ref[key])):
+                    if not math.isclose(a, b, rel_tol=rel, abs_tol=1e-7):
+                        failures.append(
+                            f"{case['name']} rank {rank} {key} step {step}: {a} vs single-process {b}"
+                        )
+    assert not failures, "\n".join(failures)
 
 
-def test_fsdp_two_ranks_matches_single_process(tmp_path):
-    _check(tiny_llama(), {}, 2, tmp_path)
+def _case(name, model_name, **parallelism):
+    return {"name": name, "model_name": model_name, "parallelism": parallelism}
 
 
-def test_tp_two_ranks(tmp_path):
-    _check(tiny_llama(), {"tensor_parallel": 2, "sequence_parallel": True}, 2, tmp_path)
+@pytest.mark.timeout(200)
+def test_two_rank_layouts_match_single_process(tmp_path):
+    cases = [
+        _case("fsdp", "llama"),
+        _case("tp_sp", "llama", tensor_parallel=2, sequence_parallel=True),
+        _case("pp_1f1b", "llama", pipeline_parallel=2, pipeline_parallel_schedule="1f1b"),
+        _case("pp_gpipe", "llama", pipeline_parallel=2, pipeline_parallel_schedule="gpipe"),
+        _case(
+            "pp_interleaved",
+            "llama",
+            pipeline_parallel=2,
+            pipeline_parallel_schedule="interleaved_1f1b",
+            pipeline_parallel_interleave_num=2,
+        ),
+        _case(
+            "pp_uneven_layers", "llama", pipeline_parallel=2, pipeline_parallel_layers_per_stage=["0", "1-3"]
+        ),
+        _case("cp_allgather_kv", "llama", context_parallel=2),
+        _case("cp_ulysses", "llama", context_parallel=2, context_parallel_method="ulysses"),
+        _case("ep_alltoall", "qwen3_moe", expert_parallel=2),
+        _case("tp_moe", "qwen3_moe", tensor_parallel=2),
+        _case("tp_mla_shared_experts", "deepseek", tensor_parallel=2),
+        _case("ep_mla", "deepseek", expert_parallel=2, moe_token_dispatcher_type="alltoall_deredundancy"),
+    ]
+    _run_cases(cases, 2, tmp_path)
 
 
-@pytest.mark.parametrize(
-    "schedule,interleave,gbs",
-    [("1f1b", 1, 4), ("gpipe", 1, 4), ("interleaved_1f1b", 2, 4)],
-)
-def test_pp_two_ranks(tmp_path, schedule, interleave, gbs):
-    par = {
-        "pipeline_parallel": 2,
-        "pipeline_parallel_schedule": schedule,
-        "pipeline_parallel_interleave_num": interleave,
-    }
-    _check(tiny_llama(), par, 2, tmp_path, gbs=gbs)
+@pytest.mark.timeout(200)
+def test_four_rank_layouts_match_single_process(tmp_path):
+    cases = [
+        _case("hsdp", "llama", data_parallel_shard=2),
+        _case("fsdp_x_tp", "llama", tensor_parallel=2),
+        _case("pp_x_fsdp", "llama", pipeline_parallel=2),
+        _case("cp_x_tp", "llama", context_parallel=2, tensor_parallel=2),
+        _case("ep_x_fsdp", "qwen3_moe", expert_parallel=2),
+        _case("ep_x_tp", "qwen3_moe", expert_parallel=2, tensor_parallel=2),
+    ]
+    _run_cases(cases, 4, tmp_path)

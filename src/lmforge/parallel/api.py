@@ -1,8 +1,7 @@
 """``parallelize``: apply the ``parallelism`` section to a model built on the meta device.
 
-Order (as the original, mindformers.md §4.1): pipeline split → tensor + sequence parallel → expert
-parallel → context parallel → activation recompute / swap (a hook from ``parallel/activation.py``) →
-FSDP2. Then the caller materialises the model (``to_empty`` + ``init_weights`` or a checkpoint load).
+Order: pipeline split → expert parallel → tensor + sequence parallel → context parallel → activation
+recompute / swap (a hook from ``parallel/activation.py``) → FSDP2. Then the caller materialises the model (``to_empty`` + ``init_weights`` or a checkpoint load).
 
 Fields that are accepted without an effect (Ascend-specific overlap and fusion switches) warn once at
 run time when set to a non-default value; see docs/parallel.md.
@@ -200,12 +199,13 @@ def parallelize(
     if dims.pp > 1:
         pp_mesh = mesh["pp"]
         stage_specs = split_for_pipeline(model, pp_rank=pp_mesh.get_local_rank(), pp=dims.pp, opts=opts)
+    # Experts first: their weights become (ep, tp) DTensors, which tensor parallel then leaves alone.
+    if dims.ep > 1:
+        apply_ep(model, mesh.expert["ep"], opts, tp_mesh=mesh["tp"] if dims.tp > 1 else None)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
         model.tensor_parallel_size = dims.tp
         _install_tp_output(model, mesh["tp"])
-    if dims.ep > 1:
-        apply_ep(model, mesh.expert["ep"], opts, tp_mesh=mesh["tp"] if dims.tp > 1 else None)
     if dims.cp > 1:
         method = validate_cp_options(opts, dims.cp, dims.ulysses)
         apply_cp(model, mesh["cp"], method)

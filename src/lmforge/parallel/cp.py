@@ -111,7 +111,7 @@ def _attend_gathered_kv(core: nn.Module, q, k, v, group, cp: int, rank: int) -> 
     pos_k = torch.cat([local_positions(s_local, cp, r, q.device) for r in range(cp)])
     allowed = pos_q[:, None] >= pos_k[None, :]
     if getattr(core, "track_max_logits", False):
-        _track(core, q, k_all, allowed, core.scale)
+        track_max_logits(core, q, k_all, allowed, core.scale, head_offset=getattr(core, "head_offset", 0))
     dropout = core.dropout if core.training else 0.0
     return F.scaled_dot_product_attention(
         q,
@@ -142,7 +142,9 @@ def _attend_ulysses(core: nn.Module, q, k, v, group, cp: int, rank: int) -> torc
         seq = qf.shape[2]
         allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
         heads = qf.shape[1]
-        _track(core, qf, kf, allowed, core.scale, head_offset=rank * heads)
+        track_max_logits(
+            core, qf, kf, allowed, core.scale, head_offset=getattr(core, "head_offset", 0) + rank * heads
+        )
     dropout = core.dropout if core.training else 0.0
     out = F.scaled_dot_product_attention(
         qf, kf, vf, is_causal=True, scale=core.scale, dropout_p=dropout, enable_gqa=qf.shape[1] != kf.shape[1]
@@ -151,7 +153,8 @@ def _attend_ulysses(core: nn.Module, q, k, v, group, cp: int, rank: int) -> torc
 
 
 @torch.no_grad()
-def _track(core: nn.Module, q, k, allowed, scale, head_offset: int = 0) -> None:
+def track_max_logits(core: nn.Module, q, k, allowed, scale, head_offset: int = 0) -> None:
+    """Running per-head max of the masked logits, written at the heads' global positions."""
     rep = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1) if rep > 1 else k.float()
     logits = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale

@@ -201,7 +201,12 @@ def _vocab_parallel_output(linear: nn.Linear, mesh: Any, group: Any) -> None:
 
 
 def _localise(module: nn.Module, t: int, names: tuple[str, ...]) -> None:
-    """The attention code reads head counts and row sizes from attributes: make them per rank."""
+    """The attention code reads head counts and row sizes from attributes: make them per rank.
+
+    The hooks that describe the *stored* (global) weights to the optimizer and monitors
+    (``muon_split_schema``, ``qk_clip_layer``, ``flops_per_token``) keep seeing the global values.
+    """
+    global_values = {}
     for name in names:
         value = getattr(module, name, None)
         if isinstance(value, int) and not isinstance(value, bool):
@@ -210,7 +215,55 @@ def _localise(module: nn.Module, t: int, names: tuple[str, ...]) -> None:
                     f"parallelism.tensor_parallel={t} must divide {type(module).__name__}.{name}={value} "
                     "(attention heads / key-value groups)."
                 )
+            global_values[name] = value
             setattr(module, name, value // t)
+    for method in ("muon_split_schema", "qk_clip_layer", "flops_per_token"):
+        if hasattr(type(module), method):
+            setattr(
+                module,
+                method,
+                types.MethodType(_with_values(getattr(type(module), method), global_values), module),
+            )
+
+
+def _with_values(fn, values: dict[str, int]):
+    def call(self, *args, **kwargs):
+        local = {k: getattr(self, k) for k in values}
+        for k, v in values.items():
+            setattr(self, k, v)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            for k, v in local.items():
+                setattr(self, k, v)
+
+    return call
+
+
+def _tp_core_attention(core: nn.Module, tp_rank: int) -> None:
+    """Local heads: track their max logits at their global positions (QK-Clip reduces with MAX)."""
+    from lmforge.parallel.cp import track_max_logits
+
+    core.head_offset = tp_rank * core.num_heads
+
+    def forward(self, q, k, v, allowed=None):
+        if getattr(self, "track_max_logits", False):
+            mask = allowed
+            if mask is None:
+                s = q.shape[2]
+                mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            track_max_logits(self, q, k, mask, self.scale, head_offset=self.head_offset)
+        dropout = self.dropout if self.training else 0.0
+        gqa = q.shape[1] != k.shape[1]
+        if allowed is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout, enable_gqa=gqa
+            )
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=self.scale, dropout_p=dropout, enable_gqa=gqa
+        )
+
+    core.forward = types.MethodType(forward, core)
 
 
 def _parallelize_attention(attn: nn.Module, mesh: Any, group: Any) -> None:
@@ -235,8 +288,7 @@ def _parallelize_attention(attn: nn.Module, mesh: Any, group: Any) -> None:
     core = getattr(attn, "core_attention", None)
     if core is not None:
         _localise(core, t, ("num_heads",))
-        if hasattr(core, "max_logits"):
-            core.max_logits = core.max_logits[: core.num_heads].clone()
+        _tp_core_attention(core, mesh.get_local_rank())
     _rowwise_to_sequence(attn.linear_proj, mesh, group)
 
 
@@ -247,7 +299,22 @@ def _parallelize_dense_mlp(mlp: nn.Module, mesh: Any, group: Any) -> None:
     pieces = [f, f] if fc1_out == 2 * f else [fc1_out]
     _pieces_colwise(mlp.linear_fc1, pieces, mesh, group)
     _rowwise_to_sequence(mlp.linear_fc2, mesh, group)
-    _localise(mlp, mesh.size(), ("ffn_hidden_size",))
+
+
+def _sequence_aux_loss(router: nn.Module, group: Any) -> None:
+    """The balancing loss sees the whole sequence, not this rank's shard: gather scores and choices first."""
+    original = router._aux_loss
+
+    def aux_loss(scores: torch.Tensor, topk_idx: torch.Tensor, batch_size: int) -> torch.Tensor:
+        b = batch_size
+        full_scores = comm.gather_replicated(scores.view(b, -1, scores.shape[-1]), 1, group)
+        with torch.no_grad():
+            full_idx = comm.gather_replicated(topk_idx.view(b, -1, topk_idx.shape[-1]), 1, group)
+        return original(
+            full_scores.reshape(-1, scores.shape[-1]), full_idx.reshape(-1, topk_idx.shape[-1]), b
+        )
+
+    router._aux_loss = aux_loss
 
 
 def _is_dense_mlp(mlp: nn.Module) -> bool:
@@ -284,6 +351,9 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
                 shared = getattr(mlp, "shared_experts", None)
                 if shared is not None and _is_dense_mlp(shared):
                     _parallelize_dense_mlp(shared, tp_mesh, group)
+                router = getattr(mlp, "router", None)
+                if router is not None and hasattr(router, "_aux_loss"):
+                    _sequence_aux_loss(router, group)
     if out is not None:
         if tied:
             out.weight = emb.weight  # the same (vocab-sharded) parameter
