@@ -233,9 +233,61 @@ def _train_case(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     return {"loss": losses, "grad_norm": norms}
 
 
-def _restore_buffers(model, state) -> None:
-    # Non-persistent buffers (rope tables) are rebuilt by init_weights; nothing else to restore.
-    return None
+def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Train on this layout; save after ``save_at`` steps, or resume from ``resume`` and continue."""
+    from lmforge.train.checkpoint import (
+        Checkpointable,
+        CheckpointManager,
+        load_checkpoint,
+        resolve_checkpoint,
+    )
+    from lmforge.train.parallel_seam import ParallelContext
+    from lmforge.train.state import TrainState
+    from lmforge.train.step import TrainStep
+
+    torch.manual_seed(0)
+    if world > 1:
+        model, info, _ = build_parallel(rank, world, spec)
+        dp_rank, dp_size, dp_group = info.dp_rank, info.dp_size, info.dp_group
+    else:
+        from lmforge.models import build_model
+
+        model = build_model(spec["model"])
+        dp_rank, dp_size, dp_group = 0, 1, None
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    state = TrainState()
+    target = Checkpointable(model=model, optimizer=opt, state=state)
+    first = 0
+    if spec.get("resume"):
+        header = resolve_checkpoint(spec["resume"])
+        load_checkpoint(header, target, no_load_optim=False)
+        first = state.global_step
+    else:
+        _load_full_state(model, torch.load(spec["state"], weights_only=True))
+    ctx = ParallelContext(
+        rank=rank,
+        world_size=world,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        wrapper_reduces_grads=world > 1,
+        grad_reduce_is_mean=False,
+        dp_group=dp_group,
+    )
+    step = TrainStep(model, opt, None, max_norm=MAX_NORM, ctx=ctx)
+    data = torch.load(spec["data"], weights_only=True)
+    per_rank = spec["gbs"] // dp_size
+    rows = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+    losses = {}
+    manager = CheckpointManager(spec["save_path"], save_max=2) if spec.get("save_at") else None
+    for s in range(first, data["input_ids"].shape[0]):
+        r = step(micro_batches(data, s, rows, spec["lbs"]))
+        losses[s] = r.loss
+        state.global_step = s + 1
+        if manager is not None and state.global_step == spec["save_at"]:
+            manager.save(target, state.global_step)
+    if manager is not None:
+        manager.close()
+    return {"loss": losses}
 
 
 def run_workers(world: int, spec: dict[str, Any], timeout: float = 90.0) -> list[dict[str, Any]]:
