@@ -1,0 +1,169 @@
+"""ParallelDims, layer-per-stage strings, accumulation steps and the per-rank memory estimate (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmforge.errors import ConfigError
+from lmforge.parallel import (
+    ParallelDims,
+    accumulation_steps,
+    describe_ranks,
+    estimate_memory,
+    validate_options,
+)
+from lmforge.parallel.pp_layout import stage_layers, stages_of_rank
+
+
+def test_pure_fsdp_takes_all_remaining_ranks():
+    d = ParallelDims.from_section({"tensor_parallel": 2, "pipeline_parallel": 2}, 16)
+    assert (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp) == (2, 1, 4, 1, 2)
+    assert d.dp == 4 and d.fsdp_size == 4
+
+
+def test_smaller_shard_gives_hsdp():
+    d = ParallelDims.from_section({"data_parallel_shard": 2}, 8)
+    assert (d.dp_replicate, d.dp_shard, d.dp) == (4, 2, 8)
+
+
+def test_expert_parallel_borrows_from_dp_and_cp():
+    d = ParallelDims.from_section({"context_parallel": 2, "expert_parallel": 4}, 8)
+    assert d.world_size == d.pp * d.dp * d.cp * d.tp == 8
+    assert d.fsdp_size == 8 and d.expert_fsdp_size == 2
+
+
+@pytest.mark.parametrize(
+    "section,world,key",
+    [
+        ({"tensor_parallel": 4, "pipeline_parallel": 2}, 4, "must be less than or equal to world_size"),
+        ({"tensor_parallel": 4}, 6, "parallelism.tensor_parallel\\(4\\)"),
+        ({"tensor_parallel": 3}, 8, "not divisible"),
+        ({"data_parallel_shard": 3}, 8, "parallelism.data_parallel_shard=3"),
+        ({"data_parallel_shard": 0}, 8, "parallelism.data_parallel_shard must be -1"),
+        ({"expert_parallel": 3}, 8, "parallelism.expert_parallel=3"),
+        ({"tensor_parallel": 0}, 8, "parallelism.tensor_parallel must be a positive integer"),
+        ({"context_parallel": 4, "ulysses_degree_in_cp": 3}, 8, "parallelism.ulysses_degree_in_cp"),
+    ],
+)
+def test_degree_errors_name_the_key(section, world, key):
+    with pytest.raises(ConfigError, match=key):
+        ParallelDims.from_section(section, world)
+
+
+@pytest.mark.parametrize(
+    "section,kwargs,key",
+    [
+        ({"tensor_parallel": 2}, {"num_heads": 6, "num_kv_heads": 3}, "number of key/value heads"),
+        ({"tensor_parallel": 4}, {"num_heads": 6}, "number of attention heads"),
+        ({"expert_parallel": 2}, {"num_experts": 3}, "routed experts"),
+        ({"expert_parallel": 2}, {"num_experts": 0}, "needs a mixture-of-experts model"),
+        ({"context_parallel": 2}, {"seq_length": 18}, "sequence length 18"),
+        ({"pipeline_parallel": 2}, {"num_layers": 3}, "Number of layers \\(3\\) is not divisible"),
+        (
+            {"context_parallel": 2, "context_parallel_method": "ulysses"},
+            {"num_heads": 3},
+            "ulysses_degree_in_cp",
+        ),
+    ],
+)
+def test_model_checks(section, kwargs, key):
+    d = ParallelDims.from_section(
+        section, 2 if "tensor_parallel" not in section else section["tensor_parallel"]
+    )
+    args = {"num_layers": 4, **kwargs}
+    with pytest.raises(ConfigError, match=key):
+        d.check_model(**args)
+
+
+def test_layers_per_stage_strings():
+    assert stage_layers("auto", num_layers=8, pp=2, interleave=2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # chunk c of rank r is virtual stage c*pp + r
+    assert stage_layers(["0-1,4-5", "2-3,6-7"], num_layers=8, pp=2, interleave=2) == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+    ]
+    assert stage_layers(["0", "1-3"], num_layers=4, pp=2) == [[0], [1, 2, 3]]
+    assert stages_of_rank(1, 2, 2) == [1, 3]
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        (["0-3"], "has 1 entries but parallelism.pipeline_parallel is 2"),
+        (["0-1", "2-x"], "invalid layer range format"),
+        (["3-1", "0"], "layer_start must be less than or equal to layer_end"),
+        (["0-1", "1-3"], "exactly one stage"),
+        (["0-1,2", "3"], "chunk"),
+        ([[0, 1], [2, 3]], "a list of lists is not supported"),
+    ],
+)
+def test_layers_per_stage_errors(value, match):
+    with pytest.raises(ConfigError, match=match):
+        stage_layers(value, num_layers=4, pp=2)
+
+
+def test_option_errors():
+    d = ParallelDims.from_section({}, 2)
+    for section, match in [
+        ({"reshard_after_forward_policy": "sometimes"}, "reshard_after_forward_policy"),
+        ({"data_parallel_shard_strategy": "zero3"}, "data_parallel_shard_strategy"),
+        ({"context_parallel_method": "ring"}, "context_parallel_method"),
+        ({"context_parallel_mask_type": "full"}, "context_parallel_mask_type"),
+        ({"pipeline_parallel_schedule": "zb"}, "pipeline_parallel_schedule"),
+        ({"dense_fsdp_shard_size": 2}, "dense_fsdp_shard_size"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            validate_options(section, d)
+    pp = ParallelDims.from_section({"pipeline_parallel": 2}, 2)
+    with pytest.raises(ConfigError, match="interleaved_1f1b"):
+        validate_options({"pipeline_parallel": 2, "pipeline_parallel_interleave_num": 2}, pp)
+
+
+def test_accumulation_steps_floor_and_error():
+    assert accumulation_steps(16, 2, 4) == 2
+    assert accumulation_steps(18, 2, 4) == 2  # the spec's floor division (warned)
+    with pytest.raises(ConfigError, match="exceeds global_batch_size"):
+        accumulation_steps(4, 2, 4)
+
+
+def test_memory_estimate_scales_with_sharding():
+    from lmforge.models import build_model
+
+    section = {
+        "model_type": "llama",
+        "architectures": "LlamaForCausalLM",
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 256,
+        "tie_word_embeddings": False,
+    }
+    model = build_model(section, device="meta")
+    n = sum(p.numel() for p in model.parameters())
+    kw = dict(
+        compute_dtype=torch.bfloat16,
+        optimizer_type="AdamW",
+        seq_length=128,
+        local_batch_size=2,
+        hidden_size=64,
+        num_layers=4,
+        vocab_size=256,
+    )
+    one = estimate_memory(model, ParallelDims.from_section({}, 1), **kw)
+    assert one.local_parameter_count == n
+    assert one.parameters == 2 * n and one.master_weights == 4 * n and one.gradients == 4 * n
+    assert one.optimizer_states == 8 * n
+    four = estimate_memory(model, ParallelDims.from_section({}, 4), **kw)
+    assert four.local_parameter_count == n // 4
+    assert four.parameters == 4 * (n // 4) and four.master_weights == 0
+    assert four.activations == one.activations  # FSDP does not split activations
+    tp = estimate_memory(model, ParallelDims.from_section({"tensor_parallel": 2}, 2), **kw)
+    assert tp.activations < one.activations
+    assert one.activations_recompute < one.activations
+    lines = describe_ranks(ParallelDims.from_section({"tensor_parallel": 2, "data_parallel_shard": 2}, 8))
+    assert len(lines) == 8 and "tensor shard 1/2" in lines[1] and "replica" in lines[0]
