@@ -479,3 +479,21 @@ def test_plan_reports_wrapped_modules_whose_forward_never_runs():
     model.decoder.layers[1].forward = lambda x: x + model.decoder.layers[1].self_attention(x)
     model(*_batch()).backward()
     assert plan.never_ran() == ["decoder.layers.1.mlp"]
+
+
+def test_pipeline_stage_keeps_global_layer_ids():
+    """A pipeline stage holds some layers under their global ids; specs name global ids."""
+    from lmforge.parallel.pp import KeyedLayers
+
+    _, model = _pair()
+    layers = model.decoder.layers
+    model.decoder.layers = KeyedLayers({"2": layers[2], "3": layers[3]})
+    plan = plan_activation_memory(
+        model,
+        {"mode": "select", "full_recompute_layer": ["0-2"], "select_module": {"mlp": ["3"]}},
+        None,
+        None,
+        4,
+    )
+    assert [d.layer_id for d in find_decoder_layers(model, 4)] == [2, 3]
+    assert [name for name, _ in plan.modules] == ["decoder.layers.2", "decoder.layers.3.mlp"]
