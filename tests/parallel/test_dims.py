@@ -68,9 +68,7 @@ def test_degree_errors_name_the_key(section, world, key):
     ],
 )
 def test_model_checks(section, kwargs, key):
-    d = ParallelDims.from_section(
-        section, 2 if "tensor_parallel" not in section else section["tensor_parallel"]
-    )
+    d = ParallelDims.from_section(section, section.get("tensor_parallel", 2))
     args = {"num_layers": 4, **kwargs}
     with pytest.raises(ConfigError, match=key):
         d.check_model(**args)

@@ -75,6 +75,13 @@ def _case(name, model_name, **parallelism):
 def test_two_rank_layouts_match_single_process(tmp_path):
     cases = [
         _case("fsdp", "llama"),
+        _case("fsdp_cpu_offload", "llama", cpu_offload=True),
+        _case(
+            "fsdp_zero2_never_reshard",
+            "llama",
+            data_parallel_shard_strategy="optim_grads",
+            reshard_after_forward_policy="never",
+        ),
         _case("tp_sp", "llama", tensor_parallel=2, sequence_parallel=True),
         _case("pp_1f1b", "llama", pipeline_parallel=2, pipeline_parallel_schedule="1f1b"),
         _case("pp_gpipe", "llama", pipeline_parallel=2, pipeline_parallel_schedule="gpipe"),
