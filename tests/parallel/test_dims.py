@@ -165,3 +165,32 @@ def test_memory_estimate_scales_with_sharding():
     assert one.activations_recompute < one.activations
     lines = describe_ranks(ParallelDims.from_section({"tensor_parallel": 2, "data_parallel_shard": 2}, 8))
     assert len(lines) == 8 and "tensor shard 1/2" in lines[1] and "replica" in lines[0]
+
+
+def test_parallel_plan_for_check():
+    from lmforge.parallel.report import parallel_plan
+
+    model = {
+        "model_type": "qwen3_moe",
+        "architectures": "Qwen3MoeForCausalLM",
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 128,
+        "seq_length": 64,
+    }
+    par = {"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2}
+    lines = parallel_plan(par, model, {"global_batch_size": 8, "local_batch_size": 2}, {"type": "AdamW"}, 8)
+    text = "\n".join(lines)
+    assert "pp 2 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2; expert parallel 2" in text
+    assert "micro-batches per step (= pipeline micro-batches): 2" in text
+    assert "pipeline stage 1 (pp rank 1): layers 2-3" in text
+    assert "rank 7: pp stage 1" in text and "total with full recompute" in text
+    with pytest.raises(ConfigError, match="parallelism.expert_parallel=3"):
+        parallel_plan({"expert_parallel": 3}, model, {"global_batch_size": 8}, {}, 6)

@@ -1,0 +1,91 @@
+"""What ``lmforge check --world-size N`` shows about parallelism: the mesh, each rank's share, memory.
+
+Everything here runs in one process without a process group: the model is built on the meta device,
+the degrees are checked against it, and the memory estimate of :mod:`lmforge.parallel.memory` is
+printed per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmforge.parallel.dims import ParallelDims, accumulation_steps
+from lmforge.parallel.memory import describe_ranks, estimate_memory, format_bytes
+from lmforge.utils.sections import section_to_dict
+
+MAX_RANK_LINES = 16
+
+
+def parallel_plan(parallelism: Any, model: Any, training: Any, optimizer: Any, world_size: int) -> list[str]:
+    """Lines describing the parallel plan; raises ConfigError for anything that would fail at start-up."""
+    import torch
+
+    from lmforge.models import build_model
+    from lmforge.parallel.api import validate_options, warn_inert_fields
+
+    dims = ParallelDims.from_section(parallelism, world_size)
+    opts = validate_options(parallelism, dims)
+    inert = warn_inert_fields(opts)
+    net = build_model(model, device="meta")
+    cfg = net.config
+    dims.check_model(
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=None if cfg.multi_latent_attention else cfg.num_key_value_heads,
+        num_experts=getattr(cfg, "num_experts", None) or None,
+        seq_length=cfg.seq_length,
+        interleave=opts["pipeline_parallel_interleave_num"],
+        layers_per_stage=opts["pipeline_parallel_layers_per_stage"],
+        vocab_size=cfg.vocab_size,
+    )
+    train = section_to_dict(training)
+    lbs = int(train.get("local_batch_size", 1))
+    accum = accumulation_steps(int(train.get("global_batch_size", 1)), lbs, dims.dp)
+    lines = [
+        f"Parallel mesh (world size {world_size}): pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard "
+        f"{dims.dp_shard} x cp {dims.cp} x tp {dims.tp}"
+        + (f"; expert parallel {dims.ep}" if dims.ep > 1 else ""),
+        f"  FSDP shards each parameter over {dims.fsdp_size} rank(s)"
+        + (f", replicated {dims.dp_replicate}x (HSDP)" if dims.dp_replicate > 1 else "")
+        + (
+            f"; experts over {dims.ep} rank(s), their FSDP over {dims.expert_fsdp_size}"
+            if dims.ep > 1
+            else ""
+        ),
+        f"  micro-batches per step (= pipeline micro-batches): {accum}",
+    ]
+    if dims.pp > 1:
+        from lmforge.parallel.pp_layout import stage_layers
+
+        stages = stage_layers(
+            opts["pipeline_parallel_layers_per_stage"],
+            num_layers=cfg.num_layers,
+            pp=dims.pp,
+            interleave=opts["pipeline_parallel_interleave_num"],
+        )
+        for s, layers in enumerate(stages):
+            lines.append(f"  pipeline stage {s} (pp rank {s % dims.pp}): layers {layers[0]}-{layers[-1]}")
+    ranks = describe_ranks(dims)
+    lines += ["  " + r for r in ranks[:MAX_RANK_LINES]]
+    if len(ranks) > MAX_RANK_LINES:
+        lines.append(f"  ... ({len(ranks) - MAX_RANK_LINES} more ranks)")
+    est = estimate_memory(
+        net,
+        dims,
+        compute_dtype=getattr(net, "compute_dtype", torch.float32),
+        optimizer_type=str(section_to_dict(optimizer).get("type", "AdamW")),
+        seq_length=cfg.seq_length,
+        local_batch_size=lbs,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        vocab_size=cfg.vocab_size,
+        accumulation_steps=accum,
+    )
+    lines.append(
+        f"Per-rank memory estimate (most loaded rank, {est.local_parameter_count:,} parameters held):"
+    )
+    lines += [f"  {name}: {format_bytes(value)}" for name, value in est.rows()]
+    lines += [f"  note: {n}" for n in est.notes]
+    if inert:
+        lines.append("  accepted without effect: " + ", ".join(f"parallelism.{k}" for k in inert))
+    return lines
