@@ -108,11 +108,6 @@ def build_trainer(
     dims = ParallelDims.from_section(cfg.parallelism, ctx.world_size)
     batch = int(training.global_batch_size) // max(int(training.local_batch_size) * dims.dp, 1)
     hook = _activation_hook(cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp)
-    if dims.pp > 1:
-        raise ConfigError(
-            "parallelism.pipeline_parallel > 1: the pipeline schedule is not wired into lmforge train yet; "
-            "use data, tensor, context or expert parallelism (pipeline_parallel: 1)."
-        )
     if not dims.is_parallel:
         model = build_model(cfg.model, device=ctx.device)  # initialised now, from the seeded RNG
         if hook is not None:
