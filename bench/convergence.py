@@ -369,7 +369,8 @@ def plot_model(model: str, results: list[RunResult], summary: dict[str, Any], pa
 def report_markdown(summaries: list[dict[str, Any]], args: argparse.Namespace, wall_s: float) -> str:
     lines = [
         f"Steps {args.steps} x {args.batch} sequences x {args.seq} tokens = {args.steps * args.batch * args.seq:,} "
-        f"training tokens per run; seed {args.seed}; device {args.device}; {wall_s / 60:.1f} min in total.",
+        f"training tokens per run; seed {args.seed}; device {args.device}; {wall_s / 60:.1f} min of training "
+        "and evaluation in total (the sum over runs, including runs reused from an earlier invocation).",
         "",
         "| model | optimizer | params | best lr (grid) | final val loss | tokens to AdamW's final loss | vs AdamW |",
         "|---|---|---|---|---|---|---|",
@@ -415,8 +416,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated: deepseek_v3,qwen3")
     p.add_argument("--optimizers", default="adamw,muon", help="comma-separated: adamw,muon")
-    p.add_argument("--adamw-lrs", type=_lrs, default=_lrs("1e-3,3e-3,1e-2"), help="AdamW peak lr grid")
-    p.add_argument("--muon-lrs", type=_lrs, default=_lrs("3e-3,1e-2,3e-2"), help="Muon peak lr grid")
+    p.add_argument(
+        "--adamw-lrs", type=_lrs, default=_lrs("1e-3,2e-3,3e-3,5e-3,1e-2"), help="AdamW peak lr grid"
+    )
+    p.add_argument("--muon-lrs", type=_lrs, default=_lrs("3e-3,1e-2,3e-2,1e-1"), help="Muon peak lr grid")
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--seq", type=int, default=128, help="sequence length")
@@ -464,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     grids = {"adamw": args.adamw_lrs, "muon": args.muon_lrs}
     start = time.perf_counter()
     summaries = []
+    all_results: list[RunResult] = []
     for model in args.models:
         results = []
         for opt in args.optimizers:
@@ -475,12 +479,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"({r.wall_s:.0f} s, {r.status[:80]})",
                     flush=True,
                 )
+        all_results += results
         summary = summarise(model, results, grids)
         summaries.append(summary)
         plot = Path(args.plot_dir) / f"convergence_{model}.png"
         plot_model(model, results, summary, plot)
         print(f"wrote {plot}", flush=True)
-    wall = time.perf_counter() - start
+    wall = sum(r.wall_s for r in all_results)
     report = report_markdown(summaries, args, wall)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
