@@ -140,6 +140,8 @@ def reference_run(
             total += float(out.loss_sum.detach())
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()
+        if hasattr(model, "update_expert_bias"):
+            model.update_expert_bias()  # aux-loss-free balancing, once per update (as the trainer's step)
         opt.zero_grad()
         losses.append(total / n)
     return {"loss": losses, "grad_norm": norms}

@@ -246,6 +246,7 @@ def parallelize(
     leftovers = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if leftovers:
         raise RuntimeError(f"parameters left unsharded by parallelize (a bug): {leftovers[:5]}")
+    _sum_expert_counts(model, mesh["dp_cp_tp"].get_group())
     if pipeline is not None:
         install_deferred_forward(model, pipeline, aux_scale=1.0 / (num_microbatches * dims.dp))
     info = ParallelInfo(
@@ -257,6 +258,28 @@ def parallelize(
         pipeline=pipeline,
     )
     return model, info
+
+
+def _sum_expert_counts(model: nn.Module, group: Any) -> None:
+    """Aux-loss-free balancing: every replica updates its expert bias from the counts of all ranks.
+
+    Data, context and sequence-parallel ranks route different tokens; without the sum each replica's
+    router bias would drift apart. The trainer calls ``update_expert_bias()`` without arguments.
+    """
+    original = getattr(model, "update_expert_bias", None)
+    if not callable(original):
+        return
+
+    def reduce_counts(counts: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(counts, group=group)
+        return counts
+
+    def update_expert_bias(self, reduce_counts_fn=None):
+        return original(reduce_counts_fn or reduce_counts)
+
+    model.update_expert_bias = types.MethodType(update_expert_bias, model)
 
 
 def _layers_of(root: nn.Module, model: nn.Module) -> list[nn.Module]:

@@ -283,6 +283,7 @@ class ParallelDims:
         world["dp_replicate", "dp_shard"]._flatten("dp")
         world["dp_shard", "cp"]._flatten("dp_shard_cp")
         world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        world["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")  # ranks routing distinct tokens
         expert = None
         if self.ep > 1:
             # Expert layers re-split the same ranks: (pp, dp_replicate, dp_shard·cp/ep, ep, tp).
@@ -299,7 +300,8 @@ class ParallelMesh:
     """The device meshes of a run, with the sub-meshes the other pieces ask for by name."""
 
     dims: ParallelDims
-    world: Any  # DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp") + flattened "dp", "dp_shard_cp", "dp_cp"
+    world: Any  # DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp") + flattened "dp", "dp_shard_cp",
+    # "dp_cp" and "dp_cp_tp"
     expert: Any = None  # DeviceMesh ("pp", "dp_replicate", "edp_shard", "ep", "tp"), only when ep > 1
 
     def __getitem__(self, name: str) -> Any:

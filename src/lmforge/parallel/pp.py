@@ -267,6 +267,55 @@ class PipelineRunner:
         dist.broadcast(total, src=self.last_stage_global_rank, group=self.pp_group)
         return total[0]
 
+    @torch.no_grad()
+    def forward_only(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Evaluation: one micro-batch through the stages in order (plain send/recv, no schedule).
+
+        Returns ``(loss_sum, num_tokens)`` of the batch, the same on every pipeline rank.
+        """
+        from lmforge.models.common.gpt import token_cross_entropy
+        from lmforge.models.common.masks import build_allowed_mask
+
+        ids = batch["input_ids"]
+        b, s = ids.shape
+        pos = batch.get("position_ids")
+        if pos is None:
+            pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, -1)
+        elif pos.dim() == 1:
+            pos = pos.unsqueeze(0)
+        cos, sin = self.model.rotary_pos_emb(pos)
+        allowed = build_allowed_mask(s, ids.device, batch.get("attention_mask"), batch.get("actual_seq_len"))
+        pp = dist.get_world_size(self.pp_group)
+        my_rank = dist.get_rank(self.pp_group)
+        tp = getattr(self.model, "tensor_parallel_size", 1)
+        hidden_shape = (b, s // tp, self.model.config.hidden_size)
+        by_id = dict(zip(self._stage_ids, self.modules))
+        result = torch.zeros(2, dtype=torch.float32, device=self.device)
+        h = None
+        for sid in range(self._n_stages):
+            owner = sid % pp
+            if owner != my_rank:
+                continue
+            module = by_id[sid]
+            if sid == 0:
+                x = ids
+            else:
+                x = torch.empty(hidden_shape, dtype=self.compute_dtype, device=self.device)
+                dist.recv(x, group_src=(sid - 1) % pp, group=self.pp_group)
+            module.side.extras.clear()
+            module.side.extras.append((cos, sin, allowed))
+            h = module(x)
+            if sid < self._n_stages - 1:
+                dist.send(
+                    h.to(self.compute_dtype).contiguous(), group_dst=(sid + 1) % pp, group=self.pp_group
+                )
+            else:
+                mask = batch.get("loss_mask")
+                loss_sum, num = token_cross_entropy(h, batch["labels"], mask)
+                result = torch.stack([loss_sum.float(), num.float()])
+        dist.broadcast(result, src=self.last_stage_global_rank, group=self.pp_group)
+        return result[0], result[1]
+
 
 def _valid_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     valid = batch["labels"] != IGNORE_INDEX
@@ -302,7 +351,18 @@ def install_deferred_forward(model: nn.Module, runner: PipelineRunner, *, aux_sc
             if value is not None:
                 batch[key] = value
         if labels is None:
-            raise ConfigError("pipeline parallel runs training steps only (labels are required).")
+            raise ConfigError(
+                "a pipeline-parallel model computes losses only (labels are required); generation and logits "
+                "need parallelism.pipeline_parallel: 1."
+            )
+        if not torch.is_grad_enabled():  # evaluation: forward only, one micro-batch at a time
+            loss_sum, num = runner.forward_only(batch)
+            return CausalLMOutput(
+                logits=torch.empty(0, device=input_ids.device),
+                loss=loss_sum / num.clamp(min=1),
+                loss_sum=loss_sum,
+                num_tokens=num,
+            )
         pending.append(batch)
         num = _valid_tokens(batch).to(torch.float32)
         a = anchor.to(input_ids.device)
