@@ -108,6 +108,11 @@ def build_trainer(
     dims = ParallelDims.from_section(cfg.parallelism, ctx.world_size)
     batch = int(training.global_batch_size) // max(int(training.local_batch_size) * dims.dp, 1)
     hook = _activation_hook(cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp)
+    if dims.pp > 1 and training.rampup_batch_size:
+        raise ConfigError(
+            "training.rampup_batch_size cannot be combined with parallelism.pipeline_parallel > 1: the "
+            "pipeline schedule runs a fixed number of micro-batches per step."
+        )
     if not dims.is_parallel:
         model = build_model(cfg.model, device=ctx.device)  # initialised now, from the seeded RNG
         if hook is not None:
