@@ -54,16 +54,21 @@ def _run_cases(cases: list[dict], world: int, tmp_path) -> None:
         world, {"task": "train_task", "cases": spec_cases, "gbs": GBS, "lbs": 1}, timeout=170
     )
     failures = []
+    worst = dict.fromkeys(TOL, 0.0)
     for case in cases:
         ref = refs[case["model_name"]]
         for rank, res in enumerate(results):
             got = res[case["name"]]
             for key, rel in TOL.items():
                 for step, (a, b) in enumerate(zip(got[key], ref[key])):
+                    worst[key] = max(worst[key], abs(a - b) / abs(b))
                     if not math.isclose(a, b, rel_tol=rel, abs_tol=1e-7):
                         failures.append(
                             f"{case['name']} rank {rank} {key} step {step}: {a} vs single-process {b}"
                         )
+    print(
+        f"{world} ranks, largest relative difference: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
+    )
     assert not failures, "\n".join(failures)
 
 
