@@ -102,3 +102,32 @@ def test_config_callbacks_are_built_from_the_registry(make_config):
     assert cb.tag == "y" and cb.events == ["train_begin", ("step", 1, True), ("step", 2, True), "train_end"]
     with pytest.raises(ConfigError, match=r"callbacks\[0\].type: unknown callback 'Nope'"):
         tiny_trainer(make_config(callbacks=[{"type": "Nope"}]))
+
+
+class EpochRecorder(TrainerCallback):
+    def __init__(self):
+        self.events = []
+
+    def on_epoch_begin(self, args, state, **kw):
+        self.events.append(("begin", state.epoch, state.global_step))
+
+    def on_epoch_end(self, args, state, **kw):
+        self.events.append(("end", state.epoch, state.global_step))
+
+
+def test_epoch_hooks_follow_the_loaders_epoch_length(make_config):
+    from .tiny import TinyLoader
+
+    class ThreePerEpoch(TinyLoader):
+        def __len__(self):
+            return 3  # micro-batches per epoch
+
+    cfg = make_config(training={"steps": 4}, checkpoint={"enable_save": False})
+    rec = EpochRecorder()
+    trainer = tiny_trainer(cfg, callbacks=[rec])
+    trainer.dataloader_factory = lambda consumed: ThreePerEpoch(consumed, 2, seed=7)
+    trainer.fit()
+    # 4 steps x 2 micro-batches = 8: epochs end with micro-batches 3 and 6 (steps 2 and 3); the next
+    # epoch begins with the next micro-batch fetched (4: step 2; 7: step 4).
+    assert rec.events == [("begin", 0, 0), ("end", 0, 1), ("begin", 1, 1), ("end", 1, 2), ("begin", 2, 3)]
+    assert trainer.state.epoch == 2

@@ -248,20 +248,51 @@ class Trainer:
                     )
         self.state.max_steps = int(section_to_dict(self.config.training)["steps"])
         self._data_iter: Iterator | None = None
+        self._epoch_open = False
+        # Micro-batches this rank has consumed (the data position in loader steps).
+        self._micro_fetched = self.state.consumed_samples // self.batches.samples_per_micro_step
 
     def _next_micro_batch(self) -> dict[str, torch.Tensor]:
+        """The next micro-batch; epoch hooks fire at the loader's epoch boundaries.
+
+        A loader with ``len()`` (micro-batches per epoch per rank; lmforge's training loader wraps
+        around forever) marks an epoch every ``len()`` micro-batches; a finite loader without it
+        ends an epoch when it is exhausted.
+        """
         kw = self._hook_kwargs
+        per_epoch = self._micro_batches_per_epoch()
+        if self._data_iter is None or (
+            per_epoch and self._micro_fetched % per_epoch == 0 and self._epoch_open is False
+        ):
+            self.callbacks.call("on_epoch_begin", self.config, self.state, **kw())
+            self._epoch_open = True
         for _attempt in range(2):
             if self._data_iter is None:
-                self.callbacks.call("on_epoch_begin", self.config, self.state, **kw())
                 self._data_iter = iter(self.dataloader)
             try:
-                return next(self._data_iter)
+                batch = next(self._data_iter)
+                break
             except StopIteration:
                 self._data_iter = None
-                self.callbacks.call("on_epoch_end", self.config, self.state, **kw())
-                self.state.epoch += 1
-        raise RuntimeError("the training data loader yields no batches")
+                if not per_epoch:
+                    self.callbacks.call("on_epoch_end", self.config, self.state, **kw())
+                    self.state.epoch += 1
+                    self.callbacks.call("on_epoch_begin", self.config, self.state, **kw())
+        else:
+            raise RuntimeError("the training data loader yields no batches")
+        self._micro_fetched += 1
+        if per_epoch and self._micro_fetched % per_epoch == 0:
+            self.callbacks.call("on_epoch_end", self.config, self.state, **kw())
+            self.state.epoch += 1
+            self._epoch_open = False
+        return batch
+
+    def _micro_batches_per_epoch(self) -> int | None:
+        try:
+            n = len(self.dataloader)
+        except TypeError:
+            return None
+        return n if n > 0 else None
 
     def _loop(self) -> None:
         state, kw = self.state, self._hook_kwargs
