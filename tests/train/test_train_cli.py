@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from lmforge.cli import main
@@ -160,3 +161,29 @@ def test_real_stack_resume_is_bitwise_exact(tmp_path):
         (r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in read_metrics(split / "run" / "metrics.jsonl")
     ]
     assert len(a) == 6 and a == b
+
+
+@pytest.mark.slow
+def test_fine_tune_from_a_hugging_face_directory(tmp_path):
+    """load_path = an HF model directory (no_load_optim: true) starts training from its weights."""
+    from lmforge.models import build_model, save_hf_pretrained
+
+    cfg = load_config(write_config(tmp_path, ADAMW, steps=2))
+    torch.manual_seed(123)
+    source = build_model(cfg.model)
+    save_hf_pretrained(source, tmp_path / "hf")
+    refused = load_config(write_config(tmp_path, ADAMW, steps=2), [f"checkpoint.load_path={tmp_path / 'hf'}"])
+    from lmforge.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="not supported for HuggingFace checkpoints"):
+        build_trainer(refused).fit()
+    cfg = load_config(
+        write_config(tmp_path, ADAMW, steps=2),
+        [f"checkpoint.load_path={tmp_path / 'hf'}", "checkpoint.no_load_optim=true"],
+    )
+    trainer = build_trainer(cfg)
+    trainer._resume_or_start()
+    ours = dict(trainer.model.named_parameters())
+    for name, p in source.named_parameters():
+        assert torch.equal(ours[name], p), name
+    assert trainer.state.global_step == 0
