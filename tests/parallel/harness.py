@@ -116,15 +116,28 @@ def micro_batches(
     return out
 
 
+def make_optimizer(model, optimizer: dict[str, Any] | None):
+    """torch's AdamW, or lmforge's ``build_optimizer`` for an ``optimizer`` section (e.g. Muon)."""
+    if optimizer is None:
+        return torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    from lmforge.optim import build_optimizer
+
+    return build_optimizer(optimizer, model, LR)
+
+
 def reference_run(
-    section: dict[str, Any], state: dict[str, torch.Tensor], data, lbs: int
+    section: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    data,
+    lbs: int,
+    optimizer: dict[str, Any] | None = None,
 ) -> dict[str, list[float]]:
-    """Single process, whole global batch, torch's AdamW and clip_grad_norm_."""
+    """Single process, whole global batch, torch's AdamW (or the given optimizer) and clip_grad_norm_."""
     from lmforge.models import build_model
 
     model = build_model(section)
     model.load_state_dict(state)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    opt = make_optimizer(model, optimizer)
     steps, gbs = data["input_ids"].shape[:2]
     losses, norms = [], []
     for s in range(steps):
@@ -214,7 +227,7 @@ def _train_case(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     state = torch.load(spec["state"], weights_only=True)
     _load_full_state(model, state)
     data = torch.load(spec["data"], weights_only=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    opt = make_optimizer(model, spec.get("optimizer"))
     ctx = ParallelContext(
         rank=rank,
         world_size=world,
