@@ -497,3 +497,18 @@ def test_pipeline_stage_keeps_global_layer_ids():
     )
     assert [d.layer_id for d in find_decoder_layers(model, 4)] == [2, 3]
     assert [name for name, _ in plan.modules] == ["decoder.layers.2", "decoder.layers.3.mlp"]
+
+
+def test_swap_survives_a_retained_graph():
+    """Backward twice through one graph (retain_graph): the swapped activations are fetched again."""
+    base, other = _pair()
+    plan = plan_activation_memory(other, None, None, {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}, 4)
+    ids, labels = _batch()
+    for model in (base, other):
+        model.eval()  # no dropout: both backward passes see the same graph values
+        loss = model(ids, labels)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert plan.swapper.swapped_bytes > 0
+    for (name, a), b in zip(base.named_parameters(), other.parameters()):
+        assert torch.equal(a.grad, b.grad), name
