@@ -188,7 +188,8 @@ def write_section(text: str) -> None:
         doc = doc.rstrip("\n") + "\n\n" + text
     else:
         nxt = doc.find("\n## ", start + len(SECTION))
-        doc = doc[:start] + text + (doc[nxt + 1 :] if nxt >= 0 else "")
+        rest = doc[nxt + 1 :] if nxt >= 0 else ""
+        doc = doc[:start].rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
     DOC.write_text(doc if doc.endswith("\n") else doc + "\n")
 
 
