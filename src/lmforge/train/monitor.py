@@ -223,8 +223,8 @@ class MoeTokenMonitor:
     """``monitor.moe_monitor``: tokens per expert of the target layers, per micro-batch.
 
     Reads the model's ``tokens_per_expert()`` (layer id -> counts since the last reset) after every
-    training forward and records the difference to the previous reading, so it works whether or
-    not something else resets the counters during the step.
+    training forward and resets them with ``reset_tokens_per_expert()``; a model without a reset is
+    read as a running total, recording the difference to the previous reading.
     """
 
     def __init__(
@@ -280,10 +280,18 @@ class MoeTokenMonitor:
         self.micro_step += 1
         self.micro_batches_seen += 1
         counts = {int(k): v.detach().to("cpu", torch.int64) for k, v in module.tokens_per_expert().items()}
+        reset = getattr(module, "reset_tokens_per_expert", None)
+        if callable(reset):
+            # The counters are the monitor's own: restart them so they hold one micro-batch (a
+            # run-long float32 sum would stop counting exactly past 2**24 tokens per expert).
+            reset()
+            counts_are_fresh = True
+        else:
+            counts_are_fresh = False
         deltas: dict[int, torch.Tensor] = {}
         for layer, now in counts.items():
             before = self._previous.get(layer)
-            if before is None or before.shape != now.shape or bool((now < before).any()):
+            if counts_are_fresh or before is None or before.shape != now.shape or bool((now < before).any()):
                 deltas[layer] = now  # counters were reset since the last reading
             else:
                 deltas[layer] = now - before
