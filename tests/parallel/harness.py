@@ -1,7 +1,7 @@
 """Spawned gloo workers and the single-process reference they are compared with.
 
-The reference is a plain loop written here with ``torch.optim.AdamW`` and
-``torch.nn.utils.clip_grad_norm_`` on the unparallelised model: the loss of a step is the token mean
+The reference is a plain loop written here with ``torch.optim.AdamW`` and global-norm clipping
+(``max_norm / (norm + 1e-6)``, as ``torch.nn.utils.clip_grad_norm_``) on the unparallelised model: the loss of a step is the token mean
 over the whole global batch (each micro-batch backpropagates ``loss_sum / N``), the auxiliary losses
 are averaged over micro-batches. The workers run lmforge's ``parallelize`` and the trainer's
 ``TrainStep`` on their share of the same global batch, starting from the same weights.
@@ -151,13 +151,32 @@ def reference_run(
                 objective = objective + (out.loss - out.loss_sum / out.num_tokens.clamp(min=1)) / len(mbs)
             objective.backward()
             total += float(out.loss_sum.detach())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        norms.append(_clip(model, MAX_NORM))
         opt.step()
         if hasattr(model, "update_expert_bias"):
             model.update_expert_bias()  # aux-loss-free balancing, once per update (as the trainer's step)
         opt.zero_grad()
         losses.append(total / n)
     return {"loss": losses, "grad_norm": norms}
+
+
+@torch.no_grad()
+def _clip(model, max_norm: float) -> float:
+    """Global-norm clipping of the gradients the optimizer uses (fp32 ``main_grad`` when it keeps one)."""
+    grads = [
+        g
+        for g in (
+            getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+            for p in model.parameters()
+        )
+        if g is not None
+    ]
+    norm = float(torch.sqrt(sum(g.float().square().sum() for g in grads)))
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
 def _load_full_state(model, state: dict[str, torch.Tensor]) -> None:

@@ -81,15 +81,25 @@ def apply_fsdp(
     reshard = _reshard_after_forward(opts)
     # Storage in fp32 (the masters); compute in compute_dtype; reductions in fp32.
     model.to(torch.float32)
+    # No input casting: the hidden states are already in compute_dtype (the embedding runs in it), and
+    # the fp32 side inputs (RoPE cos/sin, the model's rotary_dtype) must stay fp32.
     mp = MixedPrecisionPolicy(
         param_dtype=compute_dtype if compute_dtype != torch.float32 else None,
         reduce_dtype=torch.float32,
+        cast_forward_inputs=False,
     )
     offload = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if opts["cpu_offload"] else OffloadPolicy()
     )
     common = {"mp_policy": mp, "offload_policy": offload}
+    fp32_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for layer in decoder_layers(model) if layers is None else layers:
+        for sub in layer.modules():
+            if getattr(sub, "keep_fp32", False) and compute_dtype != torch.float32:
+                # Routers compute in fp32 (the original's router_dense_type): their own group, no cast.
+                fully_shard(
+                    sub, mesh=mesh, reshard_after_forward=reshard, mp_policy=fp32_mp, offload_policy=offload
+                )
         experts = _routed_experts(layer)
         if experts is not None and expert_mesh is not None:
             # Experts are already split over ep; shard the rest of their parameters over the remaining ranks.
