@@ -318,10 +318,12 @@ def main() -> int:
             )
     if not args.no_write:
         text = DOC.read_text() if DOC.is_file() else "# Benchmarks\n"
-        text = replace_section(
-            text, "## Training throughput", throughput_section(rows, load, args.steps, args.rounds)
-        )
-        text = replace_section(text, "## Checkpoint save/load", checkpoint_section(ck))
+        if rows:
+            text = replace_section(
+                text, "## Training throughput", throughput_section(rows, load, args.steps, args.rounds)
+            )
+        if ck:
+            text = replace_section(text, "## Checkpoint save/load", checkpoint_section(ck, load))
         DOC.write_text(text)
         print(f"updated {DOC}")
     return 0
