@@ -17,11 +17,13 @@ validation loss, and the tokens each needs to reach AdamW's final validation los
 interpolation between evaluations). Runs already finished under ``OUTPUT`` are reused (``--fresh``
 re-runs them), so an interrupted study continues where it stopped.
 
-CPU (the default sizing, about 20 minutes on 2 busy cores):
-    python bench/convergence.py
-GPU, larger (see docs/study.md):
-    python bench/convergence.py --device cuda --threads 0 --hidden 512 --layers 8 --seq 512 \\
-        --batch 32 --steps 2000 --eval-interval 100 --eval-batches 20 --output-dir output/convergence_gpu
+CPU (the default sizing: 18 runs, 24 minutes of run time measured on 2 shared, busy cores):
+    lmforge data demo && python bench/convergence.py
+GPU, larger, on your own data (see docs/study.md):
+    python bench/convergence.py --device cuda --threads 0 --train-prefix data/my_train_text_document \\
+        --valid-prefix data/my_valid_text_document --vocab-size 151936 --hidden 512 --layers 8 \\
+        --seq 1024 --batch 32 --steps 4000 --eval-interval 200 --eval-batches 32 \\
+        --output-dir output/convergence_gpu --plot-dir output/convergence_gpu
 """
 
 from __future__ import annotations
@@ -138,7 +140,6 @@ def recipe_optimizer(name: str) -> dict[str, Any]:
 
 
 def run_config(model: str, optimizer: str, lr: float, args: argparse.Namespace, vocab_size: int) -> dict:
-    data = Path(args.data)
     return {
         "output_dir": str(Path(args.output_dir) / run_name(model, optimizer, lr)),
         "checkpoint": {"enable_save": False, "load_path": ""},
@@ -170,8 +171,8 @@ def run_config(model: str, optimizer: str, lr: float, args: argparse.Namespace, 
                     "pad": -1,
                     "create_attention_mask": False,
                     "create_compressed_eod_mask": False,
-                    "train_data_path": [str(data / "train")],
-                    "valid_data_path": [str(data / "valid")],
+                    "train_data_path": [args.train_prefix],
+                    "valid_data_path": [args.valid_prefix],
                 },
             },
             "drop_remainder": True,
@@ -184,9 +185,11 @@ def run_config(model: str, optimizer: str, lr: float, args: argparse.Namespace, 
     }
 
 
-def demo_vocab_size(data: Path) -> int:
-    """The tokenizer's vocabulary (tokenizer.json next to the data), else the demo's 8192."""
-    tok = data / "tokenizer.json"
+def data_vocab_size(args: argparse.Namespace) -> int:
+    """--vocab-size, else the vocabulary of the tokenizer.json next to the training data, else 8192."""
+    if args.vocab_size:
+        return args.vocab_size
+    tok = Path(args.train_prefix).parent / "tokenizer.json"
     if tok.is_file():
         from tokenizers import Tokenizer
 
@@ -412,8 +415,11 @@ def _lrs(text: str) -> list[float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--data", default="data/demo", help="directory with train/valid .bin/.idx (lmforge data demo)"
+        "--data", default="data/demo", help="directory of `lmforge data demo` (train, valid, tokenizer)"
     )
+    p.add_argument("--train-prefix", default=None, help="training dataset prefix (default: DATA/train)")
+    p.add_argument("--valid-prefix", default=None, help="validation dataset prefix (default: DATA/valid)")
+    p.add_argument("--vocab-size", type=int, default=0, help="model vocabulary (default: the tokenizer's)")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated: deepseek_v3,qwen3")
     p.add_argument("--optimizers", default="adamw,muon", help="comma-separated: adamw,muon")
     p.add_argument(
@@ -440,6 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot-dir", default="docs/img", help="where convergence_<model>.png go")
     p.add_argument("--fresh", action="store_true", help="re-run runs that already have a result")
     args = p.parse_args(argv)
+    args.train_prefix = args.train_prefix or str(Path(args.data) / "train")
+    args.valid_prefix = args.valid_prefix or str(Path(args.data) / "valid")
     args.models = [m for m in args.models.split(",") if m]
     args.optimizers = [o for o in args.optimizers.split(",") if o]
     for m in args.models:
@@ -457,13 +465,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    data = Path(args.data)
-    if not (data / "train.idx").is_file() or not (data / "valid.idx").is_file():
+    for prefix in (args.train_prefix, args.valid_prefix):
+        if not Path(prefix + ".idx").is_file():
+            print(
+                f"{prefix}.idx: no such dataset; build the demo one with: lmforge data demo", file=sys.stderr
+            )
+            return 2
+    vocab = data_vocab_size(args)
+    from lmforge.data import IndexedDataset
+
+    train_tokens = IndexedDataset(args.train_prefix).num_tokens
+    run_tokens = args.steps * args.batch * args.seq
+    if run_tokens > train_tokens:
         print(
-            f"{data}: no train/valid data; build it with: lmforge data demo --output {data}", file=sys.stderr
+            f"note: each run reads {run_tokens:,} tokens, {run_tokens / train_tokens:.1f} passes over the "
+            f"{train_tokens:,} training tokens of {args.train_prefix}; repeated data favours memorisation",
+            flush=True,
         )
-        return 2
-    vocab = demo_vocab_size(data)
     grids = {"adamw": args.adamw_lrs, "muon": args.muon_lrs}
     start = time.perf_counter()
     summaries = []
