@@ -187,7 +187,9 @@ class TrainStep:
         grad_norm = float(global_grad_norm(self.params, ctx))
         # Every rank joins the reduction (under pipeline parallel only the first stage holds the embedding).
         emb_norm = (
-            float(global_grad_norm(self.embedding_params, ctx)) if (self.embedding_params or ctx.distributed) else None
+            float(global_grad_norm(self.embedding_params, ctx))
+            if (self.embedding_params or ctx.distributed)
+            else None
         )
         lr = self._current_lr()
         result = StepResult(
