@@ -208,7 +208,7 @@ def parallelize(
         _install_tp_output(model, mesh["tp"])
     if dims.cp > 1:
         method = validate_cp_options(opts, dims.cp, dims.ulysses)
-        apply_cp(model, mesh["cp"], method)
+        apply_cp(model, mesh["cp"], method, split_mesh=mesh.cp_split)
         if dims.pp > 1:
             raise ConfigError(
                 "parallelism.context_parallel > 1 together with pipeline_parallel > 1 is not supported yet."

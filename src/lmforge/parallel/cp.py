@@ -10,6 +10,8 @@ Two attention methods, both plain collectives, so they run on gloo/CPU as well a
 * ``ulysses`` (``ulysses_degree_in_cp == context_parallel``). An all-to-all trades the sequence split
   for a head split, each rank runs causal attention over the whole sequence for ``H/cp`` heads, and a
   second all-to-all returns to sequence shards.
+* hybrid (``1 < ulysses_degree_in_cp = u < context_parallel``): Ulysses inside groups of ``u``
+  neighbouring cp ranks, then K/V gathered across the ``cp/u`` groups.
 
 The model sees its local tokens only; positions come from ``position_ids`` (created as ``arange`` when
 the batch has none), so rotary embeddings stay correct. Document masks (``attention_mask``,
@@ -22,6 +24,7 @@ import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -51,11 +54,7 @@ def validate_cp_options(opts: dict[str, Any], cp: int, ulysses: int) -> str:
             "Ascend) is not supported; set it to false."
         )
     if cp > 1 and 1 < ulysses < cp:
-        raise ConfigError(
-            f"parallelism.ulysses_degree_in_cp={ulysses} with context_parallel={cp} (hybrid Ulysses + KV "
-            "gathering) is not implemented; use ulysses_degree_in_cp equal to context_parallel (pure Ulysses) "
-            "or 1 / unset (all-gather KV)."
-        )
+        return "hybrid"
     if method == "ulysses" or (cp > 1 and ulysses == cp):
         return "ulysses"
     return "colossal"
@@ -152,6 +151,41 @@ def _attend_ulysses(core: nn.Module, q, k, v, group, cp: int, rank: int) -> torc
     return comm.all_to_all(out.index_select(2, back), 2, 1, group)
 
 
+def _attend_hybrid(core: nn.Module, q, k, v, groups, cp: int, rank: int) -> torch.Tensor:
+    """Ulysses inside groups of ``u`` cp ranks, K/V gathered across the ``cp/u`` groups.
+
+    cp rank ``a·u + j``: ``a`` indexes the Ulysses group, ``j`` the rank inside it.
+    """
+    uly_group, ring_group = groups
+    u = dist.get_world_size(uly_group)
+    a, j = divmod(rank, u)
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv % u:
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    s_local = q.shape[2]
+    qf, kf, vf = (comm.all_to_all(t, 1, 2, uly_group) for t in (q, k, v))
+    k_all = comm.gather_with_partial_grad(kf, 2, ring_group)
+    v_all = comm.gather_with_partial_grad(vf, 2, ring_group)
+    pos_q = torch.cat([local_positions(s_local, cp, a * u + i, q.device) for i in range(u)])
+    pos_k = torch.cat([local_positions(s_local, cp, r, q.device) for r in range(cp)])
+    allowed = pos_q[:, None] >= pos_k[None, :]
+    if getattr(core, "track_max_logits", False):
+        offset = getattr(core, "head_offset", 0) + j * qf.shape[1]
+        track_max_logits(core, qf, k_all, allowed, core.scale, head_offset=offset)
+    dropout = core.dropout if core.training else 0.0
+    out = F.scaled_dot_product_attention(
+        qf,
+        k_all,
+        v_all,
+        attn_mask=allowed,
+        scale=core.scale,
+        dropout_p=dropout,
+        enable_gqa=qf.shape[1] != k_all.shape[1],
+    )
+    return comm.all_to_all(out, 2, 1, uly_group)
+
+
 @torch.no_grad()
 def track_max_logits(core: nn.Module, q, k, allowed, scale, head_offset: int = 0) -> None:
     """Running per-head max of the masked logits, written at the heads' global positions."""
@@ -163,11 +197,16 @@ def track_max_logits(core: nn.Module, q, k, allowed, scale, head_offset: int = 0
     torch.maximum(target, per_head.to(target.device), out=target)
 
 
-def apply_cp(model: nn.Module, cp_mesh: Any, method: str) -> None:
-    """Replace every ``core_attention`` forward by its context-parallel version (in place)."""
+def apply_cp(model: nn.Module, cp_mesh: Any, method: str, split_mesh: Any = None) -> None:
+    """Replace every ``core_attention`` forward by its context-parallel version (in place).
+
+    ``split_mesh`` (hybrid only) has the cp ranks as ``(cp_ring, cp_uly)`` dimensions.
+    """
     group = cp_mesh.get_group()
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    attend = _attend_ulysses if method == "ulysses" else _attend_gathered_kv
+    attend = {"ulysses": _attend_ulysses, "colossal": _attend_gathered_kv, "hybrid": _attend_hybrid}[method]
+    if method == "hybrid":
+        group = (split_mesh["cp_uly"].get_group(), split_mesh["cp_ring"].get_group())
     found = False
     for module in model.modules():
         core = getattr(module, "core_attention", None)

@@ -292,7 +292,15 @@ class ParallelDims:
                 (self.pp, self.dp_replicate, self.expert_fsdp_size, self.ep, self.tp),
                 mesh_dim_names=("pp", "dp_replicate", "edp_shard", "ep", "tp"),
             )
-        return ParallelMesh(dims=self, world=world, expert=expert)
+        cp_split = None
+        if 1 < self.ulysses < self.cp:
+            # Hybrid context parallel: the cp ranks as (cp_ring, cp_uly), same rank order as "cp".
+            cp_split = init_device_mesh(
+                device_type,
+                (self.pp, self.dp_replicate, self.dp_shard, self.cp // self.ulysses, self.ulysses, self.tp),
+                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_uly", "tp"),
+            )
+        return ParallelMesh(dims=self, world=world, expert=expert, cp_split=cp_split)
 
 
 @dataclass
@@ -303,6 +311,7 @@ class ParallelMesh:
     world: Any  # DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp") + flattened "dp", "dp_shard_cp",
     # "dp_cp" and "dp_cp_tp"
     expert: Any = None  # DeviceMesh ("pp", "dp_replicate", "edp_shard", "ep", "tp"), only when ep > 1
+    cp_split: Any = None  # DeviceMesh with cp as ("cp_ring", "cp_uly"), only for hybrid Ulysses
 
     def __getitem__(self, name: str) -> Any:
         return self.world[name]
