@@ -21,7 +21,7 @@ CPU (the default sizing: 18 runs, 24 minutes of run time measured on 2 shared, b
     lmforge data demo && python bench/convergence.py
 GPU, larger, on your own data (see docs/study.md):
     python bench/convergence.py --device cuda --threads 0 --train-prefix data/my_train_text_document \\
-        --valid-prefix data/my_valid_text_document --vocab-size 151936 --hidden 512 --layers 8 \\
+        --valid-prefix data/my_valid_text_document --vocab-size 151936 --eod 151643 --hidden 512 --layers 8 \\
         --seq 1024 --batch 32 --steps 4000 --eval-interval 200 --eval-batches 32 \\
         --output-dir output/convergence_gpu --plot-dir output/convergence_gpu
 """
@@ -167,7 +167,7 @@ def run_config(model: str, optimizer: str, lr: float, args: argparse.Namespace, 
                 "shuffle": True,
                 "config": {
                     "seq_length": args.seq,
-                    "eod": 0,
+                    "eod": args.eod,
                     "pad": -1,
                     "create_attention_mask": False,
                     "create_compressed_eod_mask": False,
@@ -420,6 +420,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-prefix", default=None, help="training dataset prefix (default: DATA/train)")
     p.add_argument("--valid-prefix", default=None, help="validation dataset prefix (default: DATA/valid)")
     p.add_argument("--vocab-size", type=int, default=0, help="model vocabulary (default: the tokenizer's)")
+    p.add_argument("--eod", type=int, default=0, help="end-of-document token id (the demo tokenizer's: 0)")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated: deepseek_v3,qwen3")
     p.add_argument("--optimizers", default="adamw,muon", help="comma-separated: adamw,muon")
     p.add_argument(
