@@ -107,5 +107,12 @@ def run(args: argparse.Namespace) -> int:
     )
     if eod is not None and new and new[-1] == eod:
         new = new[:-1]
-    sys.stdout.write(args.prompt + tokenizer.decode(new) + "\n")
+    # Decode prompt and continuation together: tokenizers without a decoder (word-level) would lose
+    # the space between them if the continuation were decoded alone.
+    prompt_text = tokenizer.decode(prompt_ids)
+    full_text = tokenizer.decode(prompt_ids + new)
+    continuation = (
+        full_text[len(prompt_text) :] if full_text.startswith(prompt_text) else tokenizer.decode(new)
+    )
+    sys.stdout.write(args.prompt + continuation + "\n")
     return 0
