@@ -209,10 +209,6 @@ def parallelize(
     if dims.cp > 1:
         method = validate_cp_options(opts, dims.cp, dims.ulysses)
         apply_cp(model, mesh["cp"], method, split_mesh=mesh.cp_split)
-        if dims.pp > 1:
-            raise ConfigError(
-                "parallelism.context_parallel > 1 together with pipeline_parallel > 1 is not supported yet."
-            )
         _install_cp_io(model, mesh["cp"])
     if apply_activation is not None:
         apply_activation(model)
@@ -223,7 +219,7 @@ def parallelize(
             model,
             stage_specs,
             pp_mesh=mesh["pp"],
-            dp_group=mesh["dp"].get_group(),
+            dp_group=mesh["dp_cp"].get_group(),  # the global token count spans data and context ranks
             n_stages=n_stages,
             schedule=opts["pipeline_parallel_schedule"],
             num_microbatches=num_microbatches,
@@ -248,7 +244,8 @@ def parallelize(
         raise RuntimeError(f"parameters left unsharded by parallelize (a bug): {leftovers[:5]}")
     _sum_expert_counts(model, mesh["dp_cp_tp"].get_group())
     if pipeline is not None:
-        install_deferred_forward(model, pipeline, aux_scale=1.0 / (num_microbatches * dims.dp))
+        # Balancing losses: averaged over micro-batches and data ranks; per chunk pair under cp (see _install_cp_io).
+        install_deferred_forward(model, pipeline, aux_scale=1.0 / (num_microbatches * dims.dp * dims.cp))
     info = ParallelInfo(
         dims=dims,
         mesh=mesh,
