@@ -28,6 +28,7 @@ MODELS = {
     "llama_bf16": lambda: tiny_llama(compute_dtype="bfloat16"),
     "qwen3_moe": tiny_qwen3_moe,
     "deepseek": tiny_deepseek,
+    "deepseek_mtp": lambda: tiny_deepseek(num_nextn_predict_layers=1),
 }
 TOL = {"loss": 1e-5, "grad_norm": 1e-4}
 
@@ -135,6 +136,7 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         _case("ep_alltoall", "qwen3_moe", expert_parallel=2),
         _case("tp_moe", "qwen3_moe", tensor_parallel=2),
         _case("tp_mla_shared_experts", "deepseek", tensor_parallel=2),
+        _case("tp_mtp", "deepseek_mtp", tensor_parallel=2),
         _case("ep_mla", "deepseek", expert_parallel=2, moe_token_dispatcher_type="alltoall_deredundancy"),
         _case(
             "muon_qkclip_cp_ulysses", "deepseek", MUON, context_parallel=2, context_parallel_method="ulysses"

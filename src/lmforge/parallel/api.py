@@ -148,9 +148,13 @@ def _install_cp_io(model: nn.Module, cp_mesh: Any) -> None:
 def _install_tp_output(model: nn.Module, tp_mesh: Any) -> None:
     """The model computes ``F.linear(final_layernorm(h), _output_weight())``: gather both over tp."""
     group = tp_mesh.get_group()
-    norm = model.decoder.final_layernorm
-    if norm is not None:
-        norm.register_forward_hook(lambda mod, args, out: comm.gather_replicated(out, 1, group))
+    norms = [model.decoder.final_layernorm]
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:  # each MTP depth computes logits from its own final norm
+        norms += [depth.final_layernorm for depth in mtp.layers]
+    for norm in norms:
+        if norm is not None:
+            norm.register_forward_hook(lambda mod, args, out: comm.gather_replicated(out, 1, group))
     if not hasattr(model, "_output_weight"):
         return
 
@@ -208,6 +212,11 @@ def parallelize(
         _install_tp_output(model, mesh["tp"])
     if dims.cp > 1:
         method = validate_cp_options(opts, dims.cp, dims.ulysses)
+        if getattr(model, "mtp", None) is not None:
+            raise ConfigError(
+                "parallelism.context_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
+                "supported: MTP shifts tokens across the load-balanced sequence chunks. Set one of them off."
+            )
         apply_cp(model, mesh["cp"], method, split_mesh=mesh.cp_split)
         _install_cp_io(model, mesh["cp"])
     if apply_activation is not None:

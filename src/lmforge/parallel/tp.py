@@ -328,18 +328,13 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
     from torch.distributed.tensor import DTensor
 
     group = tp_mesh.get_group()
-    for attr in ("mtp",):
-        if getattr(model, attr, None) is not None:
-            raise ConfigError(
-                "parallelism.tensor_parallel > 1 is not supported with multi-token prediction (model.mtp_*) yet: "
-                "the MTP block shifts tokens across sequence shards. Use tensor_parallel: 1."
-            )
     emb = getattr(getattr(model, "embedding", None), "word_embeddings", None)
     out = getattr(model, "output_layer", None)
     tied = emb is not None and out is not None and out.weight is emb.weight
     if emb is not None:
         _vocab_parallel_embedding(emb, tp_mesh, group)
     for layer in decoder_layers(model):
+        layer = getattr(layer, "transformer_layer", layer)  # an MTP depth wraps a transformer layer
         attn = getattr(layer, "self_attention", None)
         if attn is not None:
             _parallelize_attention(attn, tp_mesh, group)
