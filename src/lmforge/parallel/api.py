@@ -94,6 +94,8 @@ class ParallelInfo:
     dp_rank: int
     dp_size: int
     pipeline: PipelineRunner | None = None
+    # Ranks that see the same layers on different tokens/heads (all but pp): QK-Clip's MAX reduction.
+    qk_clip_group: Any = None
 
 
 def _sum_over_group_identity_backward(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -262,6 +264,7 @@ def parallelize(
         dp_rank=mesh.dp_rank,
         dp_size=dims.dp,
         pipeline=pipeline,
+        qk_clip_group=mesh["dp_cp_tp"].get_group(),
     )
     return model, info
 

@@ -154,7 +154,9 @@ def build_trainer(
         dims.describe(),
     )
     schedule = build_scheduler(cfg.lr_scheduler, int(training.steps))
-    optimizer = build_optimizer(cfg.optimizer, model, schedule)
+    # QK-Clip reduces max logits over the ranks holding the same layers (not across pipeline stages).
+    qk_group = info.qk_clip_group if dims.is_parallel else None
+    optimizer = build_optimizer(cfg.optimizer, model, schedule, qk_clip_group=qk_group)
     scheduler = ScheduleLR(optimizer, schedule)
 
     def dataloader_factory(consumed_samples: int) -> Any:
