@@ -108,7 +108,7 @@ def hf_runner(lmforge_model, batch: dict, workdir: Path):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return loss.detach()
 
     return model, step
 
@@ -133,7 +133,12 @@ def bench_throughput(name: str, steps: int, rounds: int, workdir: Path) -> dict:
     params = sum(p.numel() for p in lf_model.parameters())
     flops_per_token = lf_model.flops_per_token(s)
     lf_times, hf_times = [], []
-    lf_step(), hf_step()  # warm-up (allocations, kernels)
+    # Warm-up (allocations, kernels), and a check that both loops train the same model on the same batch.
+    lf_loss, hf_loss = lf_step().loss, float(hf_step())
+    if abs(lf_loss - hf_loss) > 0.02 * abs(hf_loss):
+        raise RuntimeError(
+            f"{name}: first-step losses differ: lmforge {lf_loss:.5f}, transformers {hf_loss:.5f}"
+        )
     for _ in range(rounds):
         lf_times += timed(lf_step, steps)
         hf_times += timed(hf_step, steps)
@@ -152,6 +157,7 @@ def bench_throughput(name: str, steps: int, rounds: int, workdir: Path) -> dict:
         "hf_mfu": flops_per_token * hf_tps / peak,
         "peak": peak,
         "samples": len(lf_times),
+        "first_loss": (lf_loss, hf_loss),
     }
 
 
@@ -305,7 +311,8 @@ def main() -> int:
             r = bench_throughput(n, args.steps, args.rounds, Path(tmp))
             print(
                 f"{n}: lmforge {r['lf_tps']:,.0f} tok/s (MFU {100 * r['lf_mfu']:.1f}%), HF {r['hf_tps']:,.0f} tok/s "
-                f"(MFU {100 * r['hf_mfu']:.1f}%), ratio {r['lf_tps'] / r['hf_tps']:.2f}x",
+                f"(MFU {100 * r['hf_mfu']:.1f}%), ratio {r['lf_tps'] / r['hf_tps']:.2f}x; first-step loss "
+                f"{r['first_loss'][0]:.4f} vs {r['first_loss'][1]:.4f}",
                 flush=True,
             )
             rows.append(r)

@@ -75,7 +75,9 @@ def grad_of(p: torch.Tensor) -> torch.Tensor | None:
 
 def global_grad_norm(params: Iterable[torch.Tensor], ctx: ParallelContext) -> torch.Tensor:
     """One L2 norm over all gradients; DTensor-aware: a shard replicated on k ranks counts once."""
-    total: torch.Tensor | None = None
+    # Squared norms grouped by how many ranks hold the same values (plain tensors: every rank);
+    # per-tensor norms come from one fused kernel per group (as torch's clip_grad_norm_).
+    groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:
         g = grad_of(p)
         if g is None:
@@ -89,10 +91,16 @@ def global_grad_norm(params: Iterable[torch.Tensor], ctx: ParallelContext) -> to
         else:
             local = g
             factor = ctx.world_size  # a plain tensor is a full replica on every rank
-        sq = torch.linalg.vector_norm(local, dtype=torch.float32).square() / factor
-        total = sq if total is None else total + sq
-    if total is None:
-        total = torch.zeros((), dtype=torch.float32, device=ctx.device)
+        if local.numel():
+            groups.setdefault((factor, local.device, local.dtype), []).append(local)
+    total = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    for (factor, _device, _dtype), tensors in groups.items():
+        if _dtype in (torch.float32, torch.float64):
+            norms = torch._foreach_norm(tensors)
+        else:  # low-precision grads (no fp32 main_grad): accumulate each norm in fp32
+            norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+        sq = torch.stack([n.to(device=ctx.device, dtype=torch.float32) for n in norms]).square().sum()
+        total = total + sq / factor
     if ctx.distributed:
         dist.all_reduce(total)
     return total.sqrt()
