@@ -156,6 +156,7 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         _case("ep_x_fsdp", "qwen3_moe", expert_parallel=2),
         _case("ep_x_tp", "qwen3_moe", expert_parallel=2, tensor_parallel=2),
         _case("muon_qkclip_fsdp_x_tp", "deepseek", MUON, tensor_parallel=2),
+        _case("muon_deredundency_fsdp", "deepseek", {**MUON, "comm_strategy": "allgather_deredundency"}),
         _case("muon_qkclip_cp_hybrid_ulysses", "deepseek", MUON, context_parallel=4, ulysses_degree_in_cp=2),
     ]
     _run_cases(cases, 4, tmp_path)
