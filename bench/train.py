@@ -220,7 +220,11 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    policy = os.environ.get("OMP_WAIT_POLICY", "default")
+    return (
+        f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"OMP_WAIT_POLICY {policy}"
+    )
 
 
 def commit() -> str:
