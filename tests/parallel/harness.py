@@ -95,15 +95,24 @@ def tiny_deepseek(**overrides: Any) -> dict[str, Any]:
     return section
 
 
-def make_data(steps: int, gbs: int, seq: int, vocab: int, seed: int = 1) -> dict[str, torch.Tensor]:
+def make_data(
+    steps: int, gbs: int, seq: int, vocab: int, seed: int = 1, documents: bool = False
+) -> dict[str, torch.Tensor]:
+    """Random tokens, a random loss mask, and with ``documents`` three packed documents per row
+    (``actual_seq_len`` end offsets, the compressed EOD form)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (steps, gbs, seq + 1), generator=g)
     loss_mask = (torch.rand(steps, gbs, seq, generator=g) > 0.2).long()
-    return {
+    data = {
         "input_ids": ids[..., :-1].contiguous(),
         "labels": ids[..., 1:].contiguous(),
         "loss_mask": loss_mask,
     }
+    if documents:
+        cuts = torch.stack([torch.randperm(seq - 1, generator=g)[:2] + 1 for _ in range(steps * gbs)])
+        ends = torch.cat([cuts.sort(dim=1).values, torch.full((steps * gbs, 1), seq)], dim=1)
+        data["actual_seq_len"] = ends.view(steps, gbs, 3)
+    return data
 
 
 def micro_batches(

@@ -26,6 +26,7 @@ GBS = 4
 MODELS = {
     "llama": tiny_llama,
     "llama_bf16": lambda: tiny_llama(compute_dtype="bfloat16"),
+    "llama_docs": tiny_llama,  # the data has packed documents (actual_seq_len)
     "qwen3_moe": tiny_qwen3_moe,
     "deepseek": tiny_deepseek,
     "deepseek_mtp": lambda: tiny_deepseek(num_nextn_predict_layers=1),
@@ -42,7 +43,7 @@ def _run_cases(cases: list[dict], world: int, tmp_path) -> None:
         torch.manual_seed(0)
         model = build_model(section)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        data = make_data(STEPS, GBS, SEQ, section["vocab_size"])
+        data = make_data(STEPS, GBS, SEQ, section["vocab_size"], documents=name.endswith("_docs"))
         for case in cases:
             key = _ref_key(case)
             if case["model_name"] == name and key not in refs:
@@ -133,6 +134,9 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         ),
         _case("cp_allgather_kv", "llama", context_parallel=2),
         _case("cp_ulysses", "llama", context_parallel=2, context_parallel_method="ulysses"),
+        _case("cp_allgather_kv_documents", "llama_docs", context_parallel=2),
+        _case("cp_ulysses_documents", "llama_docs", context_parallel=2, context_parallel_method="ulysses"),
+        _case("tp_documents", "llama_docs", tensor_parallel=2),
         _case("ep_alltoall", "qwen3_moe", expert_parallel=2),
         _case("tp_moe", "qwen3_moe", tensor_parallel=2),
         _case("tp_mla_shared_experts", "deepseek", tensor_parallel=2),
@@ -157,6 +161,7 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         _case("ep_x_tp", "qwen3_moe", expert_parallel=2, tensor_parallel=2),
         _case("muon_qkclip_fsdp_x_tp", "deepseek", MUON, tensor_parallel=2),
         _case("muon_deredundency_fsdp", "deepseek", {**MUON, "comm_strategy": "allgather_deredundency"}),
+        _case("cp_hybrid_documents", "llama_docs", context_parallel=4, ulysses_degree_in_cp=2),
         _case("muon_qkclip_cp_hybrid_ulysses", "deepseek", MUON, context_parallel=4, ulysses_degree_in_cp=2),
     ]
     _run_cases(cases, 4, tmp_path)

@@ -20,7 +20,7 @@ from torch import nn
 
 from lmforge.errors import ConfigError
 from lmforge.parallel import comm
-from lmforge.parallel.cp import apply_cp, shard_batch, validate_cp_options
+from lmforge.parallel.cp import DocumentMask, apply_cp, shard_batch, validate_cp_options
 from lmforge.parallel.dims import ParallelDims, ParallelMesh, parallelism_options
 from lmforge.parallel.ep import apply_ep
 from lmforge.parallel.fsdp import apply_fsdp
@@ -118,7 +118,7 @@ class _SumIdentityBwd(torch.autograd.Function):
         return grad, None
 
 
-def _install_cp_io(model: nn.Module, cp_mesh: Any) -> None:
+def _install_cp_io(model: nn.Module, cp_mesh: Any, doc_mask: DocumentMask | None) -> None:
     """Shard the batch before the model and sum loss and token counts over cp after it."""
     cp, rank, group = cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group()
 
@@ -126,7 +126,7 @@ def _install_cp_io(model: nn.Module, cp_mesh: Any) -> None:
         batch = dict(kwargs)
         if args:
             batch["input_ids"] = args[0]
-        return (), shard_batch(batch, cp, rank)
+        return (), shard_batch(batch, cp, rank, doc_mask)
 
     def post_hook(mod, args, kwargs, out):
         if getattr(out, "loss_sum", None) is None:
@@ -219,8 +219,10 @@ def parallelize(
                 "parallelism.context_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
                 "supported: MTP shifts tokens across the load-balanced sequence chunks. Set one of them off."
             )
-        apply_cp(model, mesh["cp"], method, split_mesh=mesh.cp_split)
-        _install_cp_io(model, mesh["cp"])
+        # Document masks: one micro-batch's forward and backward at a time, so not under pipeline parallel.
+        doc_mask = DocumentMask() if dims.pp == 1 else None
+        apply_cp(model, mesh["cp"], method, split_mesh=mesh.cp_split, doc_mask=doc_mask)
+        _install_cp_io(model, mesh["cp"], doc_mask)
     if apply_activation is not None:
         apply_activation(model)
     pipeline = None

@@ -14,8 +14,8 @@ Two attention methods, both plain collectives, so they run on gloo/CPU as well a
   neighbouring cp ranks, then K/V gathered across the ``cp/u`` groups.
 
 The model sees its local tokens only; positions come from ``position_ids`` (created as ``arange`` when
-the batch has none), so rotary embeddings stay correct. Document masks (``attention_mask``,
-``actual_seq_len``) are refused with context parallel for now.
+the batch has none), so rotary embeddings stay correct. A document mask (``attention_mask`` or
+``actual_seq_len``) is taken out of the batch and applied, for the whole sequence, by global positions.
 """
 
 from __future__ import annotations
@@ -73,16 +73,28 @@ def local_positions(seq_local: int, cp: int, rank: int, device: torch.device) ->
     return torch.cat([first, second])
 
 
-def shard_batch(batch: dict[str, torch.Tensor], cp: int, rank: int) -> dict[str, torch.Tensor]:
-    """This rank's two chunks of every sequence tensor; adds ``position_ids`` when missing."""
+class DocumentMask:
+    """The full-sequence may-attend mask of the current micro-batch (document masking under cp).
+
+    The model builds its mask from its (local) inputs; under context parallel the batch's document
+    mask is taken out before the model and kept here, whole, for the attention to index by global
+    positions. One micro-batch at a time (its backward, recompute included, follows its forward).
+    """
+
+    def __init__(self) -> None:
+        self.allowed: torch.Tensor | None = None  # [B or 1, 1, S, S] bool, causal included
+
+
+def shard_batch(
+    batch: dict[str, torch.Tensor], cp: int, rank: int, doc_mask: DocumentMask | None = None
+) -> dict[str, torch.Tensor]:
+    """This rank's two chunks of every sequence tensor; adds ``position_ids`` when missing.
+
+    A document mask (``attention_mask`` / ``actual_seq_len``) is removed from the batch and stored,
+    for the whole sequence, in ``doc_mask``.
+    """
     if cp == 1:
         return batch
-    for key in ("attention_mask", "actual_seq_len"):
-        if batch.get(key) is not None:
-            raise DataError(
-                f"the batch has '{key}' (a document mask), which context parallel does not support yet; set "
-                "parallelism.context_parallel: 1 or drop the document mask from the dataloader's column_names."
-            )
     ids = batch["input_ids"]
     seq = ids.shape[1]
     if seq % (2 * cp):
@@ -90,6 +102,19 @@ def shard_batch(batch: dict[str, torch.Tensor], cp: int, rank: int) -> dict[str,
             f"the sequence length {seq} must be divisible by 2 × parallelism.context_parallel = {2 * cp}."
         )
     out = dict(batch)
+    has_doc_mask = any(out.get(k) is not None for k in ("attention_mask", "actual_seq_len"))
+    if has_doc_mask and doc_mask is None:
+        raise DataError(
+            "the batch has a document mask (attention_mask / actual_seq_len), which context parallel does not "
+            "support together with pipeline parallel; drop the document mask from the dataloader's column_names "
+            "or use one of them."
+        )
+    if doc_mask is not None:
+        from lmforge.models.common.masks import build_allowed_mask
+
+        doc_mask.allowed = build_allowed_mask(
+            seq, ids.device, out.pop("attention_mask", None), out.pop("actual_seq_len", None)
+        )
     if out.get("position_ids") is None:
         out["position_ids"] = torch.arange(seq, device=ids.device).expand_as(ids)
     c = seq // (2 * cp)
@@ -102,13 +127,22 @@ def shard_batch(batch: dict[str, torch.Tensor], cp: int, rank: int) -> dict[str,
     return out
 
 
-def _attend_gathered_kv(core: nn.Module, q, k, v, group, cp: int, rank: int) -> torch.Tensor:
+def _select(
+    full: torch.Tensor | None, causal: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
+) -> torch.Tensor:
+    """The document mask at (global rows, global cols), or the causal mask when there is none."""
+    if full is None:
+        return causal
+    return full.index_select(2, rows).index_select(3, cols)
+
+
+def _attend_gathered_kv(core: nn.Module, q, k, v, group, cp: int, rank: int, doc=None) -> torch.Tensor:
     s_local = q.shape[2]
     k_all = comm.gather_with_partial_grad(k, 2, group)
     v_all = comm.gather_with_partial_grad(v, 2, group)
     pos_q = local_positions(s_local, cp, rank, q.device)
     pos_k = torch.cat([local_positions(s_local, cp, r, q.device) for r in range(cp)])
-    allowed = pos_q[:, None] >= pos_k[None, :]
+    allowed = _select(doc, pos_q[:, None] >= pos_k[None, :], pos_q, pos_k)
     if getattr(core, "track_max_logits", False):
         track_max_logits(core, q, k_all, allowed, core.scale, head_offset=getattr(core, "head_offset", 0))
     dropout = core.dropout if core.training else 0.0
@@ -123,7 +157,7 @@ def _attend_gathered_kv(core: nn.Module, q, k, v, group, cp: int, rank: int) -> 
     )
 
 
-def _attend_ulysses(core: nn.Module, q, k, v, group, cp: int, rank: int) -> torch.Tensor:
+def _attend_ulysses(core: nn.Module, q, k, v, group, cp: int, rank: int, doc=None) -> torch.Tensor:
     hq, hkv = q.shape[1], k.shape[1]
     if hkv % cp:
         # Fewer KV heads than ranks: give every query head its own copy before splitting heads.
@@ -139,19 +173,25 @@ def _attend_ulysses(core: nn.Module, q, k, v, group, cp: int, rank: int) -> torc
     qf, kf, vf = (comm.all_to_all(t, 1, 2, group).index_select(2, index) for t in (q, k, v))
     if getattr(core, "track_max_logits", False):
         seq = qf.shape[2]
-        allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        allowed = doc if doc is not None else torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
         heads = qf.shape[1]
         track_max_logits(
             core, qf, kf, allowed, core.scale, head_offset=getattr(core, "head_offset", 0) + rank * heads
         )
     dropout = core.dropout if core.training else 0.0
-    out = F.scaled_dot_product_attention(
-        qf, kf, vf, is_causal=True, scale=core.scale, dropout_p=dropout, enable_gqa=qf.shape[1] != kf.shape[1]
-    )
+    gqa = qf.shape[1] != kf.shape[1]
+    if doc is not None:  # natural order here, so the full document mask applies as is
+        out = F.scaled_dot_product_attention(
+            qf, kf, vf, attn_mask=doc, scale=core.scale, dropout_p=dropout, enable_gqa=gqa
+        )
+    else:
+        out = F.scaled_dot_product_attention(
+            qf, kf, vf, is_causal=True, scale=core.scale, dropout_p=dropout, enable_gqa=gqa
+        )
     return comm.all_to_all(out.index_select(2, back), 2, 1, group)
 
 
-def _attend_hybrid(core: nn.Module, q, k, v, groups, cp: int, rank: int) -> torch.Tensor:
+def _attend_hybrid(core: nn.Module, q, k, v, groups, cp: int, rank: int, doc=None) -> torch.Tensor:
     """Ulysses inside groups of ``u`` cp ranks, K/V gathered across the ``cp/u`` groups.
 
     cp rank ``a·u + j``: ``a`` indexes the Ulysses group, ``j`` the rank inside it.
@@ -169,7 +209,7 @@ def _attend_hybrid(core: nn.Module, q, k, v, groups, cp: int, rank: int) -> torc
     v_all = comm.gather_with_partial_grad(vf, 2, ring_group)
     pos_q = torch.cat([local_positions(s_local, cp, a * u + i, q.device) for i in range(u)])
     pos_k = torch.cat([local_positions(s_local, cp, r, q.device) for r in range(cp)])
-    allowed = pos_q[:, None] >= pos_k[None, :]
+    allowed = _select(doc, pos_q[:, None] >= pos_k[None, :], pos_q, pos_k)
     if getattr(core, "track_max_logits", False):
         offset = getattr(core, "head_offset", 0) + j * qf.shape[1]
         track_max_logits(core, qf, k_all, allowed, core.scale, head_offset=offset)
@@ -197,7 +237,9 @@ def track_max_logits(core: nn.Module, q, k, allowed, scale, head_offset: int = 0
     torch.maximum(target, per_head.to(target.device), out=target)
 
 
-def apply_cp(model: nn.Module, cp_mesh: Any, method: str, split_mesh: Any = None) -> None:
+def apply_cp(
+    model: nn.Module, cp_mesh: Any, method: str, split_mesh: Any = None, doc_mask: DocumentMask | None = None
+) -> None:
     """Replace every ``core_attention`` forward by its context-parallel version (in place).
 
     ``split_mesh`` (hybrid only) has the cp ranks as ``(cp_ring, cp_uly)`` dimensions.
@@ -217,9 +259,10 @@ def apply_cp(model: nn.Module, cp_mesh: Any, method: str, split_mesh: Any = None
         def forward(self, q, k, v, allowed=None, _attend=attend):
             if allowed is not None:
                 raise DataError(
-                    "context parallel got an attention mask (document masking); it supports causal attention only."
+                    "context parallel got an attention mask built from the local chunks; document masks must "
+                    "reach the model through the batch (attention_mask / actual_seq_len)."
                 )
-            return _attend(self, q, k, v, group, cp, rank)
+            return _attend(self, q, k, v, group, cp, rank, None if doc_mask is None else doc_mask.allowed)
 
         core.forward = types.MethodType(forward, core)
     if not found:
