@@ -27,6 +27,7 @@ MODELS = {
     "llama": tiny_llama,
     "llama_bf16": lambda: tiny_llama(compute_dtype="bfloat16"),
     "llama_docs": tiny_llama,  # the data has packed documents (actual_seq_len)
+    "llama_tied": lambda: tiny_llama(tie_word_embeddings=True),
     "qwen3_moe": tiny_qwen3_moe,
     "deepseek": tiny_deepseek,
     "deepseek_mtp": lambda: tiny_deepseek(num_nextn_predict_layers=1),
@@ -137,6 +138,7 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         _case("cp_allgather_kv_documents", "llama_docs", context_parallel=2),
         _case("cp_ulysses_documents", "llama_docs", context_parallel=2, context_parallel_method="ulysses"),
         _case("tp_documents", "llama_docs", tensor_parallel=2),
+        _case("tp_tied_embeddings", "llama_tied", tensor_parallel=2),
         _case("ep_alltoall", "qwen3_moe", expert_parallel=2),
         _case("tp_moe", "qwen3_moe", tensor_parallel=2),
         _case("tp_mla_shared_experts", "deepseek", tensor_parallel=2),

@@ -270,12 +270,3 @@ def apply_cp(
             "parallelism.context_parallel > 1 needs attention modules with a 'core_attention' submodule "
             "(lmforge's model families); this model has none."
         )
-
-
-def reduce_max_logits(model: nn.Module, group: Any) -> None:
-    """Per-head maximum logits over the ranks of ``group`` (cp: other chunks / heads; call before QK-Clip)."""
-    import torch.distributed as dist
-
-    for module in model.modules():
-        if hasattr(module, "max_logits") and isinstance(module.max_logits, torch.Tensor):
-            dist.all_reduce(module.max_logits, op=dist.ReduceOp.MAX, group=group)

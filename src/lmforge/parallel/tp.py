@@ -177,7 +177,9 @@ def _vocab_parallel_embedding(emb: nn.Embedding, mesh: Any, group: Any) -> None:
     emb.forward = types.MethodType(forward, emb)
 
 
-def _vocab_parallel_output(linear: nn.Linear, mesh: Any, group: Any) -> None:
+def _vocab_split_output(linear: nn.Linear, mesh: Any) -> None:
+    """Store the output layer split by vocabulary rows. lmforge's models compute their logits as
+    ``F.linear(final_layernorm(h), _output_weight())``; ``parallel.api`` gathers both for that."""
     from torch.distributed.tensor import Shard
 
     t = mesh.size()
@@ -188,13 +190,6 @@ def _vocab_parallel_output(linear: nn.Linear, mesh: Any, group: Any) -> None:
     if linear.bias is not None:
         raise ConfigError("tensor parallel does not support a bias on output_layer.")
     _distribute(linear, "weight", mesh, Shard(0))
-
-    def forward(self: nn.Linear, h: torch.Tensor) -> torch.Tensor:
-        full = comm.gather_with_partial_grad(h, 1, group)
-        logits = F.linear(full, _local(self.weight))
-        return comm.gather_replicated(logits, -1, group)
-
-    linear.forward = types.MethodType(forward, linear)
 
 
 # ------------------------------------------------------------------ blocks
@@ -349,12 +344,8 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
                 router = getattr(mlp, "router", None)
                 if router is not None and hasattr(router, "_aux_loss"):
                     _sequence_aux_loss(router, group)
-    if out is not None:
-        if tied:
-            out.weight = emb.weight  # the same (vocab-sharded) parameter
-            out.forward = types.MethodType(_tied_output_forward(group), out)
-        else:
-            _vocab_parallel_output(out, tp_mesh, group)
+    if out is not None and not tied:
+        _vocab_split_output(out, tp_mesh)
     # Everything else (norms, routers, routed experts, MLA down projections) is replicated over tp and
     # sees only this rank's tokens or heads: its gradient is the sum over tp.
     parents = {id(child): parent for parent in model.modules() for child in parent.children()}
@@ -363,11 +354,3 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
             # A holder that is never called itself (no forward of its own): hook its parent instead.
             caller = parents.get(id(module)) if type(module).forward is nn.Module.forward else None
             _replicate_params(module, tp_mesh, group, caller)
-
-
-def _tied_output_forward(group: Any):
-    def forward(self: nn.Linear, h: torch.Tensor) -> torch.Tensor:
-        full = comm.gather_with_partial_grad(h, 1, group)
-        return comm.gather_replicated(F.linear(full, _local(self.weight)), -1, group)
-
-    return forward
