@@ -15,7 +15,12 @@ SPEC_YAMLS = REPO_ROOT / "tests" / "fixtures" / "spec_yamls"
 BASE_CONFIG: dict[str, Any] = {
     "training": {"steps": 10, "local_batch_size": 1, "global_batch_size": 2},
     "lr_scheduler": {"type": "ConstantWarmUpLR", "learning_rate": 1.0e-4, "warmup_steps": 2},
-    "train_dataset": {"dataloader": {"type": "BlendedMegatronDatasetDataLoader"}},
+    "train_dataset": {
+        "dataloader": {
+            "type": "BlendedMegatronDatasetDataLoader",
+            "config": {"seq_length": 32, "data_path": ["data/none/train"], "split": "98,2,0", "eod": 0},
+        }
+    },
     "model": {
         "model_type": "qwen3",
         "architectures": "Qwen3ForCausalLM",

@@ -98,7 +98,9 @@ def test_missing_data_files_are_warnings(tmp_path: Path, base_config: dict[str, 
     (tmp_path / "present.bin").write_bytes(b"")
     (tmp_path / "present.idx").write_bytes(b"")
     base_config["train_dataset"]["dataloader"]["config"] = {
-        "data_path": ["0.5", str(tmp_path / "present"), "0.5", str(tmp_path / "absent")]
+        "seq_length": 32,
+        "split": "98,2,0",
+        "data_path": ["0.5", str(tmp_path / "present"), "0.5", str(tmp_path / "absent")],
     }
     status, out, _ = _check(capsys, "--config", _write(tmp_path, base_config))
     assert status == 0

@@ -16,7 +16,15 @@ from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.errors import ConfigError
 
-REFERENCE = Path("/work/shared/reference/mindformers-yamls")
+# shared/ lies beside the checkout (here and in CI); /work/shared is the development layout.
+REFERENCE = next(
+    (
+        root / "reference" / "mindformers-yamls"
+        for root in (Path(__file__).resolve().parents[3] / "shared", Path("/work/shared"))
+        if (root / "reference" / "mindformers-yamls").is_dir()
+    ),
+    Path("/work/shared/reference/mindformers-yamls"),
+)
 pytestmark = pytest.mark.skipif(not REFERENCE.is_dir(), reason="reference YAMLs are not on this machine")
 
 TRAIN_CONFIG = "tests__st__test_ut__test_pynative__test_config__train_config"

@@ -58,7 +58,8 @@ def test_fragment_over_the_skeleton_validates(fragment: Path, tmp_path: Path, ca
                 assert resolved[key] == expected, f"{section}.{key}"
     path = tmp_path / "merged.yaml"
     path.write_text(yaml.safe_dump(merged), encoding="utf-8")
-    # One data-parallel rank: the spec's examples pair small batches with model parallelism.
+    # The smallest world the layout fits: one data-parallel rank per expert-parallel rank (expert
+    # parallelism borrows data x context ranks); the spec's examples pair small batches with it.
     par = cfg.parallelism
-    world = par.tensor_parallel * par.pipeline_parallel * par.context_parallel
+    world = par.tensor_parallel * par.pipeline_parallel * par.context_parallel * par.expert_parallel
     assert main(["check", "--config", str(path), "--world-size", str(world)]) == 0, capsys.readouterr().err

@@ -11,7 +11,15 @@ import yaml
 from lmforge.errors import ConfigError
 from lmforge.models import build_model, build_model_config, validate_model_section
 
-REFERENCE_YAMLS = Path("/work/shared/reference/mindformers-yamls")
+# shared/ lies beside the checkout (here and in CI); /work/shared is the development layout.
+REFERENCE_YAMLS = next(
+    (
+        root / "reference" / "mindformers-yamls"
+        for root in (Path(__file__).resolve().parents[3] / "shared", Path("/work/shared"))
+        if (root / "reference" / "mindformers-yamls").is_dir()
+    ),
+    Path("/work/shared/reference/mindformers-yamls"),
+)
 
 TINY_LLAMA = {
     "model_type": "llama",

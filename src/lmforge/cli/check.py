@@ -15,7 +15,7 @@ from typing import Any
 
 from lmforge.config import derive, read_raw
 from lmforge.config.load import apply_overrides, split_key, validate_config
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, LmforgeError
 
 # Validation owned by the building blocks (which scheduler keys a scheduler takes, which model types
 # exist, Muon's rules...): (module, function, section attribute, extra keyword arguments from the
@@ -178,15 +178,59 @@ def _data_file_warnings(cfg: Any) -> list[str]:
     return warnings
 
 
-def _builder_checks(cfg: Any) -> None:
+def _data_source_is_open(cfg: Any) -> bool:
+    """True when the file does not say (in a form lmforge reads) where the data is.
+
+    The original accepts such a file and fails only when the dataset is built; `lmforge check`
+    validates the configuration the same way (a warning), like a missing data file, and
+    `lmforge train` refuses it before any work starts.
+    """
+    loader = cfg.train_dataset.dataloader.to_dict()
+    return loader.get("type") != "BlendedMegatronDatasetDataLoader" or not isinstance(
+        loader.get("config"), Mapping
+    )
+
+
+def _builder_checks(cfg: Any) -> list[str]:
+    """Run the building blocks' own validation; returns warnings (data sources not readable yet)."""
+    warnings: list[str] = []
     for module_name, function_name, attribute, kwargs in BUILDER_CHECKS:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
         check = getattr(module, function_name, None)
-        if callable(check):
+        if not callable(check):
+            continue
+        try:
             check(getattr(cfg, attribute), **kwargs(cfg))
+        except LmforgeError as exc:
+            if attribute != "train_dataset" or not _data_source_is_open(cfg):
+                raise
+            warnings.append(f"{exc} `lmforge train` will refuse to start until this is changed.")
+    return warnings
+
+
+def _schedule_lines(cfg: Any) -> list[str]:
+    """The schedule as the trainer will build it (warm-up and decay boundaries resolved by lmforge.lr)."""
+    from lmforge.lr import build_scheduler
+
+    schedule = build_scheduler(cfg.lr_scheduler, cfg.training.steps)
+    lines = [f"  learning rate: {schedule.description}"]
+    boundaries = schedule.boundaries()
+    warmup = boundaries.get("warm-up end")
+    lines.append(f"  warm-up steps: {warmup if warmup else 0}")
+    for name, step in boundaries.items():
+        if name != "warm-up end":
+            lines.append(f"  {name}: step {step}")
+    return lines
+
+
+def _parallel_plan_lines(cfg: Any, world: int) -> list[str]:
+    """The mesh, each rank's share and a per-rank memory estimate (lmforge.parallel.report)."""
+    from lmforge.parallel.report import parallel_plan
+
+    return parallel_plan(cfg.parallelism, cfg.model, cfg.training, cfg.optimizer, world)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     file_raw, source = read_raw(args.config)
     merged = apply_overrides(file_raw, args.overrides)
     cfg = validate_config(merged, source, log_warnings=False)  # printed below with the others
-    _builder_checks(cfg)
+    data_warnings = _builder_checks(cfg)
     derived = derive(cfg, world)
     set_keys = [item.split("=", 1)[0].strip() for item in args.overrides]
 
@@ -219,11 +263,9 @@ def run(args: argparse.Namespace) -> int:
         tokens = derived.effective_global_batch_size * cfg.model.seq_length
         lines.append(f"  tokens per step: {tokens} (seq_length {cfg.model.seq_length})")
     lines.append(f"  total steps: {derived.total_steps}")
-    if derived.warmup_steps is None:
-        lines.append("  warm-up steps: none given (the scheduler's default applies)")
-    else:
-        lines.append(f"  warm-up steps: {derived.warmup_steps}")
-    warnings = list(cfg.warnings) + derived.warnings + _data_file_warnings(cfg)
+    lines += _schedule_lines(cfg)
+    lines += ["", *_parallel_plan_lines(cfg, world)]
+    warnings = list(cfg.warnings) + derived.warnings + data_warnings + _data_file_warnings(cfg)
     if warnings:
         lines += ["", "Warnings:"] + [f"  - {w}" for w in warnings]
     print("\n".join(lines))
