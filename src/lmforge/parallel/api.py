@@ -147,6 +147,24 @@ def _install_cp_io(model: nn.Module, cp_mesh: Any, doc_mask: DocumentMask | None
     model.register_forward_hook(post_hook, with_kwargs=True)
 
 
+def _check_sequence_length(model: nn.Module, dims: ParallelDims) -> None:
+    """Sequence parallel splits the (context-parallel) sequence over tp: its length must divide."""
+    unit = dims.tp * (2 * dims.cp if dims.cp > 1 else 1)
+
+    def pre_hook(mod, args, kwargs):
+        ids = args[0] if args else kwargs.get("input_ids")
+        if ids is not None and ids.shape[-1] % unit:
+            raise ConfigError(
+                f"the sequence length {ids.shape[-1]} must be divisible by {unit} = "
+                f"{'2 × parallelism.context_parallel × ' if dims.cp > 1 else ''}parallelism.tensor_parallel "
+                "(sequence parallel splits the sequence over the tensor-parallel ranks); change the data's "
+                "seq_length or the parallel degrees."
+            )
+
+    # Registered first, so it runs before the context-parallel batch sharding.
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
 def _install_tp_output(model: nn.Module, tp_mesh: Any) -> None:
     """The model computes ``F.linear(final_layernorm(h), _output_weight())``: gather both over tp."""
     group = tp_mesh.get_group()
@@ -212,6 +230,8 @@ def parallelize(
         apply_tp(model, mesh["tp"])
         model.tensor_parallel_size = dims.tp
         _install_tp_output(model, mesh["tp"])
+    if dims.tp > 1 or dims.cp > 1:
+        _check_sequence_length(model, dims)
     if dims.cp > 1:
         method = validate_cp_options(opts, dims.cp, dims.ulysses)
         if getattr(model, "mtp", None) is not None:
