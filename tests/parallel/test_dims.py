@@ -194,3 +194,23 @@ def test_parallel_plan_for_check():
     assert "rank 7: pp stage 1" in text and "total with full recompute" in text
     with pytest.raises(ConfigError, match="parallelism.expert_parallel=3"):
         parallel_plan({"expert_parallel": 3}, model, {"global_batch_size": 8}, {}, 6)
+
+
+def test_unsupported_combinations_are_refused_by_check():
+    from lmforge.parallel.report import parallel_plan
+
+    model = {
+        "model_type": "llama",
+        "architectures": "LlamaForCausalLM",
+        "num_hidden_layers": 4,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 48,
+        "vocab_size": 64,
+        "seq_length": 16,
+        "tie_word_embeddings": True,
+    }
+    with pytest.raises(ConfigError, match="tied word embeddings"):
+        parallel_plan({"pipeline_parallel": 2}, model, {"global_batch_size": 4}, {}, 2)
+    assert parallel_plan({"tensor_parallel": 2}, model, {"global_batch_size": 4}, {}, 2)

@@ -147,6 +147,26 @@ def _install_cp_io(model: nn.Module, cp_mesh: Any, doc_mask: DocumentMask | None
     model.register_forward_hook(post_hook, with_kwargs=True)
 
 
+def refuse_unsupported(model: nn.Module, dims: ParallelDims) -> None:
+    """Combinations of model features and degrees that are not implemented (also run by lmforge check)."""
+    mtp = getattr(model, "mtp", None) is not None
+    if dims.cp > 1 and mtp:
+        raise ConfigError(
+            "parallelism.context_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
+            "supported: MTP shifts tokens across the load-balanced sequence chunks. Set one of them off."
+        )
+    if dims.pp > 1 and mtp:
+        raise ConfigError(
+            "parallelism.pipeline_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
+            "supported yet; set one of them off."
+        )
+    if dims.pp > 1 and getattr(model, "output_layer", "missing") is None:
+        raise ConfigError(
+            "parallelism.pipeline_parallel > 1 with tied word embeddings (model tie_word_embeddings: true) is not "
+            "supported: the first and last stages would share one weight. Untie them or use pipeline_parallel: 1."
+        )
+
+
 def _check_sequence_length(model: nn.Module, dims: ParallelDims) -> None:
     """Sequence parallel splits the (context-parallel) sequence over tp: its length must divide."""
     unit = dims.tp * (2 * dims.cp if dims.cp > 1 else 1)
@@ -219,6 +239,7 @@ def parallelize(
             layers_per_stage=opts["pipeline_parallel_layers_per_stage"],
             vocab_size=getattr(cfg, "vocab_size", None),
         )
+    refuse_unsupported(model, dims)
     stage_specs = None
     if dims.pp > 1:
         pp_mesh = mesh["pp"]
@@ -234,11 +255,6 @@ def parallelize(
         _check_sequence_length(model, dims)
     if dims.cp > 1:
         method = validate_cp_options(opts, dims.cp, dims.ulysses)
-        if getattr(model, "mtp", None) is not None:
-            raise ConfigError(
-                "parallelism.context_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
-                "supported: MTP shifts tokens across the load-balanced sequence chunks. Set one of them off."
-            )
         # Document masks: one micro-batch's forward and backward at a time, so not under pipeline parallel.
         doc_mask = DocumentMask() if dims.pp == 1 else None
         apply_cp(model, mesh["cp"], method, split_mesh=mesh.cp_split, doc_mask=doc_mask)

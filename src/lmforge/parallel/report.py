@@ -21,12 +21,13 @@ def parallel_plan(parallelism: Any, model: Any, training: Any, optimizer: Any, w
     import torch
 
     from lmforge.models import build_model
-    from lmforge.parallel.api import validate_options, warn_inert_fields
+    from lmforge.parallel.api import refuse_unsupported, validate_options, warn_inert_fields
 
     dims = ParallelDims.from_section(parallelism, world_size)
     opts = validate_options(parallelism, dims)
     inert = warn_inert_fields(opts)
     net = build_model(model, device="meta")
+    refuse_unsupported(net, dims)
     cfg = net.config
     dims.check_model(
         num_layers=cfg.num_layers,
