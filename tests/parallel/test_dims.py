@@ -212,5 +212,5 @@ def test_unsupported_combinations_are_refused_by_check():
         "tie_word_embeddings": True,
     }
     with pytest.raises(ConfigError, match="tied word embeddings"):
-        parallel_plan({"pipeline_parallel": 2}, model, {"global_batch_size": 4}, {}, 2)
-    assert parallel_plan({"tensor_parallel": 2}, model, {"global_batch_size": 4}, {}, 2)
+        parallel_plan({"pipeline_parallel": 2, "tensor_parallel": 2}, model, {"global_batch_size": 4}, {}, 4)
+    assert parallel_plan({"pipeline_parallel": 2}, model, {"global_batch_size": 4}, {}, 2)

@@ -160,10 +160,10 @@ def refuse_unsupported(model: nn.Module, dims: ParallelDims) -> None:
             "parallelism.pipeline_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
             "supported yet; set one of them off."
         )
-    if dims.pp > 1 and getattr(model, "output_layer", "missing") is None:
+    if dims.pp > 1 and dims.tp > 1 and getattr(model, "output_layer", "missing") is None:
         raise ConfigError(
-            "parallelism.pipeline_parallel > 1 with tied word embeddings (model tie_word_embeddings: true) is not "
-            "supported: the first and last stages would share one weight. Untie them or use pipeline_parallel: 1."
+            "parallelism.pipeline_parallel > 1 with tensor_parallel > 1 and tied word embeddings (model "
+            "tie_word_embeddings: true) is not supported yet; untie them or drop one of the two degrees."
         )
 
 
@@ -240,6 +240,7 @@ def parallelize(
             vocab_size=getattr(cfg, "vocab_size", None),
         )
     refuse_unsupported(model, dims)
+    tied_output = getattr(model, "output_layer", "missing") is None  # before pipeline pruning clears it
     stage_specs = None
     if dims.pp > 1:
         pp_mesh = mesh["pp"]
@@ -276,6 +277,13 @@ def parallelize(
             compute_dtype=compute_dtype,
         )
         roots = pipeline.stage_modules
+        if tied_output:  # tied embeddings: see pp_tied
+            from lmforge.parallel.pp_tied import TiedOutput, pair_groups
+
+            pp_rank = mesh["pp"].get_local_rank()
+            pipeline.tied = TiedOutput(
+                model, pair_groups(mesh.world), pp_rank == 0, pp_rank == dims.pp - 1, compute_dtype
+            )
     else:
         roots = [model]
     expert_mesh = mesh.expert_fsdp_mesh() if dims.ep > 1 else None

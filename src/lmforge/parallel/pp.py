@@ -123,11 +123,6 @@ def split_for_pipeline(
             "parallelism.pipeline_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
             "supported yet; set one of them off."
         )
-    if getattr(model, "output_layer", "missing") is None:
-        raise ConfigError(
-            "parallelism.pipeline_parallel > 1 with tied word embeddings (model tie_word_embeddings: true) is not "
-            "supported: the first and last stages would share one weight. Untie them or use pipeline_parallel: 1."
-        )
     num_layers = len(model.decoder.layers)
     stages = stage_layers(
         opts["pipeline_parallel_layers_per_stage"], num_layers=num_layers, pp=pp, interleave=interleave
@@ -180,6 +175,7 @@ class PipelineRunner:
         self._pipeline_stage = PipelineStage
         self.inv_tokens = 1.0
         self.loss_sums: list[torch.Tensor] = []
+        self.tied: Any = None  # pp_tied.TiedOutput when the output layer is the embedding
         # Global rank of the last stage in this rank's pipeline (for broadcasting the loss).
         last_pp_rank = (n_stages - 1) % pp_mesh.size()
         self.last_stage_global_rank = dist.get_global_rank(self.pp_group, last_pp_rank)
@@ -252,6 +248,8 @@ class PipelineRunner:
                 ]
             )
             target = torch.stack([labels.long(), mask.long()], dim=-1)
+        if self.tied is not None:
+            self.tied.send_weight(requires_grad=True)
         if self.has_first and self.has_last:
             self._schedule.step(x, target=target, losses=[])
         elif self.has_first:
@@ -260,6 +258,8 @@ class PipelineRunner:
             self._schedule.step(target=target, losses=[])
         else:
             self._schedule.step()
+        if self.tied is not None:
+            self.tied.return_grad()
         # Only the last n_micro loss calls are the micro-batches (the first step adds a shape-inference call).
         self.loss_sums = self.loss_sums[-self.n_micro :]
         total = torch.stack(self.loss_sums).sum() if self.loss_sums else torch.zeros((), device=self.device)
@@ -290,6 +290,8 @@ class PipelineRunner:
         tp = getattr(self.model, "tensor_parallel_size", 1)
         hidden_shape = (b, s // tp, self.model.config.hidden_size)
         by_id = dict(zip(self._stage_ids, self.modules))
+        if self.tied is not None:
+            self.tied.send_weight(requires_grad=False)
         result = torch.zeros(2, dtype=torch.float32, device=self.device)
         h = None
         for sid in range(self._n_stages):
