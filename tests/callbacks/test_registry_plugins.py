@@ -46,7 +46,7 @@ def test_import_path_builds_user_callback_with_its_keys(user_module, sep):
 
 def test_entry_point(user_module, monkeypatch):
     ep = metadata.EntryPoint(
-        name="CountingCallback", value=f"{user_module}:CountSteps", group=plugins.ENTRY_POINT_GROUP
+        name="EntryPointOnlyCallback", value=f"{user_module}:CountSteps", group=plugins.ENTRY_POINT_GROUP
     )
     real = metadata.entry_points
     monkeypatch.setattr(
@@ -54,7 +54,7 @@ def test_entry_point(user_module, monkeypatch):
         "entry_points",
         lambda **kw: [ep] if kw.get("group") == plugins.ENTRY_POINT_GROUP else real(**kw),
     )
-    assert type(build_callback({"type": "CountingCallback"}, 0)).__name__ == "CountSteps"
+    assert type(build_callback({"type": "EntryPointOnlyCallback"}, 0)).__name__ == "CountSteps"
 
 
 def test_builtin_max_logits_is_known_without_importing_it_first():
