@@ -210,7 +210,9 @@ class MoELayer(nn.Module):
             with torch.no_grad():
                 counts = torch.bincount(topk_idx.reshape(-1), minlength=self.settings.num_experts).float()
                 self.tokens_per_expert += counts
-                self.bias_update_counts += counts
+                # Only training tokens steer the aux-loss-free bias (not evaluation or generation).
+                if self.training:
+                    self.bias_update_counts += counts
         rows, counts, state = self.dispatcher.dispatch(
             tokens, topk_idx, topk_weights, self.settings.num_experts
         )
