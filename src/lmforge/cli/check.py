@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from lmforge.cli.options import add_set_option
 from lmforge.config import derive, read_raw
 from lmforge.config.load import apply_overrides, split_key, validate_config
 from lmforge.errors import ConfigError, LmforgeError
@@ -55,15 +56,7 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument("--config", required=True, metavar="FILE", help="the train.yaml to check")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a value, e.g. --set training.steps=20 --set optimizer.betas=[0.9,0.99] "
-        "(values are YAML; repeatable)",
-    )
+    add_set_option(parser, "training.steps=20 --set optimizer.betas=[0.9,0.99]")
     parser.add_argument(
         "--world-size",
         type=int,

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from lmforge.cli.options import add_set_option
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -29,14 +31,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint directory to evaluate")
     parser.add_argument("--config", required=True, metavar="FILE", help="the run's train.yaml")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value (YAML), e.g. --set eval_steps=50; repeatable",
-    )
+    add_set_option(parser, "eval_steps=50")
     parser.add_argument("--eval-steps", type=int, default=None, metavar="N", help="batches to evaluate")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from lmforge.cli.options import add_set_option
 from lmforge.config import LrSchedulerConfig, TrainingConfig, apply_overrides, load_config, read_raw
 from lmforge.errors import ConfigError
 from lmforge.lr import build_scheduler
@@ -36,14 +37,7 @@ def register(subparsers: Any) -> None:
         metavar="FILE",
         help="a train.yaml (repeat to overlay several schedules)",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a value in every config, e.g. --set training.steps=5000 (repeatable)",
-    )
+    add_set_option(parser, "training.steps=5000")
     parser.add_argument(
         "-o", "--output", default="lr.png", metavar="PNG", help="the plot to write (default: lr.png)"
     )

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from lmforge.cli.options import add_set_option
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -21,14 +23,7 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument("--config", required=True, metavar="FILE", help="the train.yaml")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value (YAML), e.g. --set training.steps=20; repeatable",
-    )
+    add_set_option(parser, "training.steps=20")
     parser.add_argument("--output-dir", default=None, metavar="DIR", help="overrides the config's output_dir")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.set_defaults(func=run)
