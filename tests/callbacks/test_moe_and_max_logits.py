@@ -12,6 +12,7 @@ import torch
 from lmforge.errors import ConfigError
 from lmforge.models import build_model
 from lmforge.parallel.activation import apply_activation_memory
+from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.callbacks.max_logits import MaxLogitsMonitor
 from lmforge.train.callbacks.monitor import MoeMonitorCallback
 from lmforge.train.callbacks.registry import build_callback
@@ -126,6 +127,19 @@ def test_max_logits_monitor_logs_per_layer_values_every_interval():
     assert "max_attention_logit" not in metrics[0] and "max_attention_logit" not in metrics[2]
     # the running maximum is reset after every step
     assert all(float(layer.max_logits.abs().sum()) == 0 for layer in model.qk_clip_layers())
+
+
+def test_max_logits_monitor_keeps_its_values_when_the_optimizer_resets_the_model():
+    # Muon's QK-Clip resets the model's running maximum inside the optimizer step, before on_step_end.
+    model = _model()
+
+    class ResetLikeMuon(TrainerCallback):
+        def on_step_end(self, args, state, **kwargs):
+            model.reset_max_logits()
+
+    cb = build_callback({"type": "MaxLogitsMonitor", "step_interval": 1}, 0)
+    drive([ResetLikeMuon(), cb], model, steps=1, micro=1)
+    assert cb.last and all(v > 0 for values in cb.last.values() for v in values)
 
 
 def test_max_logits_monitor_validation():

@@ -63,7 +63,7 @@ class MaxLogitsMonitor(TrainerCallback):
         if not (module.training and torch.is_grad_enabled()):
             return
         for layer in self._layers:
-            current = layer.max_logits.detach().float().cpu()
+            current = layer.max_logits.detach().float().cpu().clone()
             previous = self._step_max.get(layer.name)
             self._step_max[layer.name] = current if previous is None else torch.maximum(previous, current)
 
