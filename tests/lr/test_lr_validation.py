@@ -166,6 +166,14 @@ def test_settings_without_effect_are_warned_about():
     assert any("longer than training.steps" in w for w in schedule.warnings)
 
 
+def test_a_learning_rate_of_zero_everywhere_is_warned_about():
+    # The article's first troubleshooting row: the loss does not move because the lr is 0.
+    flat = build_scheduler({"type": "ConstantWarmUpLR", "learning_rate": 0.0, "warmup_steps": 0}, 20)
+    assert any("learning rate is 0 at every step" in w for w in flat.warnings)
+    warm = build_scheduler({"type": "ConstantWarmUpLR", "learning_rate": 1e-3, "warmup_steps": 5}, 20)
+    assert not any("learning rate is 0" in w for w in warm.warnings)
+
+
 def test_validate_without_total_steps_skips_only_the_checks_that_need_it():
     validate_scheduler_section(
         {"type": "WarmUpStableDecayLR", "learning_rate": 1e-4, "decay_start_steps": 5000}

@@ -216,6 +216,7 @@ def _schedule_lines(cfg: Any) -> list[str]:
     for name, step in boundaries.items():
         if name != "warm-up end":
             lines.append(f"  {name}: step {step}")
+    lines += [f"  warning: {note}" for note in schedule.warnings]
     return lines
 
 

@@ -334,6 +334,14 @@ def _build(values: dict[str, Any], path: str, total: int) -> s.Schedule:
     _check_yaml_total_steps(keys, total)
     notes: list[str] = []
     schedule = kind.build(keys, total, notes)
+    if (
+        schedule.base_lr == 0
+        and max((schedule.lr_at(k) for k in range(min(total, 10_000) + 1)), default=0) == 0
+    ):
+        notes.append(
+            f"{path}: the learning rate is 0 at every step, so no parameter will change (the loss stays "
+            f"flat); set {path}.learning_rate (or base_lr) to the peak lr you want."
+        )
     if notes:
         schedule = _with_warnings(schedule, notes)
     return schedule
