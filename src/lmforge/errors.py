@@ -21,3 +21,11 @@ class DataError(LmforgeError):
 
 class CheckpointError(LmforgeError):
     """A missing, corrupt or incompatible checkpoint."""
+
+
+class NotSupportedError(ConfigError):
+    """A valid configuration (the original accepts it) that lmforge does not implement yet.
+
+    ``lmforge check`` reports it as a warning — the file is valid — and ``lmforge train`` refuses it
+    before any work starts.
+    """

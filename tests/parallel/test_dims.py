@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, NotSupportedError
+from lmforge.models import build_model
 from lmforge.parallel import (
     ParallelDims,
     accumulation_steps,
@@ -13,6 +14,7 @@ from lmforge.parallel import (
     estimate_memory,
     validate_options,
 )
+from lmforge.parallel.api import refuse_unsupported
 from lmforge.parallel.pp_layout import stage_layers, stages_of_rank
 
 
@@ -196,7 +198,7 @@ def test_parallel_plan_for_check():
         parallel_plan({"expert_parallel": 3}, model, {"global_batch_size": 8}, {}, 6)
 
 
-def test_unsupported_combinations_are_refused_by_check():
+def test_unsupported_combinations_are_reported_by_check_and_refused_at_start():
     from lmforge.parallel.report import parallel_plan
 
     model = {
@@ -211,6 +213,12 @@ def test_unsupported_combinations_are_refused_by_check():
         "seq_length": 16,
         "tie_word_embeddings": True,
     }
-    with pytest.raises(ConfigError, match="tied word embeddings"):
-        parallel_plan({"pipeline_parallel": 2, "tensor_parallel": 2}, model, {"global_batch_size": 4}, {}, 4)
+    # A valid file (the original accepts it): check warns, the trainer's parallelize refuses.
+    lines = parallel_plan(
+        {"pipeline_parallel": 2, "tensor_parallel": 2}, model, {"global_batch_size": 4}, {}, 4
+    )
+    assert any("tied word embeddings" in line and "will refuse" in line for line in lines)
+    dims = ParallelDims.from_section({"pipeline_parallel": 2, "tensor_parallel": 2}, 4)
+    with pytest.raises(NotSupportedError, match="tied word embeddings"):
+        refuse_unsupported(build_model(model, device="meta"), dims)
     assert parallel_plan({"pipeline_parallel": 2}, model, {"global_batch_size": 4}, {}, 2)

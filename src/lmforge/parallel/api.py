@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, NotSupportedError
 from lmforge.parallel import comm
 from lmforge.parallel.cp import DocumentMask, apply_cp, shard_batch, validate_cp_options
 from lmforge.parallel.dims import ParallelDims, ParallelMesh, parallelism_options
@@ -151,17 +151,17 @@ def refuse_unsupported(model: nn.Module, dims: ParallelDims) -> None:
     """Combinations of model features and degrees that are not implemented (also run by lmforge check)."""
     mtp = getattr(model, "mtp", None) is not None
     if dims.cp > 1 and mtp:
-        raise ConfigError(
+        raise NotSupportedError(
             "parallelism.context_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
             "supported: MTP shifts tokens across the load-balanced sequence chunks. Set one of them off."
         )
     if dims.pp > 1 and mtp:
-        raise ConfigError(
+        raise NotSupportedError(
             "parallelism.pipeline_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
             "supported yet; set one of them off."
         )
     if dims.pp > 1 and dims.tp > 1 and getattr(model, "output_layer", "missing") is None:
-        raise ConfigError(
+        raise NotSupportedError(
             "parallelism.pipeline_parallel > 1 with tensor_parallel > 1 and tied word embeddings (model "
             "tie_word_embeddings: true) is not supported yet; untie them or drop one of the two degrees."
         )

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, NotSupportedError
 from lmforge.parallel.pp_layout import stage_layers, stages_of_rank
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
@@ -119,7 +119,7 @@ def split_for_pipeline(
     """Prune ``model`` in place to this rank's layers; return ``(stage_id, layer_ids)`` of its stages."""
     schedule, interleave = validate_pp_options(opts, pp)
     if getattr(model, "mtp", None) is not None:
-        raise ConfigError(
+        raise NotSupportedError(
             "parallelism.pipeline_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
             "supported yet; set one of them off."
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmforge.errors import NotSupportedError
 from lmforge.parallel.dims import ParallelDims, accumulation_steps
 from lmforge.parallel.memory import describe_ranks, estimate_memory, format_bytes
 from lmforge.utils.sections import section_to_dict
@@ -27,7 +28,12 @@ def parallel_plan(parallelism: Any, model: Any, training: Any, optimizer: Any, w
     opts = validate_options(parallelism, dims)
     inert = warn_inert_fields(opts)
     net = build_model(model, device="meta")
-    refuse_unsupported(net, dims)
+    try:
+        refuse_unsupported(net, dims)
+    except NotSupportedError as exc:
+        unsupported = f"  warning: {exc} `lmforge train` will refuse this layout."
+    else:
+        unsupported = None
     cfg = net.config
     dims.check_model(
         num_layers=cfg.num_layers,
@@ -89,4 +95,6 @@ def parallel_plan(parallelism: Any, model: Any, training: Any, optimizer: Any, w
     lines += [f"  note: {n}" for n in est.notes]
     if inert:
         lines.append("  accepted without effect: " + ", ".join(f"parallelism.{k}" for k in inert))
+    if unsupported:
+        lines.append(unsupported)
     return lines
