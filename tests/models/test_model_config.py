@@ -268,3 +268,25 @@ def test_deepseek_balance_loss_defaults():
         build_model_config(_tiny_ds3(aux_loss_alpha=0.001, seq_aux=False)).load_balancing_type == "aux_loss"
     )
     assert build_model_config(_tiny_ds3()).enable_expert_bias is True
+
+
+def test_params_dtype_and_flash_attention_switches_warn_that_they_have_no_effect(caplog):
+    import logging
+
+    from lmforge.models import build_model_config
+
+    caplog.set_level(logging.WARNING, logger="lmforge")
+    section = {
+        "model_type": "llama",
+        "architectures": "LlamaForCausalLM",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "vocab_size": 64,
+        "params_dtype": "bfloat16",
+        "use_flash_attention": False,
+    }
+    build_model_config(section)
+    assert "model.params_dtype = 'bfloat16' has no effect" in caplog.text
+    assert "model.use_flash_attention: false has no effect" in caplog.text

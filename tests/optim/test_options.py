@@ -188,3 +188,17 @@ def test_every_spec_recipe_builds(path):
         opt = build_optimizer(form, TinyLM(), 1e-3)
         assert type(opt).__name__ == section.get("type", "AdamW")
         assert sum(len(g["params"]) for g in opt.param_groups) == len(list(TinyLM().parameters()))
+
+
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"type": "AdamW", "use_fused": False}, "optimizer.use_fused"),
+        ({"type": "AdamW", "enable_fused_opt": True}, "optimizer.enable_fused_opt"),
+        ({"type": "Muon", "use_fused_adamw": True}, "optimizer.use_fused_adamw"),
+    ],
+)
+def test_kernel_choices_of_the_original_warn_that_they_have_no_effect(caplog, section, key):
+    caplog.set_level(logging.WARNING, logger="lmforge")
+    validate_optimizer_section(section)
+    assert f"{key} = " in caplog.text and "has no effect" in caplog.text

@@ -293,6 +293,14 @@ def parse_optimizer_section(section: Any) -> OptimizerOptions:
     known = _COMMON_KEYS | set(defaults) | {"enable_cpu_offload", "swap"}
     if kind == "AdamW":
         known |= _ADAM_KERNEL_KEYS
+    # Kernel choices of the original: lmforge always steps its masters with torch's fused AdamW kernel.
+    for key in sorted((_ADAM_KERNEL_KEYS if kind == "AdamW" else {"use_fused_adamw"}) & set(given)):
+        logger.warning(
+            "optimizer.%s = %r has no effect: lmforge picks its own kernel (torch's fused AdamW on the "
+            "fp32 masters).",
+            key,
+            raw[key],
+        )
     ignored = sorted(k for k in given if k not in known)
     for key in ignored:
         hint = (

@@ -218,6 +218,19 @@ def resolve_section(raw: dict[str, Any], family: FamilyKeys) -> dict[str, Any]:
                 f"model.{key} = {raw[key]!r} is not supported: lmforge always computes this in float32 "
                 "(the original's default). Use 'float32' or remove the key."
             )
+    if "params_dtype" in raw and parse_dtype(raw["params_dtype"], "model.params_dtype") != parse_dtype(
+        "float32", "params_dtype"
+    ):
+        _log.warning(
+            "model.params_dtype = %r has no effect: lmforge keeps float32 master weights for every "
+            "low-precision parameter (parameters themselves are stored in compute_dtype).",
+            raw["params_dtype"],
+        )
+    if raw.get("use_flash_attention") is False:
+        _log.warning(
+            "model.use_flash_attention: false has no effect: attention always runs through "
+            "scaled_dot_product_attention, which picks its own kernel."
+        )
     inert = sorted(k for k in raw if k in INERT_KEYS)
     if inert:
         _log.warning(
