@@ -45,8 +45,9 @@ def validate_cp_options(opts: dict[str, Any], cp: int, ulysses: int) -> str:
         )
     if opts["context_parallel_mask_type"] != "causal":
         raise ConfigError(
-            "parallelism.context_parallel_mask_type supports only 'causal' (document masks are not implemented "
-            f"with context parallel), got {opts['context_parallel_mask_type']!r}."
+            "parallelism.context_parallel_mask_type supports only 'causal' (document boundaries come from the "
+            "data's attention_mask / actual_seq_len columns, which context parallel honours), got "
+            f"{opts['context_parallel_mask_type']!r}."
         )
     if cp > 1 and opts["context_parallel_async"]:
         raise ConfigError(
