@@ -15,7 +15,9 @@ def get_logger(name: str = "lmforge") -> logging.Logger:
     return logging.getLogger(name)
 
 
-def setup_logging(level: int | str = logging.INFO, log_file: str | None = None, all_ranks: bool = False) -> None:
+def setup_logging(
+    level: int | str = logging.INFO, log_file: str | None = None, all_ranks: bool = False
+) -> None:
     """Configure the ``lmforge`` logger: stderr on rank 0 (or every rank), optional text log file."""
     global _CONFIGURED
     logger = logging.getLogger("lmforge")
