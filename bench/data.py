@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchdoc import write_section
 from lmforge.data import build_dataloader
 from lmforge.data.demo import build_demo, kjv_chapters, kjv_path
 from lmforge.data.preprocess import preprocess
@@ -165,17 +166,6 @@ def render(pre_rows, loader_row, repeats) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str) -> None:
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n\n"
-    start = doc.find(SECTION)
-    if start < 0:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = doc.find("\n## ", start + len(SECTION))
-        doc = doc[:start] + text + (doc[nxt + 1 :] if nxt >= 0 else "")
-    DOC.write_text(doc if doc.endswith("\n") else doc + "\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -191,7 +181,7 @@ def main() -> None:
     text = render(pre_rows, loader_row, args.repeats)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
 
 
 if __name__ == "__main__":

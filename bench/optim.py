@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from benchdoc import write_section
 from lmforge.optim import AdamW, Muon
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,18 +182,6 @@ def render(rows, repeats) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str) -> None:
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n\n"
-    start = doc.find(SECTION)
-    if start < 0:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = doc.find("\n## ", start + len(SECTION))
-        rest = doc[nxt + 1 :] if nxt >= 0 else ""
-        doc = doc[:start].rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
-    DOC.write_text(doc if doc.endswith("\n") else doc + "\n")
-
-
 LOAD_AT_START = os.getloadavg()[0]
 
 
@@ -211,7 +200,7 @@ def main() -> None:
     text = render(rows, args.repeats)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
         print(f"updated {DOC.relative_to(REPO)}")
 
 

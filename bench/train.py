@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from benchdoc import replace_section
 from lmforge.models import build_model, save_hf_pretrained
 from lmforge.optim import build_optimizer
 from lmforge.train.checkpoint import Checkpointable, CheckpointManager, load_checkpoint, resolve_checkpoint
@@ -288,13 +288,6 @@ def checkpoint_section(rows: list[dict], load: float) -> str:
     )
     lines.append("and then through the optimizer's `load_state_dict` (which copies its state again).")
     return "\n".join(lines) + "\n"
-
-
-def replace_section(text: str, title: str, body: str) -> str:
-    pattern = re.compile(rf"^{re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        return pattern.sub(lambda _: body + "\n", text)
-    return text.rstrip("\n") + "\n\n" + body
 
 
 def main() -> int:
