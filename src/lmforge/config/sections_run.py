@@ -190,11 +190,24 @@ class MoeMonitorConfig(Section):
         return self
 
 
+class DoctorConfig(Section):
+    """``monitor.doctor``: the training doctor's rules, run live during training (docs/guide.md)."""
+
+    enable: bool = True
+    check_interval: int = 50  # steps between checks (plus steps 5, 10 and 20, and the end of the run)
+
+    @model_validator(mode="after")
+    def _check(self) -> DoctorConfig:
+        check_positive(self.check_interval, "monitor.doctor.check_interval")
+        return self
+
+
 class MonitorConfig(Section):
     health_checkpoint: HealthCheckpointConfig = Field(default_factory=HealthCheckpointConfig)
     train_state: TrainStateConfig = Field(default_factory=TrainStateConfig)
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
     moe_monitor: MoeMonitorConfig = Field(default_factory=MoeMonitorConfig)
+    doctor: DoctorConfig = Field(default_factory=DoctorConfig)
 
 
 # --------------------------------------------------------------------------------------------------
