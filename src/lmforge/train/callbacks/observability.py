@@ -4,6 +4,7 @@ Always: per-step peak memory (into the log line's ``mem`` and the metrics) and T
 When configured: ``monitor.train_state``, ``monitor.moe_monitor``, ``profiler``, evaluation
 (``eval_interval``) and — as in the original, automatically when the model tracks its maximum
 attention logits (QK-Clip) and the YAML lists no ``MaxLogitsMonitor`` — a ``MaxLogitsMonitor``.
+On by default: the live training doctor (``monitor.doctor``, see docs/guide.md).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 from typing import Any
 
 from lmforge.train.callbacks.base import TrainerCallback
+from lmforge.train.callbacks.doctor import doctor_callback
 from lmforge.train.callbacks.evaluation import EvaluationCallback
 from lmforge.train.callbacks.max_logits import MaxLogitsMonitor
 from lmforge.train.callbacks.monitor import MemoryCallback, MoeMonitorCallback, TrainStateMonitorCallback
@@ -59,4 +61,7 @@ def observability_callbacks(
     listed = [section_to_dict(c).get("type") for c in (_get(config, "callbacks") or [])]
     if getattr(model, "track_max_logits", False) and "MaxLogitsMonitor" not in listed:
         callbacks.append(MaxLogitsMonitor())
+    doctor = doctor_callback(config, output_dir)  # on unless monitor.doctor.enable is false
+    if doctor is not None:
+        callbacks.append(doctor)
     return callbacks

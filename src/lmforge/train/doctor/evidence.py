@@ -1,0 +1,151 @@
+"""What the doctor looks at, read from a run directory (or filled in live by the doctor callback).
+
+A run directory holds ``metrics.jsonl`` (one record per step), ``train.log``, ``config.yaml`` (the
+resolved configuration, written at the start of training), ``doctor_facts.json`` (facts about the
+parameters and the optimizer that only the live run can see: frozen or never-updated parameters,
+decayed norms and biases) and, when configured, ``monitor/*.jsonl``. The checkpoints' metadata
+(``common.json``) is found through the config's ``checkpoint.save_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmforge.errors import LmforgeError
+
+FACTS_FILE = "doctor_facts.json"
+CONFIG_FILE = "config.yaml"
+_LOG_TAIL_LINES = 2000
+
+
+@dataclass
+class RunEvidence:
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)  # resolved config as a plain mapping
+    facts: dict[str, Any] = field(default_factory=dict)
+    log_lines: list[str] = field(default_factory=list)
+    # layer -> list of per-record token counts per expert (monitor/tokens_per_expert_rank*.jsonl)
+    tokens_per_expert: dict[int, list[list[int]]] = field(default_factory=dict)
+    # rank -> local losses (monitor/train_state_rank*.jsonl, monitor.train_state.local_loss)
+    rank_losses: dict[int, list[float]] = field(default_factory=dict)
+    checkpoint: dict[str, Any] | None = None  # the latest checkpoint's common.json
+    sources: list[str] = field(default_factory=list)
+    cache: dict[str, Any] = field(default_factory=dict, repr=False)  # values the rules derive once
+
+    def section(self, name: str) -> dict[str, Any]:
+        value = self.config.get(name)
+        return value if isinstance(value, dict) else {}
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) of a numeric metric, skipped steps included (their values are what the step saw)."""
+        out = []
+        for r in self.metrics:
+            v = r.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out.append((int(r.get("step", len(out) + 1)), float(v)))
+        return out
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(
+                line, parse_constant=lambda c: {"NaN": math.nan, "Infinity": math.inf}.get(c, -math.inf)
+            )
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    from lmforge.config.yaml_io import read_yaml_file
+
+    data = read_yaml_file(path)
+    return data if isinstance(data, dict) else {}
+
+
+def _latest_checkpoint(config: dict[str, Any], run_dir: Path) -> tuple[dict[str, Any] | None, Path | None]:
+    save_path = (
+        (config.get("checkpoint") or {}).get("save_path")
+        if isinstance(config.get("checkpoint"), dict)
+        else None
+    )
+    candidates = [Path(save_path)] if save_path else []
+    candidates.append(run_dir / "checkpoints")
+    for base in candidates:
+        if not base.is_dir():
+            continue
+        iterations = sorted(p for p in base.glob("iteration_*") if (p / "common.json").is_file())
+        if iterations:
+            path = iterations[-1] / "common.json"
+            try:
+                return json.loads(path.read_text()), iterations[-1]
+            except (OSError, json.JSONDecodeError):
+                return None, None
+    return None, None
+
+
+def read_run_dir(path: str | Path) -> RunEvidence:
+    """Everything the doctor can use from a run directory (missing pieces are simply absent)."""
+    run_dir = Path(path)
+    if not run_dir.is_dir():
+        raise LmforgeError(
+            f"lmforge doctor: {run_dir} is not a directory; give the run's output_dir (the directory "
+            "holding metrics.jsonl and train.log)."
+        )
+    ev = RunEvidence()
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        ev.metrics = _read_jsonl(metrics)
+        ev.sources.append(str(metrics))
+    log = run_dir / "train.log"
+    if log.is_file():
+        ev.log_lines = log.read_text(encoding="utf-8", errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+        ev.sources.append(str(log))
+    config = run_dir / CONFIG_FILE
+    if config.is_file():
+        ev.config = _read_yaml(config)
+        ev.sources.append(str(config))
+    facts = run_dir / FACTS_FILE
+    if facts.is_file():
+        try:
+            ev.facts = json.loads(facts.read_text())
+            ev.sources.append(str(facts))
+        except json.JSONDecodeError:
+            pass
+    ev.checkpoint, ckpt_dir = _latest_checkpoint(ev.config, run_dir)
+    if ckpt_dir is not None:
+        ev.sources.append(str(ckpt_dir / "common.json"))
+        if not ev.config and (ckpt_dir / CONFIG_FILE).is_file():
+            ev.config = _read_yaml(ckpt_dir / CONFIG_FILE)
+            ev.sources.append(str(ckpt_dir / CONFIG_FILE))
+    monitor = run_dir / "monitor"
+    for f in sorted(monitor.glob("tokens_per_expert_rank*.jsonl")) if monitor.is_dir() else []:
+        for r in _read_jsonl(f):
+            if isinstance(r.get("tpe"), list) and "layer" in r:
+                ev.tokens_per_expert.setdefault(int(r["layer"]), []).append([int(x) for x in r["tpe"]])
+        ev.sources.append(str(f))
+    for f in sorted(monitor.glob("train_state_rank*.jsonl")) if monitor.is_dir() else []:
+        rank = int("".join(c for c in f.stem.rsplit("rank", 1)[-1] if c.isdigit()) or 0)
+        losses = [
+            float(r["local_loss"]) for r in _read_jsonl(f) if isinstance(r.get("local_loss"), (int, float))
+        ]
+        if losses:
+            ev.rank_losses[rank] = losses
+            ev.sources.append(str(f))
+    if not ev.metrics and not ev.log_lines:
+        raise LmforgeError(
+            f"lmforge doctor: {run_dir} holds neither metrics.jsonl nor train.log; give the run's output_dir "
+            "(the directory `lmforge train` wrote them to)."
+        )
+    return ev

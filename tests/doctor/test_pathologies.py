@@ -1,0 +1,108 @@
+"""The doctor on real tiny runs with each pathology deliberately set: it names the cause and the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmforge.cli import main
+from lmforge.train.doctor import diagnose, read_run_dir
+
+
+def _findings(run_dir):
+    return diagnose(read_run_dir(run_dir)).findings
+
+
+def _with_key(findings, key):
+    return [f for f in findings if key in f.keys]
+
+
+@pytest.mark.parametrize("name", ["healthy", "healthy_moe"])
+def test_healthy_runs_raise_no_finding(pathology_run, name, capsys):
+    run = pathology_run(name)
+    diagnosis = diagnose(read_run_dir(run))
+    assert diagnosis.findings == [], [f.to_dict() for f in diagnosis.findings]
+    assert any(c.startswith("loss_flat: loss fell from") for c in diagnosis.checked)
+    assert main(["doctor", str(run), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["findings"] == [] and len(report["checked"]) >= 8
+    assert main(["doctor", str(run)]) == 0
+    assert "no problem found" in capsys.readouterr().out
+    assert "doctor at step" not in (run / "train.log").read_text()
+
+
+def test_lr_zero(pathology_run):
+    (f,) = _findings(pathology_run("lr_zero"))
+    assert f.symptom == "loss does not decrease" and "learning rate 0" in f.cause
+    assert f.keys == {"lr_scheduler.learning_rate": 3e-4}
+
+
+@pytest.mark.parametrize("name", ["warmup_gt_steps", "warmup_gt_decay"])
+def test_warmup_longer_than_decay(pathology_run, name):
+    (f,) = _findings(pathology_run(name))
+    assert "warm-up longer than the decay" in f.cause
+    assert list(f.keys) == ["lr_scheduler.warmup_steps"] and 1 <= f.keys["lr_scheduler.warmup_steps"] <= 3
+
+
+def test_lr_x100(pathology_run):
+    found = _findings(pathology_run("lr_x100"))
+    assert found and all("learning rate too high" in f.cause for f in found)
+    assert any(f.symptom.startswith("loss oscillates") for f in found)
+    assert all(f.keys["lr_scheduler.learning_rate"] == pytest.approx(0.1) for f in found)
+
+
+def test_fp16_without_loss_scaling(pathology_run):
+    (f,) = _findings(pathology_run("fp16_no_scaling"))
+    assert "fp16 without loss scaling" in f.cause and f.keys == {"model.compute_dtype": "bfloat16"}
+
+
+def test_eps_too_small_in_bf16(pathology_run):
+    (f,) = _findings(pathology_run("eps_1e16_bf16"))
+    assert "eps too small for bfloat16" in f.cause and f.keys == {"optimizer.eps": 1e-6}
+
+
+def test_weight_decay_10(pathology_run):
+    (f,) = _findings(pathology_run("weight_decay_10"))
+    assert "weight decay too high" in f.cause and f.keys == {"optimizer.weight_decay": 0.1}
+
+
+def test_weight_decay_on_norms(pathology_run):
+    (f,) = _findings(pathology_run("decay_norms"))
+    assert "weight decay on everything" in f.cause and "layernorm" in f.evidence
+    assert f.keys == {"optimizer.weight_decay_exclude": ["*norm*", "*bias*"]}
+
+
+def test_schedule_ends_early(pathology_run):
+    (f,) = _findings(pathology_run("schedule_ends_early"))
+    assert "schedule ended early" in f.cause and f.keys == {"lr_scheduler.decay_steps": 30}
+
+
+def test_frozen_embedding(pathology_run):
+    (f,) = _findings(pathology_run("frozen_embedding"))
+    assert "frozen" in f.cause and "embedding.word_embeddings.weight" in f.evidence
+
+
+def test_router_forced_to_collapse(pathology_run):
+    found = _findings(pathology_run("router_collapse"))
+    collapse = [f for f in found if f.symptom == "MoE routing collapse"]
+    assert collapse and "100%" in collapse[0].evidence
+    assert collapse[0].keys["model.moe_aux_loss_coeff"] > 0
+    # The frozen routers are named too (the collapse's mechanism here).
+    assert any("router.weight" in f.evidence for f in found)
+
+
+def test_live_doctor_warns_once_per_finding(pathology_run):
+    run = pathology_run("lr_x100")
+    lines = [ln for ln in (run / "train.log").read_text().splitlines() if "doctor at step" in ln]
+    symptoms = [ln.split("doctor at step", 1)[1].split(".", 1)[0] for ln in lines]
+    assert lines and len(symptoms) == len(set(symptoms))  # checks ran at steps 5, 10, 20 and 30
+    assert "lr_scheduler.learning_rate: 0.1" in lines[0]
+    facts = json.loads((run / "doctor_facts.json").read_text())
+    assert facts["not_updated"] == [] and facts["frozen"] == []
+
+
+def test_doctor_can_be_switched_off(pathology_run):
+    run = pathology_run("doctor_off")
+    assert not (run / "doctor_facts.json").exists()
+    assert "doctor at step" not in (run / "train.log").read_text()
