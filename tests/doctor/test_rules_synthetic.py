@@ -1,0 +1,127 @@
+"""Rules that are pure functions of the recorded numbers, on synthesized run directories.
+
+The real-run tests (test_pathologies.py) cover the rules a tiny model can show in a few steps; these
+cover the ones it cannot (attention logits growing for thousands of steps, a NaN from a bad batch, an
+OOM, ranks disagreeing) by writing the files a run would have written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from lmforge.cli import main
+from lmforge.errors import LmforgeError
+from lmforge.train.doctor import diagnose, read_run_dir
+
+CONFIG = """\
+training: {steps: 40, max_norm: 1.0, local_batch_size: 4, global_batch_size: 8}
+optimizer: {type: AdamW, eps: 1.0e-8, weight_decay: 0.1}
+lr_scheduler: {type: CosineWithWarmUpLR, learning_rate: 3.0e-4, warmup_steps: 2, lr_end: 3.0e-5}
+model: {model_type: qwen3, architectures: Qwen3ForCausalLM, compute_dtype: bfloat16}
+"""
+
+
+def _write_run(tmp_path, records, log="", config=CONFIG):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(config)
+    with open(run / "metrics.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    (run / "train.log").write_text(log)
+    return run
+
+
+def _healthy(n=40, **extra):
+    out = []
+    for s in range(1, n + 1):
+        r = {"step": s, "loss": 4.0 - 2.0 * s / n, "lr": 3e-4, "grad_norm": 0.8}
+        r.update({k: v(s) if callable(v) else v for k, v in extra.items()})
+        out.append(r)
+    return out
+
+
+def test_synthetic_healthy_baseline(tmp_path):
+    assert diagnose(read_run_dir(_write_run(tmp_path, _healthy()))).findings == []
+
+
+def test_max_attention_logits_growing_suggests_qk_clip(tmp_path):
+    run = _write_run(tmp_path, _healthy(max_attention_logit=lambda s: 20.0 * 1.06**s))
+    (f,) = diagnose(read_run_dir(run)).findings
+    assert "QK-Clip" in f.cause and f.keys["optimizer.type"] == "Muon"
+    assert f.keys["optimizer.qk_clip_threshold"] == 100.0
+
+
+def test_nan_without_a_precision_cause_lowers_the_lr(tmp_path):
+    records = _healthy()
+    records[30].update(loss=math.nan, grad_norm=math.nan, skipped=True, skip_reason="non-finite grad norm")
+    (f,) = diagnose(read_run_dir(_write_run(tmp_path, records))).findings
+    assert f.symptom.startswith("NaN / Inf") and "step 31" in f.evidence
+    assert f.keys == {"lr_scheduler.learning_rate": pytest.approx(3e-5)}
+
+
+def test_grad_norm_spike(tmp_path):
+    records = _healthy()
+    records[25]["grad_norm"] = 50.0
+    (f,) = diagnose(read_run_dir(_write_run(tmp_path, records))).findings
+    assert f.symptom == "grad-norm spikes" and "step 26" in f.evidence
+
+
+def test_out_of_memory_in_the_log(tmp_path):
+    log = "12:00:01 ERROR torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    (f,) = diagnose(read_run_dir(_write_run(tmp_path, _healthy(5), log=log))).findings
+    assert f.symptom == "out of memory"
+    assert f.keys == {
+        "recompute.mode": "full",
+        "optimizer.offload_states": True,
+        "training.local_batch_size": 2,
+    }
+
+
+def test_rank_differences_from_train_state_files(tmp_path):
+    run = _write_run(tmp_path, _healthy())
+    (run / "monitor").mkdir()
+    for rank, loss in enumerate([2.0, 2.05, 1.98, 3.5]):
+        with open(run / "monitor" / f"train_state_rank{rank}.jsonl", "w") as f:
+            for s in range(1, 21):
+                f.write(json.dumps({"step": s, "micro_step": 1, "local_loss": loss}) + "\n")
+    (f,) = diagnose(read_run_dir(run)).findings
+    assert f.symptom == "results differ between ranks" and "rank 3" in f.evidence
+
+
+def test_moe_imbalance_from_the_monitor_files(tmp_path):
+    run = _write_run(tmp_path, _healthy())
+    (run / "monitor").mkdir()
+    with open(run / "monitor" / "tokens_per_expert_rank0.jsonl", "w") as f:
+        for s in range(1, 21):
+            f.write(
+                json.dumps({"step": s, "micro_step": 1, "layer": 1, "tpe": [70, 10, 10, 10, 10, 10, 0, 0]})
+                + "\n"
+            )
+    (f,) = diagnose(read_run_dir(run)).findings
+    assert f.symptom == "MoE load imbalance" and "layer 1" in f.evidence
+    assert "model.moe_aux_loss_coeff" in f.keys
+
+
+def test_cli_json_contract_and_bad_run_dir(tmp_path, capsys):
+    records = _healthy()
+    records[25]["grad_norm"] = 50.0
+    run = _write_run(tmp_path, records)
+    assert main(["doctor", str(run), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == {"findings", "checked"}
+    assert set(report["findings"][0]) == {"symptom", "evidence", "cause", "keys"}
+    assert main(["doctor", str(run)]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "1. grad-norm spikes" in text
+        and "likely cause:" in text
+        and "lr_scheduler.learning_rate: 0.00015" in text
+    )
+    assert main(["doctor", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    with pytest.raises(LmforgeError, match="neither metrics.jsonl nor train.log"):
+        read_run_dir(tmp_path)
