@@ -403,9 +403,11 @@ def eps_too_small(ev: RunEvidence) -> RuleResult:
     nonfinite = _nonfinite_steps(ev)
     seen = f"; non-finite loss/grad norm at steps {nonfinite[:5]}" if nonfinite else "; no NaN yet"
     return Finding(
-        symptom="NaN / Inf risk (mixed precision)",
+        symptom="NaN / Inf risk (eps too small for mixed precision)",
         evidence=f"{_eps_key(ev)} is {_fmt(eps)} with model.compute_dtype {dtype}{seen}",
-        cause=f"eps too small for {dtype}: tiny second moments make the update blow up (the article: not below 1e-6)",
+        cause=f"eps too small for {dtype}: where sqrt(v) is tiny (rare tokens, dead units, a gradient underflowed "
+        "in 16-bit compute) m / (sqrt(v) + eps) becomes a full-lr step of noise (the article: not below 1e-6 in "
+        "mixed precision)",
         keys={_eps_key(ev): 1e-6},
     )
 
