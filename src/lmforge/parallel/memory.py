@@ -1,9 +1,14 @@
 """Per-rank memory estimate for ``lmforge check --world-size N`` (no process group needed).
 
-An estimate, not a measurement: parameter counts are exact (taken from the model built on the meta
-device); activations use the standard per-layer count for a pre-norm transformer with a fused
-(flash-like) attention kernel, ``34·s·b·h`` bytes at 2-byte activations (Korthikanti et al. 2022,
-without the ``5·a·s²`` term that SDPA never materialises), split by tp (sequence parallel) and cp.
+An estimate, checked against measurements: parameter counts are exact (taken from the model built on
+the meta device). Activations are counted per token and layer from the model's dimensions with the
+coefficients of lmforge's own layers (:func:`layer_activation_bytes_per_token`: what autograd saves
+in a Qwen3/Llama-style layer, measured with ``count_saved_activation_bytes`` while varying each
+dimension), split by tp (sequence parallel) and cp. The peak is the largest of three moments of a step:
+the start of backward (every saved activation plus the logits' gradient), with recompute a layer's
+backward (the gradients plus the kept layer inputs and one recomputed layer's activations) and the
+optimizer step (all gradients).
+tests/planner compares the result with the measured peak of real CPU steps (docs/guide.md).
 
 Storage follows what :func:`lmforge.parallel.parallelize` does: under FSDP (any multi-process run) the
 sharded parameters are kept in fp32 and are themselves the master weights, the compute copy of one
@@ -14,6 +19,7 @@ and the optimizer keeps fp32 masters of bf16/fp16 parameters. Gradients are fp32
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,23 +50,29 @@ class MemoryEstimate:
     activations_recompute: int
     local_parameter_count: int
     notes: list[str] = field(default_factory=list)
+    # With full recompute, a layer's backward holds the gradients, the kept layer inputs and one
+    # recomputed layer's activations at once.
+    recompute_backward: int = 0
+    # Gradient accumulation: later micro-batches run their forward with every gradient allocated.
+    gradients_during_forward: bool = False
 
     def total(self, recompute: bool = False) -> int:
+        """The peak: the largest of the start of backward, a recomputed layer's backward and the
+        optimizer step (where all gradients are allocated and the activations freed)."""
         act = self.activations_recompute if recompute else self.activations
+        backward_start = act + (self.gradients if self.gradients_during_forward else 0)
+        dynamic = max(backward_start, self.gradients)
+        if recompute:
+            dynamic = max(dynamic, self.gradients + self.recompute_backward)
         return (
-            self.parameters
-            + self.gradients
-            + self.optimizer_states
-            + self.master_weights
-            + self.gathered_parameters
-            + act
+            self.parameters + self.optimizer_states + self.master_weights + self.gathered_parameters + dynamic
         )
 
     def rows(self) -> list[tuple[str, int]]:
         return [
             ("parameters", self.parameters),
             ("gradients (fp32)", self.gradients),
-            ("optimizer states (fp32)", self.optimizer_states),
+            ("optimizer states", self.optimizer_states),
             ("fp32 master weights", self.master_weights),
             ("gathered layer parameters", self.gathered_parameters),
             ("activations", self.activations),
@@ -68,6 +80,53 @@ class MemoryEstimate:
             ("total", self.total(False)),
             ("total with full recompute", self.total(True)),
         ]
+
+
+# Bytes per token outside the layers that no dimension explains (labels, masks, loss bookkeeping).
+_REST_CONST = 536
+
+
+def layer_activation_bytes_per_token(config: Any, hidden_size: int, cbytes: int) -> float:
+    """Bytes one decoder layer saves for backward per token (no tp/cp split), from its dimensions.
+
+    Coefficients measured on lmforge's layers by varying one dimension at a time (fp32 / bf16):
+    hidden ``4c + 8`` bytes per unit (norm inputs and outputs, residual; 16-bit runs keep fp32 norm
+    copies), attention ``4c`` per query and per key/value unit (+4 in 16-bit: the qk-norm's fp32 copy)
+    plus 8 bytes per query head and 4 per key/value head (fp32 log-sum-exp, norm statistics), dense
+    MLP ``4c`` per intermediate unit (fused gate/up output, SiLU output, product); a routed MoE MLP
+    ``k·(3.5·hidden + 7·moe_intermediate)·c`` plus the fp32 router (8 bytes per expert, 12 per hidden
+    unit in 16-bit). A model without a config (not an lmforge model) gets the dense formula with a
+    4·hidden MLP and full multi-head attention.
+    """
+    c = cbytes
+    h = hidden_size
+    low = c < 4
+    heads = getattr(config, "num_attention_heads", 0) or max(1, h // 64)
+    kv_heads = getattr(config, "num_key_value_heads", 0) or heads
+    head_dim = getattr(config, "head_dim", 0) or h // heads
+    if getattr(config, "multi_latent_attention", False):
+        nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+        q_dim = heads * (nope + rope)
+        kv_dim = (heads * (nope + config.v_head_dim) + config.kv_lora_rank + rope) / 2
+        kv_heads = heads
+    else:
+        q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    attention = q_dim * (4 * c + 4 * low) + kv_dim * (4 * c + 4 * low) + 8 * heads + 4 * kv_heads
+    hidden = h * (4 * c + 8)
+    ffn = getattr(config, "intermediate_size", 0) or 4 * h
+    dense_mlp = 4 * c * ffn
+    num_layers = getattr(config, "num_layers", 0)
+    moe_layers = len(getattr(config, "moe_layers", ()) or ()) if getattr(config, "num_experts", 0) else 0
+    if moe_layers and num_layers:
+        k, f, e = config.num_experts_per_tok, config.moe_intermediate_size, config.num_experts
+        moe_mlp = k * (3.5 * h + 7 * f) * c + 8 * e + 12 * h * low
+        if config.shared_expert_intermediate_size:
+            moe_mlp += 4 * c * config.shared_expert_intermediate_size
+        # The average over the layers (the stage estimate multiplies by the layer count).
+        mlp = (moe_layers * moe_mlp + (num_layers - moe_layers) * dense_mlp) / num_layers
+    else:
+        mlp = dense_mlp
+    return hidden + attention + mlp
 
 
 def format_bytes(n: float) -> str:
@@ -90,9 +149,15 @@ def estimate_memory(
     num_layers: int,
     vocab_size: int,
     accumulation_steps: int = 1,
+    optimizer_state_dtype: torch.dtype = torch.float32,
 ) -> MemoryEstimate:
-    """Estimate what one rank holds when ``model`` (built on meta) is trained with ``dims``."""
+    """Estimate what one rank holds when ``model`` (built on meta) is trained with ``dims``.
+
+    ``optimizer_state_dtype``: the dtype of the optimizer's moments (bf16 when optimizer-state
+    compression keeps them in 16 bits).
+    """
     cbytes = _DTYPE_BYTES.get(compute_dtype, 4)
+    notes: list[str] = []
     sharded = dims.is_parallel  # parallelize() applies FSDP (possibly over 1 rank) whenever world > 1
     dense_local = expert_local = 0.0
     muon_local = 0.0
@@ -117,7 +182,6 @@ def estimate_memory(
             per_layer[key] = per_layer.get(key, 0) + n
     largest_layer = max(per_layer.values(), default=0)
     local = dense_local + expert_local
-    notes: list[str] = []
     if sharded:
         params = int(local * 4)
         masters = 0
@@ -129,22 +193,32 @@ def estimate_memory(
         gathered = 0
     grads = int(local * 4)
     opt = optimizer_type.lower()
+    sbytes = _DTYPE_BYTES.get(optimizer_state_dtype, 4)
     if opt == "muon":
-        states = int(
-            muon_local * 4 + (local - muon_local) * 8
-        )  # momentum for Muon matrices, Adam moments else
+        # momentum for Muon matrices, Adam's two moments for the rest
+        states = int(muon_local * sbytes + (local - muon_local) * 2 * sbytes)
+    elif opt == "lion":
+        states = int(local * sbytes)  # one momentum
     else:
-        states = int(local * 8)
+        states = int(local * 2 * sbytes)
     layers_here = -(-num_layers // dims.pp)
     tokens = seq_length * local_batch_size / dims.cp
-    per_layer_act = 34 * tokens * hidden_size * (cbytes / 2) / dims.tp
+    config = getattr(model, "config", None)
+    per_token_layer = layer_activation_bytes_per_token(config, hidden_size, cbytes)
+    per_layer_act = per_token_layer * tokens / dims.tp
     # 1F1B keeps up to pp micro-batches in flight on the first stage; GPipe keeps all of them.
     in_flight = min(dims.pp, accumulation_steps) if dims.pp > 1 else 1
-    logits = tokens * vocab_size / dims.tp * 4 * 2  # fp32 logits and their softmax for the loss
-    act = int(layers_here * per_layer_act * in_flight + logits)
-    act_rc = int(
-        (layers_here * 2 * tokens * hidden_size * cbytes / dims.tp) * in_flight + per_layer_act + logits
-    )
+    # Outside the layers: embedding output, final norm (2 copies in 16-bit), fp32 logits saved for the loss.
+    rest = tokens * (hidden_size * (2 * cbytes + 4) + 4 * vocab_size / dims.tp + _REST_CONST)
+    # The loss backward: three fp32 logits-sized tensors (softmax, its gradient, the logits' gradient)
+    # and the output layer's weight gradient, its first.
+    logits_grad = tokens * vocab_size / dims.tp * 4 * 3 + vocab_size * hidden_size * 4 / dims.tp
+    layer_inputs = layers_here * tokens * hidden_size * cbytes / dims.tp  # what full recompute keeps
+    act = int(layers_here * per_layer_act * in_flight + rest + logits_grad)
+    act_rc = int(layer_inputs * in_flight + rest + logits_grad)
+    recompute_backward = int(layer_inputs * in_flight + per_layer_act + rest)
+    if accumulation_steps > 1:
+        notes.append("gradients stay allocated while later micro-batches run (gradient accumulation)")
     return MemoryEstimate(
         parameters=params,
         gradients=grads,
@@ -155,6 +229,8 @@ def estimate_memory(
         activations_recompute=act_rc,
         local_parameter_count=int(local),
         notes=notes,
+        recompute_backward=recompute_backward,
+        gradients_during_forward=accumulation_steps > 1,
     )
 
 

@@ -1,0 +1,153 @@
+"""Measure a single-process training step's peak memory and put it beside ``lmforge check``'s estimate.
+
+The measurement counts, at every operator of two full training steps (forward, backward, clipping,
+optimizer step), the bytes of all tensor storages alive (each storage once, freed when its last
+reference goes; the same accounting as ``torch.distributed._tools.mem_tracker``, which refuses a
+module called twice per step), plus the model's parameters and buffers that exist before. It is
+independent of lmforge's estimator.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lmforge.config import load_config
+from lmforge.lr import ScheduleLR, build_scheduler
+from lmforge.models import build_model, build_model_config
+from lmforge.optim import build_optimizer
+from lmforge.parallel import ParallelDims
+from lmforge.parallel.memory import estimate_memory
+from lmforge.train.parallel_seam import ParallelContext
+from lmforge.train.step import TrainStep
+
+BASE: dict[str, Any] = {
+    "training": {"steps": 4, "local_batch_size": 2, "global_batch_size": 2, "max_norm": 1.0},
+    "optimizer": {"type": "AdamW", "weight_decay": 0.01},
+    "lr_scheduler": {"type": "ConstantWarmUpLR", "learning_rate": 1.0e-3, "warmup_steps": 0},
+    "train_dataset": {"dataloader": {"type": "InMemory"}},
+    "model": {
+        "model_type": "qwen3",
+        "architectures": "Qwen3ForCausalLM",
+        "num_hidden_layers": 2,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 768,
+        "vocab_size": 2048,
+        "seq_length": 256,
+        "compute_dtype": "float32",
+    },
+}
+
+
+def config(**changes: Any) -> dict[str, Any]:
+    raw = copy.deepcopy(BASE)
+    for key, value in changes.items():
+        node = raw
+        *parents, last = key.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return raw
+
+
+def estimate(raw: dict[str, Any]) -> Any:
+    cfg = load_config(raw)
+    mc = build_model_config(cfg.model)
+    net = build_model(cfg.model, device="meta")
+    dims = ParallelDims.from_section(cfg.parallelism, 1)
+    lbs = int(cfg.training.local_batch_size)
+    return estimate_memory(
+        net,
+        dims,
+        compute_dtype=getattr(net, "compute_dtype", torch.float32),
+        optimizer_type=str(cfg.optimizer.type if hasattr(cfg.optimizer, "type") else "AdamW"),
+        seq_length=mc.seq_length,
+        local_batch_size=lbs,
+        hidden_size=mc.hidden_size,
+        num_layers=mc.num_layers,
+        vocab_size=mc.vocab_size,
+        accumulation_steps=max(1, int(cfg.training.global_batch_size) // lbs),
+    )
+
+
+class LiveStorageBytes(TorchDispatchMode):
+    """Peak of the summed ``nbytes`` of live storages created by operators (plus ``track``-ed tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live:
+            return
+        n = st.nbytes()
+        self.live[key] = n
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+        def gone(_ref: Any, key: int = key) -> None:
+            self.current -= self.live.pop(key, 0)
+            self._refs.pop(key, None)
+
+        self._refs[key] = weakref.ref(st, gone)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self.track(t)
+        return out
+
+
+def measure(raw: dict[str, Any], steps: int = 1) -> int:
+    cfg = load_config(raw)
+    torch.manual_seed(0)
+    mc = build_model_config(cfg.model)
+    model = build_model(cfg.model, device="cpu")
+    rc = raw.get("recompute")
+    if rc:
+        from lmforge.parallel.activation import apply_activation_memory
+
+        apply_activation_memory(model, cfg.recompute, cfg.recompute_comm, cfg.swap, mc.num_layers)
+    schedule = build_scheduler(cfg.lr_scheduler, int(cfg.training.steps))
+    optimizer = build_optimizer(cfg.optimizer, model, schedule)
+    step = TrainStep(model, optimizer, ScheduleLR(optimizer, schedule), max_norm=1.0, ctx=ParallelContext())
+    lbs = int(cfg.training.local_batch_size)
+    accum = max(1, int(cfg.training.global_batch_size) // lbs)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(accum):
+        ids = torch.randint(1, mc.vocab_size, (lbs, mc.seq_length), generator=g)
+        batches.append({"input_ids": ids, "labels": torch.roll(ids, -1, 1)})
+    tracker = LiveStorageBytes()
+    for t in [*model.parameters(), *model.buffers()]:
+        tracker.track(t)
+    for b in batches:
+        for t in b.values():
+            tracker.track(t)
+    # Optimizer states that exist before the first step (lmforge's optimizers allocate them eagerly).
+    held = [
+        getattr(optimizer, "state", {}),
+        [g.get("params", []) for g in getattr(optimizer, "param_groups", [])],
+    ]
+    for state in held:
+        for t in tree_flatten(state)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                tracker.track(t)
+    with tracker:
+        for _ in range(steps):
+            step(batches)
+    return tracker.peak
