@@ -26,6 +26,7 @@ SUBCOMMANDS: list[str] = [
     "generate",
     "checkpoint",
     "doctor",
+    "plan",
 ]
 
 EXIT_USER_ERROR = 2

@@ -1,0 +1,97 @@
+"""``lmforge plan --config FILE --gpus N --gpu-memory 80GiB [--nodes K]``: layouts that fit, fastest first.
+
+Prints the layouts (dp replicate/shard, tp, pp, cp, ep, recompute, micro-batch) whose estimated
+per-GPU memory (the same code as ``lmforge check``) fits, ranked by an estimated step time (FLOPs,
+communication volume over documented bandwidths, pipeline bubbles; see
+:mod:`lmforge.parallel.planner`), then the YAML ``parallelism`` / ``recompute`` blocks of the best few.
+When nothing fits it says so and shows the layouts that come closest.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from lmforge.cli.options import add_set_option
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="list the parallel layouts that fit N GPUs, fastest first",
+        description=(
+            "List the layouts that fit the given GPUs, ranked by an estimated step time (FLOPs, communication "
+            "volume, pipeline bubbles), and print the YAML parallelism/recompute blocks of the best few. "
+            "Memory figures use the same estimate as `lmforge check`."
+        ),
+    )
+    p.add_argument("--config", required=True, metavar="FILE", help="the train.yaml")
+    add_set_option(p, "training.global_batch_size=1024")
+    p.add_argument("--gpus", required=True, type=int, help="number of GPUs")
+    p.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GiB")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: GPUs / 8)")
+    p.add_argument("--gpu-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s per GPU (default 989)")
+    p.add_argument(
+        "--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached (default 0.5)"
+    )
+    p.add_argument(
+        "--intra-node-gbps", type=float, default=200.0, help="GB/s per GPU inside a node (default 200)"
+    )
+    p.add_argument(
+        "--inter-node-gbps", type=float, default=25.0, help="GB/s per GPU between nodes (default 25)"
+    )
+    p.add_argument("--top", type=int, default=10, help="layouts listed (default 10); YAML for the best 3")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lmforge.config import load_config
+    from lmforge.errors import ConfigError
+    from lmforge.parallel.memory import format_bytes
+    from lmforge.parallel.planner import Hardware, parse_memory, plan
+
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus must be a positive integer, got {args.gpus}.")
+    nodes = args.nodes or max(1, -(-args.gpus // 8))
+    if nodes < 1 or args.gpus % nodes:
+        raise ConfigError(
+            f"--nodes {nodes} must divide --gpus {args.gpus} (the same number of GPUs on every node)."
+        )
+    hw = Hardware(
+        gpus=args.gpus,
+        gpu_memory=parse_memory(args.gpu_memory),
+        nodes=nodes,
+        gpu_tflops=args.gpu_tflops,
+        efficiency=args.efficiency,
+        intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps,
+    )
+    cfg = load_config(args.config, args.overrides)
+    fits, misses, facts = plan(cfg, hw)
+    gbs = int(cfg.training.global_batch_size)
+    print(
+        f"lmforge plan: {args.config}: {facts.total_params / 1e9:.2f}B parameters, {facts.num_layers} layers, "
+        f"seq {facts.seq_length}, global batch {gbs}; {hw.gpus} GPUs x {format_bytes(hw.gpu_memory)} on {hw.nodes} "
+        f"node(s); {hw.gpu_tflops:g} TFLOP/s x {hw.efficiency:g}, {hw.intra_node_gbps:g} GB/s in a node, "
+        f"{hw.inter_node_gbps:g} GB/s between nodes"
+    )
+    header = f"{'#':>3}  {'tp':>2} {'pp':>3} {'cp':>2} {'ep':>3} {'dp_shard':>8} {'dp_repl':>7} {'recompute':>9} {'lbs':>3}  {'memory/GPU':>11}  {'step (s)':>9}  where the time goes"
+    if not fits:
+        print(f"no layout fits {format_bytes(hw.gpu_memory)} per GPU. Closest (smallest memory first):")
+        rows = misses[: args.top]
+    else:
+        print(f"{len(fits)} layout(s) fit; fastest first:")
+        rows = fits[: args.top]
+    print(header)
+    for i, p in enumerate(rows, 1):
+        lay = p.layout
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in p.parts.items() if v > 0.0005 * p.step_time)
+        print(
+            f"{i:>3}  {lay.tp:>2} {lay.pp:>3} {lay.cp:>2} {lay.ep:>3} {lay.dp_shard:>8} {lay.dp_replicate:>7} "
+            f"{lay.recompute:>9} {lay.local_batch_size:>3}  {format_bytes(p.memory):>11}  {p.step_time:>9.3g}  {parts}"
+        )
+    if fits:
+        for i, p in enumerate(fits[:3], 1):
+            print(f"\n# layout {i}: {format_bytes(p.memory)} per GPU, ~{p.step_time:.3g} s per step")
+            print(p.layout.yaml(facts.num_layers))
+    return 0

@@ -1,0 +1,97 @@
+"""``lmforge plan``: layouts that fit, ranked by the step-time model, with the same memory code as check."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import yaml
+
+from lmforge.cli import main
+from lmforge.config import load_config
+from lmforge.models import build_model, build_model_config
+from lmforge.parallel import ParallelDims
+from lmforge.parallel.memory import estimate_memory
+from lmforge.parallel.planner import Hardware, Layout, communication_volume, model_facts, plan
+
+RECIPE = "configs/muon_deepseek_v3.yaml"
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return load_config(RECIPE, ["training.global_batch_size=256"])
+
+
+def test_plan_cli_prints_ranked_layouts_and_valid_yaml_blocks(capsys):
+    argv = [
+        "plan",
+        "--config",
+        RECIPE,
+        "--gpus",
+        "8",
+        "--gpu-memory",
+        "80GiB",
+        "--set",
+        "training.global_batch_size=256",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "layout(s) fit; fastest first" in out
+    times = [float(m) for m in re.findall(r"GiB\s+([0-9.e+-]+)\s", out)]
+    assert times == sorted(times) and len(times) >= 3
+    block = out.split("# layout 1:", 1)[1].split("\n", 1)[1].split("\n\n", 1)[0]
+    parsed = yaml.safe_load(block)
+    assert set(parsed) == {"parallelism", "recompute", "training"}
+    sets = [f"parallelism.{k}={v}" for k, v in parsed["parallelism"].items()]
+    cfg = load_config(RECIPE, [*sets, f"training.local_batch_size={parsed['training']['local_batch_size']}"])
+    assert ParallelDims.from_section(cfg.parallelism, 8).world_size == 8
+
+
+def test_plan_memory_is_checks_estimate(recipe):
+    hw = Hardware(gpus=8, gpu_memory=80 * 2**30, nodes=1)
+    fits, _, _ = plan(recipe, hw)
+    best = next(p for p in fits if p.layout.ep == 1 and p.layout.dp_replicate == 1)
+    lay = best.layout
+    mc = build_model_config(recipe.model)
+    net = build_model(recipe.model, device="meta")
+    section = {
+        "data_parallel_shard": -1,
+        "tensor_parallel": lay.tp,
+        "pipeline_parallel": lay.pp,
+        "context_parallel": lay.cp,
+    }
+    est = estimate_memory(
+        net,
+        ParallelDims.from_section(section, 8),
+        compute_dtype=torch.bfloat16,
+        optimizer_type="Muon",
+        seq_length=mc.seq_length,
+        local_batch_size=lay.local_batch_size,
+        hidden_size=mc.hidden_size,
+        num_layers=mc.num_layers,
+        vocab_size=mc.vocab_size,
+        accumulation_steps=256 // (lay.dp * lay.local_batch_size),
+    )
+    assert best.memory == est.total(recompute=lay.recompute == "full")
+
+
+def test_communication_volume_formulas(recipe):
+    facts, _ = model_facts(recipe)
+    c = facts.compute_bytes
+    fsdp8 = communication_volume(Layout(dp_shard=8), facts, global_batch_size=256, world=8)
+    assert set(fsdp8) == {"fsdp"}
+    assert fsdp8["fsdp"] == pytest.approx(facts.total_params * (2 * c + 4) * 7 / 8)
+    with_ep = communication_volume(Layout(dp_shard=8, ep=8), facts, global_batch_size=256, world=8)
+    assert with_ep["fsdp"] < fsdp8["fsdp"] and with_ep["ep"] > 0  # experts are not gathered across ep
+    tp2 = communication_volume(Layout(tp=2, dp_shard=4), facts, global_batch_size=256, world=8)
+    tp4 = communication_volume(Layout(tp=4, dp_shard=2), facts, global_batch_size=256, world=8)
+    assert 0 < tp2["tp"] < tp4["tp"]
+
+
+def test_nothing_fits_and_bad_memory(capsys):
+    argv = ["plan", "--config", RECIPE, "--gpus", "8", "--gpu-memory", "1GiB"]
+    assert main(argv) == 0
+    assert "no layout fits 1.00 GiB per GPU" in capsys.readouterr().out
+    assert main(["plan", "--config", RECIPE, "--gpus", "8", "--gpu-memory", "lots"]) == 2
+    assert "expected a size such as 80GiB" in capsys.readouterr().err
