@@ -74,11 +74,28 @@ def test_out_of_memory_in_the_log(tmp_path):
     log = "12:00:01 ERROR torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
     (f,) = diagnose(read_run_dir(_write_run(tmp_path, _healthy(5), log=log))).findings
     assert f.symptom == "out of memory"
-    assert f.keys == {
-        "recompute.mode": "full",
-        "optimizer.offload_states": True,
-        "training.local_batch_size": 2,
-    }
+    # This config is not a complete train.yaml (no train_dataset): no estimate, the generic remedies.
+    assert f.keys == {"recompute.mode": "full", "training.local_batch_size": 2}
+
+
+def test_out_of_memory_names_the_remedy_that_fits(tmp_path):
+    """A complete config and the device size: the estimate of each remedy (check's code) picks one."""
+    config = CONFIG.rsplit("model:", 1)[0] + (
+        "train_dataset: {dataloader: {type: InMemory}}\n"
+        "model: {model_type: qwen3, architectures: Qwen3ForCausalLM, num_hidden_layers: 2, hidden_size: 256,\n"
+        "  num_attention_heads: 4, num_key_value_heads: 2, head_dim: 64, intermediate_size: 768, vocab_size: 2048,\n"
+        "  seq_length: 256, compute_dtype: float32}\n"
+    )
+    log = "12:00:01 ERROR torch.OutOfMemoryError: CUDA out of memory.\n"
+    run = _write_run(tmp_path, _healthy(5), log=log, config=config)
+    (run / "doctor_facts.json").write_text(json.dumps({"device_memory_bytes": 100 * 2**20}))
+    (f,) = diagnose(read_run_dir(run)).findings
+    assert "estimated peak per GPU as configured" in f.evidence and "(device: 100.00 MiB)" in f.evidence
+    # One remedy (full recompute, the largest saving) fits 90% of 100 MiB.
+    assert f.keys == {"recompute.mode": "full", "recompute.full_recompute_layer": ["0-1"]}
+    (run / "doctor_facts.json").write_text(json.dumps({"device_memory_bytes": 64 * 2**20}))
+    (f,) = diagnose(read_run_dir(run)).findings
+    assert len(f.keys) >= 3  # no single remedy fits 64 MiB: recompute and half the micro-batch together
 
 
 def test_rank_differences_from_train_state_files(tmp_path):

@@ -150,11 +150,13 @@ def estimate_memory(
     vocab_size: int,
     accumulation_steps: int = 1,
     optimizer_state_dtype: torch.dtype = torch.float32,
+    offload_states: bool = False,
 ) -> MemoryEstimate:
     """Estimate what one rank holds when ``model`` (built on meta) is trained with ``dims``.
 
     ``optimizer_state_dtype``: the dtype of the optimizer's moments (bf16 when optimizer-state
-    compression keeps them in 16 bits).
+    compression keeps them in 16 bits). ``offload_states``: the optimizer keeps its states and fp32
+    master weights in CPU memory (``optimizer.offload_states``), so they leave the device's count.
     """
     cbytes = _DTYPE_BYTES.get(compute_dtype, 4)
     notes: list[str] = []
@@ -201,6 +203,9 @@ def estimate_memory(
         states = int(local * sbytes)  # one momentum
     else:
         states = int(local * 2 * sbytes)
+    if offload_states:
+        notes.append("optimizer states and fp32 master weights are in CPU memory (optimizer.offload_states)")
+        states, masters = 0, 0
     layers_here = -(-num_layers // dims.pp)
     tokens = seq_length * local_batch_size / dims.cp
     config = getattr(model, "config", None)

@@ -121,7 +121,13 @@ class DoctorCallback(TrainerCallback):
                 getattr(model, "compute_dtype", next((p.dtype for _, p in params), ""))
             ).replace("torch.", ""),
             "optimizer_type": type(optimizer).__name__ if optimizer is not None else None,
+            "world_size": int(torch.distributed.get_world_size())
+            if torch.distributed.is_initialized()
+            else 1,
         }
+        device = next((p.device for _, p in params), None)
+        if device is not None and device.type == "cuda":
+            facts["device_memory_bytes"] = int(torch.cuda.get_device_properties(device).total_memory)
         experts = getattr(model, "tokens_per_expert", None)
         if callable(experts):
             counts = experts()

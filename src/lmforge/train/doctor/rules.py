@@ -641,6 +641,70 @@ def moe_routing(ev: RunEvidence) -> RuleResult:
     return f"expert loads within {IMBALANCE_RATIO:g}x of the mean (busiest {ratio:.1f}x)"
 
 
+def _memory_options(ev: RunEvidence) -> list[tuple[dict[str, Any], int, int]] | None:
+    """(keys, estimated bytes per GPU, number of remedies) for the run as configured and for each single remedy, from the
+    same estimate as ``lmforge check`` / ``lmforge plan``; None when the config cannot be built."""
+    try:
+        import torch
+
+        from lmforge.config import load_config
+        from lmforge.models import build_model, build_model_config
+        from lmforge.parallel import ParallelDims
+        from lmforge.parallel.memory import estimate_memory
+
+        cfg = load_config(ev.config)
+        mc = build_model_config(cfg.model)
+        net = build_model(cfg.model, device="meta")
+        world = int(ev.facts.get("world_size") or (ev.checkpoint or {}).get("world_size") or 1)
+        dims = ParallelDims.from_section(cfg.parallelism, world)
+    except Exception:  # a config from another version, a model lmforge cannot build: no estimate
+        return None
+    training = ev.section("training")
+    lbs = int(training.get("local_batch_size", 1))
+    gbs = int(training.get("global_batch_size", lbs))
+    opt_type = _opt_type(ev)
+    recompute_on = str(ev.section("recompute").get("mode", "None")) == "full"
+
+    def estimate(
+        lbs_: int = lbs, recompute: bool = recompute_on, offload: bool = False, state_dtype=torch.float32
+    ) -> int:
+        est = estimate_memory(
+            net,
+            dims,
+            compute_dtype=mc.compute_dtype,
+            optimizer_type=opt_type,
+            seq_length=mc.seq_length,
+            local_batch_size=lbs_,
+            hidden_size=mc.hidden_size,
+            num_layers=mc.num_layers,
+            vocab_size=mc.vocab_size,
+            accumulation_steps=max(1, gbs // max(1, lbs_ * dims.dp)),
+            optimizer_state_dtype=state_dtype,
+            offload_states=offload,
+        )
+        return est.total(recompute=recompute)
+
+    remedies: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (YAML keys, estimate() arguments)
+    if not recompute_on:
+        full = {"recompute.mode": "full", "recompute.full_recompute_layer": [f"0-{mc.num_layers - 1}"]}
+        remedies.append((full, {"recompute": True}))
+    if opt_type.lower() in ("adamw", "lamb", "lion") and not _optimizer(ev).get("offload_states"):
+        remedies.append(({"optimizer.offload_states": True}, {"offload": True}))
+    if lbs > 1:
+        remedies.append(({"training.local_batch_size": lbs // 2}, {"lbs_": lbs // 2}))
+    singles = sorted(((k, a, estimate(**a)) for k, a in remedies), key=lambda r: r[2])
+    options: list[tuple[dict[str, Any], int, int]] = [({}, estimate(), 0)]  # (keys, bytes, remedies)
+    options += [(k, b, 1) for k, _, b in singles]
+    # Remedies applied one after the other, largest saving first.
+    keys: dict[str, Any] = {}
+    args: dict[str, Any] = {}
+    for i, (k, a, _) in enumerate(singles):
+        keys, args = {**keys, **k}, {**args, **a}
+        if i > 0:
+            options.append((dict(keys), estimate(**args), i + 1))
+    return options
+
+
 def out_of_memory(ev: RunEvidence) -> RuleResult:
     if not ev.log_lines:
         return None
@@ -654,20 +718,34 @@ def out_of_memory(ev: RunEvidence) -> RuleResult:
     )
     if hit is None:
         return "train.log reports no out-of-memory error"
+    from lmforge.parallel.memory import format_bytes
+
+    options = _memory_options(ev) if ev.config else None
+    capacity = ev.facts.get("device_memory_bytes")
     keys: dict[str, Any] = {}
-    recompute = ev.section("recompute")
-    if str(recompute.get("mode", "None")) in ("None", "none", ""):
-        keys["recompute.mode"] = "full"
-    opt = _optimizer(ev)
-    if not opt.get("offload_states") and _opt_type(ev).lower() in ("adamw", "lamb", "lion"):
-        keys["optimizer.offload_states"] = True
-    lbs = ev.section("training").get("local_batch_size")
-    if isinstance(lbs, int) and lbs > 1:
-        keys["training.local_batch_size"] = lbs // 2
+    evidence = f"train.log: {hit.strip()[:200]}"
+    if options:
+        current = options[0][1]
+        remedies = options[1:]
+        evidence += f"; estimated peak per GPU as configured {format_bytes(current)}"
+        evidence += "; with " + "; with ".join(f"{', '.join(k)}: {format_bytes(b)}" for k, b, _ in remedies)
+        fitting = [o for o in remedies if capacity and o[1] <= 0.9 * capacity]
+        # The smallest change that fits the device (10% headroom), else the largest saving.
+        chosen = min(fitting, key=lambda o: (o[2], o[1])) if fitting else min(remedies, key=lambda o: o[1])
+        keys.update(chosen[0])
+        if capacity:
+            evidence += f" (device: {format_bytes(capacity)})"
+    else:
+        if str(ev.section("recompute").get("mode", "None")) in ("None", "none", ""):
+            keys["recompute.mode"] = "full"
+        lbs = ev.section("training").get("local_batch_size")
+        if isinstance(lbs, int) and lbs > 1:
+            keys["training.local_batch_size"] = lbs // 2
     return Finding(
         symptom="out of memory",
-        evidence=f"train.log: {hit.strip()[:200]}",
-        cause="the step does not fit: activations, optimizer states or both; `lmforge plan` lists layouts that fit",
+        evidence=evidence,
+        cause="the step does not fit: activations, optimizer states or both; `lmforge plan` lists the layouts "
+        "that fit a number of GPUs",
         keys=keys,
     )
 
