@@ -539,7 +539,18 @@ def grad_norm_spikes(ev: RunEvidence) -> RuleResult:
         before = median(v for _, v in norms[max(0, i - 10) : i])
         if before > 0 and norms[i][1] > GRAD_SPIKE_FACTOR * before:
             spikes.append((norms[i][0], norms[i][1], before))
-    if not spikes:
+    # One clipped spike that leaves the loss alone is normal (a hard batch); repeated spikes, or one that
+    # the loss follows, are the article's oscillation row.
+    losses = dict(ev.series("loss"))
+    harmful = []
+    for s, _, _ in spikes:
+        before = [losses[t] for t in range(s - 10, s) if t in losses and math.isfinite(losses[t])]
+        after = [losses[t] for t in range(s, s + 3) if t in losses and math.isfinite(losses[t])]
+        if before and after and max(after) > LOSS_RISE * median(before):
+            harmful.append(s)
+    if len(spikes) < 2 and not harmful:
+        if spikes:
+            return f"one isolated grad-norm spike (step {spikes[0][0]}) that the loss did not follow"
         return f"no grad-norm spike (none above {GRAD_SPIKE_FACTOR:g}x the median of the 10 steps before)"
     keys: dict[str, Any] = {}
     if _max_norm(ev) is None and ev.config:
