@@ -31,7 +31,8 @@ LOSS_RISE = 1.25  # loss above 1.25x its starting value after warm-up: divergenc
 SPIKE_FACTOR = 1.5  # a step whose loss exceeds 1.5x the median of the 10 before it is a spike
 GRAD_SPIKE_FACTOR = 10.0  # grad norm above 10x the median of the 10 before it
 CLIP_SHARE = 0.8  # clipping on more than 80% of steps ...
-CLIP_MEDIAN = 3.0  # ... with a median grad norm above 3x training.max_norm
+CLIP_MEDIAN = 3.0  # ... with a median grad norm above 3x training.max_norm ...
+CLIP_MIN_STEPS = 20  # ... over the recent half of at least 20 steps after warm-up
 MAX_LOGIT_LIMIT = 100.0  # attention logits above this and still growing: QK-Clip territory
 COLLAPSE_SHARE = 0.8  # one expert takes 80% of a layer's routed tokens: routing collapse
 IMBALANCE_RATIO = 4.0  # the busiest expert gets 4x the mean load: imbalance
@@ -513,17 +514,18 @@ def loss_diverges_or_spikes(ev: RunEvidence) -> RuleResult:
 def clipping_most_steps(ev: RunEvidence) -> RuleResult:
     max_norm = _max_norm(ev)
     norms = [v for _, v in _after_warmup(ev, "grad_norm") if math.isfinite(v)]
-    if max_norm is None or len(norms) < MIN_STEPS:
-        return None
+    if max_norm is None or len(norms) < CLIP_MIN_STEPS:
+        return None  # the first steps of every run have large gradients; judge a settled run
+    norms = norms[len(norms) // 2 :]  # the recent half
     clipped = sum(1 for v in norms if v > max_norm)
     share = clipped / len(norms)
     med = median(norms)
     if share <= CLIP_SHARE or med <= CLIP_MEDIAN * max_norm:
-        return f"gradient clipping acts on {100 * share:.0f}% of steps after warm-up (median grad norm {_fmt(med)})"
+        return f"gradient clipping acts on {100 * share:.0f}% of recent steps (median grad norm {_fmt(med)})"
     base = _base_lr(ev)
     return Finding(
         symptom="loss oscillates; clipping active on most steps",
-        evidence=f"grad norm above training.max_norm {_fmt(max_norm)} on {clipped}/{len(norms)} steps after warm-up, "
+        evidence=f"grad norm above training.max_norm {_fmt(max_norm)} on {clipped}/{len(norms)} recent steps, "
         f"median {_fmt(med)}",
         cause="learning rate too high: updates keep the gradients large, so clipping rescales almost every step",
         keys={"lr_scheduler.learning_rate": base / 10} if base else {},
