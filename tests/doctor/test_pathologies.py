@@ -30,6 +30,8 @@ def test_healthy_runs_raise_no_finding(pathology_run, name, capsys):
     assert main(["doctor", str(run)]) == 0
     assert "no problem found" in capsys.readouterr().out
     assert "doctor at step" not in (run / "train.log").read_text()
+    if name == "healthy_moe":  # the live doctor recorded the routing, and the rule looked at it
+        assert any(c.startswith("moe_routing: expert loads within") for c in diagnosis.checked)
 
 
 def test_lr_zero(pathology_run):
@@ -87,6 +89,11 @@ def test_router_forced_to_collapse(pathology_run):
     found = _findings(pathology_run("router_collapse"))
     collapse = [f for f in found if f.symptom == "MoE routing collapse"]
     assert collapse and "100%" in collapse[0].evidence
+    metrics = [
+        json.loads(line)
+        for line in (pathology_run("router_collapse") / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert all(r["moe_max_expert_share"] == 1.0 for r in metrics)
     assert collapse[0].keys["model.moe_aux_loss_coeff"] > 0
     # The frozen routers are named too (the collapse's mechanism here).
     assert any("router.weight" in f.evidence for f in found)
