@@ -114,7 +114,7 @@ def build_trainer(
             "pipeline schedule runs a fixed number of micro-batches per step."
         )
     if not dims.is_parallel:
-        model = build_model(cfg.model, device=ctx.device)  # initialised now, from the seeded RNG
+        model = build_model(cfg.model, device=ctx.device, seed=int(training.seed))
         if hook is not None:
             hook(model)
     else:
@@ -133,7 +133,7 @@ def build_trainer(
         )
         model.to_empty(device=ctx.device)
         with torch.no_grad():
-            model.init_weights()
+            model.init_weights(int(training.seed))  # layout-invariant: the same weights as one process
         ctx = ParallelContext(
             rank=ctx.rank,
             world_size=ctx.world_size,
