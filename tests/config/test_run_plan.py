@@ -1,0 +1,142 @@
+"""The run plan: degrees, accumulation steps, batch schedule, warm-up, and every pre-build refusal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lmforge.config import load_config
+from lmforge.errors import ConfigError
+from lmforge.parallel.plan import BatchSchedule, RunPlan
+from lmforge.train.preflight import preflight
+
+
+@pytest.fixture
+def base_config(base_config: dict[str, Any]) -> dict[str, Any]:
+    """The shared base with a model small enough to split over 4 tensor/context-parallel ranks."""
+    base_config["model"].update(num_attention_heads=4, num_key_value_heads=4, vocab_size=128)
+    return base_config
+
+
+def _plan(base: dict[str, Any], world: int = 1, **sections: Any) -> RunPlan:
+    for name, values in sections.items():
+        if isinstance(values, dict):
+            base.setdefault(name, {}).update(values)
+        else:
+            base[name] = values
+    return preflight(load_config(base), world)
+
+
+def _refused(base: dict[str, Any], world: int = 1, **sections: Any) -> str:
+    with pytest.raises(ConfigError) as info:
+        _plan(base, world, **sections)
+    return str(info.value)
+
+
+def test_pure_fsdp_shards_over_every_rank(base_config: dict[str, Any]) -> None:
+    p = _plan(base_config, 8, training={"local_batch_size": 2, "global_batch_size": 64})
+    assert (p.dims.dp, p.dims.dp_replicate, p.dims.dp_shard) == (8, 1, 8)
+    assert p.accumulation_steps == 4 and p.effective_global_batch_size == 64 and p.warnings == ()
+
+
+def test_hsdp_split(base_config: dict[str, Any]) -> None:
+    p = _plan(base_config, 8, parallelism={"data_parallel_shard": 2}, training={"global_batch_size": 8})
+    assert (p.dims.dp_replicate, p.dims.dp_shard) == (4, 2)
+
+
+def test_floor_division_warns(base_config: dict[str, Any]) -> None:
+    p = _plan(base_config, 2, training={"local_batch_size": 2, "global_batch_size": 10})
+    assert p.accumulation_steps == 2 and p.effective_global_batch_size == 8
+    assert any("effective global batch is 8" in w for w in p.warnings)
+
+
+def test_world_size_that_tensor_parallel_does_not_divide_is_a_clear_error(
+    base_config: dict[str, Any],
+) -> None:
+    text = _refused(base_config, 3, parallelism={"tensor_parallel": 2}, training={"global_batch_size": 4})
+    assert "world size 3 is not divisible by parallelism.tensor_parallel(2)" in text
+
+
+def test_rampup_batches_must_divide(base_config: dict[str, Any]) -> None:
+    base_config["training"].update(global_batch_size=12, rampup_batch_size=[4, 4, 100])
+    plan = preflight(load_config(base_config), 2)
+    assert plan.accumulation_steps == 2 and plan.batches.global_batch_at(10_000) == 12
+    base_config["training"].update(rampup_batch_size=[3, 3, 100])
+    with pytest.raises(ConfigError, match=r"training\.rampup_batch_size: the global batch size 3"):
+        preflight(load_config(base_config), 2)
+
+
+def test_rampup_with_pipeline_parallel_is_refused(base_config: dict[str, Any]) -> None:
+    text = _refused(
+        base_config,
+        2,
+        parallelism={"pipeline_parallel": 2},
+        training={"global_batch_size": 8, "rampup_batch_size": [2, 2, 100]},
+    )
+    assert "training.rampup_batch_size cannot be combined with parallelism.pipeline_parallel > 1" in text
+
+
+def test_swap_with_pipeline_parallel_is_refused(base_config: dict[str, Any]) -> None:
+    text = _refused(
+        base_config,
+        2,
+        parallelism={"pipeline_parallel": 2},
+        training={"global_batch_size": 4},
+        swap={"enable": True, "layer_swap": [{"layers": ["0"]}]},
+    )
+    assert "swap" in text and "pipeline" in text
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "steps", "expected"),
+    [
+        ({"warmup_steps": 3}, 10, 3),
+        ({"warmup_ratio": 0.1, "warmup_steps": 3}, 100, 10),
+        ({"warmup_ratio": 0.015}, 1000, 15),
+        ({}, 100, 0),
+    ],
+)
+def test_warmup_steps(
+    base_config: dict[str, Any], scheduler: dict[str, Any], steps: int, expected: int
+) -> None:
+    base_config["lr_scheduler"] = {"type": "ConstantWarmUpLR", **scheduler}
+    base_config["training"]["steps"] = steps
+    assert preflight(load_config(base_config), 1).schedule.boundaries().get("warm-up end", 0) == expected
+
+
+def test_misspelled_scheduler_key_and_bad_model_key_are_reported_together(
+    base_config: dict[str, Any],
+) -> None:
+    base_config["lr_scheduler"]["warmup_stpes"] = 3
+    base_config["model"]["num_hiden_layers"] = 2
+    text = _refused(base_config)
+    assert "lr_scheduler.warmup_stpes" in text and "model.num_hiden_layers" in text and "2 problems" in text
+
+
+def test_unknown_callback_type_is_refused(base_config: dict[str, Any]) -> None:
+    text = _refused(base_config, callbacks=[{"type": "NoSuchCallback"}])
+    assert "callbacks[0].type: unknown callback 'NoSuchCallback'" in text
+
+
+def test_select_module_pattern_matching_nothing_is_refused(base_config: dict[str, Any]) -> None:
+    text = _refused(base_config, recompute={"mode": "select", "select_module": {"no_such_module": ["0"]}})
+    assert "recompute.select_module['no_such_module']" in text and "matches no submodule" in text
+    ok = _plan(base_config, recompute={"mode": "select", "select_module": {"mlp": ["0"]}})
+    assert ok.activation_summary
+
+
+def test_cp_method_hybrid_is_accepted(base_config: dict[str, Any]) -> None:
+    plan = _plan(
+        base_config,
+        4,
+        parallelism={"context_parallel": 4, "context_parallel_method": "hybrid", "ulysses_degree_in_cp": 2},
+        training={"global_batch_size": 1},
+    )
+    assert plan.dims.cp == 4 and plan.dims.ulysses == 2
+
+
+def test_batch_schedule_ramp_up() -> None:
+    b = BatchSchedule(global_batch_size=12, local_batch_size=1, data_parallel=2, rampup=(4, 4, 100))
+    assert [b.global_batch_at(c) for c in (0, 49, 50, 100)] == [4, 4, 8, 12]
+    assert b.accumulation_steps_at(0) == 2 and b.problems() == []
