@@ -15,6 +15,7 @@ from typing import Any
 from lmforge.cli.options import add_set_option
 from lmforge.config import read_raw
 from lmforge.config.load import apply_overrides, split_key, validate_config
+from lmforge.config.outputs import output_locations, with_output_dir
 from lmforge.errors import ConfigError
 
 
@@ -45,6 +46,12 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="N",
         help="number of processes to derive the data-parallel degree for (default: $WORLD_SIZE or 1)",
+    )
+    parser.add_argument(
+        "--output-dir",
+        default=None,
+        metavar="DIR",
+        help="as for `lmforge train`: every output of the run moves to DIR (shown under 'Outputs')",
     )
     parser.add_argument(
         "--mode",
@@ -167,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     file_raw, source = read_raw(args.config)
     merged = apply_overrides(file_raw, args.overrides)
     cfg = validate_config(merged, source, log_warnings=False)  # printed below with the others
+    if args.output_dir is not None:
+        cfg = with_output_dir(cfg, args.output_dir)
     try:
         plan = preflight(cfg, world)  # exactly what `lmforge train` runs before building anything
     except ConfigError as exc:
@@ -178,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     lines = [f"{source}: valid configuration.", "", "Resolved configuration ([file] / [--set] / [default]):"]
     for key, value in _leaves(cfg.to_dict()):
         lines.append(f"  {key}: {_format_value(value)}  [{_source_of(key, value, file_raw, set_keys)}]")
+    lines += ["", "Outputs:"] + [f"  {what}: {where}" for what, where in output_locations(cfg)]
     lines += ["", f"Run plan (world size {world}):", *plan.describe(cfg)]
     lines += ["", *_parallel_plan_lines(cfg, world)]
     warnings = list(cfg.warnings) + list(plan.warnings) + _data_file_warnings(cfg)

@@ -90,6 +90,7 @@ def build_trainer(
     cfg: Any, *, output_dir: str | os.PathLike | None = None, device: str | None = None
 ) -> Trainer:
     """Build everything a run needs from ``cfg`` (one process or under torchrun)."""
+    from lmforge.config.outputs import with_output_dir
     from lmforge.data import build_dataloader
     from lmforge.lr import ScheduleLR
     from lmforge.models import load_hf_weights
@@ -97,10 +98,13 @@ def build_trainer(
     from lmforge.optim import build_optimizer
     from lmforge.train.preflight import preflight
 
+    if output_dir is not None:
+        # --output-dir moves every output, including the paths the file puts under its own output_dir.
+        cfg = with_output_dir(cfg, output_dir)
     # Every configuration error is raised here, before a process group, model or dataset exists.
     plan = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ctx = distributed_env(device)
-    run_dir = Path(output_dir or getattr(cfg, "output_dir", None) or "./output")
+    run_dir = Path(cfg.output_dir or "./output")
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     # Logging first, so that model / optimizer construction messages reach train.log too.
