@@ -140,3 +140,19 @@ def test_batch_schedule_ramp_up() -> None:
     b = BatchSchedule(global_batch_size=12, local_batch_size=1, data_parallel=2, rampup=(4, 4, 100))
     assert [b.global_batch_at(c) for c in (0, 49, 50, 100)] == [4, 4, 8, 12]
     assert b.accumulation_steps_at(0) == 2 and b.problems() == []
+
+
+def test_every_unknown_model_key_is_named_at_once(base_config: dict[str, Any]) -> None:
+    base_config["model"].update(num_hiden_layers=2, hiden_size=8)
+    text = _refused(base_config)
+    assert "model.num_hiden_layers" in text and "model.hiden_size" in text
+
+
+def test_accepted_keys_that_change_nothing_warn(base_config: dict[str, Any]) -> None:
+    base_config["model"].update(torch_dtype="bfloat16", eos_token_id=2)
+    base_config["parallelism"] = {"context_parallel_async": True}
+    base_config["train_dataset"]["dataloader"].update(bogus_one=1, bogus_two=2)
+    warnings = " | ".join(_plan(base_config).warnings)
+    assert "model.torch_dtype, model.eos_token_id accepted but have no effect" in warnings
+    assert "context_parallel_async: true has no effect with context_parallel 1" in warnings
+    assert "train_dataset.dataloader.bogus_one, train_dataset.dataloader.bogus_two are not used" in warnings
