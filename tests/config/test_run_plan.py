@@ -156,3 +156,51 @@ def test_accepted_keys_that_change_nothing_warn(base_config: dict[str, Any]) -> 
     assert "model.torch_dtype, model.eos_token_id accepted but have no effect" in warnings
     assert "context_parallel_async: true has no effect with context_parallel 1" in warnings
     assert "train_dataset.dataloader.bogus_one, train_dataset.dataloader.bogus_two are not used" in warnings
+
+
+def test_spec_literal_adamw_include_keeps_embedding_and_output_layer_on_adamw(
+    base_config: dict[str, Any],
+) -> None:
+    import torch
+
+    from lmforge.models.build import build_from_config
+    from lmforge.optim import build_optimizer
+
+    base_config["optimizer"] = {"type": "Muon", "adamw_include": ["word_embeddings", "output_layer"]}
+    plan = _plan(base_config)
+    assert not any("matches no parameter" in w for w in plan.warnings)
+    model = build_from_config(plan.model_config, plan.model_class, "cpu")
+    opt = build_optimizer(plan.optimizer, model, 1e-3)
+    ids = {id(p): n for n, p in model.named_parameters()}
+    routed = {
+        ids[id(p)]: g.get("route", g.get("optimizer", "?")) for g in opt.param_groups for p in g["params"]
+    }
+    muon_names = [n for n, r in routed.items() if "muon" in str(r).lower()]
+    assert muon_names and not any("word_embeddings" in n or "output_layer" in n for n in muon_names)
+    assert isinstance(model.embedding.word_embeddings.weight, torch.nn.Parameter)
+
+
+def test_parameter_pattern_matching_nothing_is_reported(base_config: dict[str, Any]) -> None:
+    base_config["optimizer"] = {"weight_decay_exclude": ["no_such_param"], "lr_scale": {"embedding": 0.5}}
+    warnings = " | ".join(_plan(base_config).warnings)
+    assert "optimizer.weight_decay_exclude: the pattern 'no_such_param' matches no parameter" in warnings
+    assert "'embedding'" not in warnings
+
+
+def test_recompute_comm_spec_example_attention_qkv_is_accepted_under_tensor_parallel(
+    base_config: dict[str, Any],
+) -> None:
+    plan = _plan(
+        base_config,
+        2,
+        parallelism={"tensor_parallel": 2},
+        training={"global_batch_size": 1},
+        recompute_comm={"enable": True, "select_module": {"attention.qkv": ["0-3"]}},
+    )
+    assert "recompute_comm" in (plan.activation_summary or "")
+
+
+def test_bare_substring_pattern_is_reported_with_the_glob_to_write(base_config: dict[str, Any]) -> None:
+    base_config["optimizer"] = {"weight_decay_exclude": ["norm"]}
+    warnings = " | ".join(_plan(base_config).warnings)
+    assert "'norm' matches no parameter" in warnings and "write '*norm*'" in warnings

@@ -281,7 +281,7 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
             )
     summary = None
     if dims is not None and opts is not None and model_config is not None:
-        summary = _check_model_structure(cfg, dims, opts, model_config, model_class, problems)
+        summary = _check_model_structure(cfg, dims, opts, model_config, model_class, optimizer, problems)
     if problems or batches is None:
         return None
     return RunPlan(
@@ -311,12 +311,15 @@ def _check_model_structure(
     opts: dict[str, Any],
     model_config: Any,
     model_class: type,
+    optimizer: Any,
     problems: list[str],
 ) -> str | None:
-    """Degrees against the model, unsupported combinations, recompute/swap patterns (meta model)."""
+    """Degrees against the model, unsupported combinations, recompute/swap and parameter-name
+    patterns (on a model built on the meta device: no weights)."""
     from lmforge.errors import NotSupportedError
     from lmforge.models.build import build_from_config
     from lmforge.parallel.api import refuse_unsupported
+    from lmforge.utils.name_patterns import unmatched
 
     mc = model_config
     _attempt(
@@ -332,9 +335,29 @@ def _check_model_structure(
             vocab_size=mc.vocab_size,
         ),
     )
-    if not (dims.is_parallel or activation_wanted(cfg)):
+    patterns = _parameter_patterns(cfg, optimizer)
+    if not (dims.is_parallel or activation_wanted(cfg) or patterns):
         return None
     model = build_from_config(mc, model_class, "meta")
+    if patterns:
+        names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        for key, pattern in patterns:
+            if not unmatched(names, [pattern]):
+                continue
+            hint = (
+                f" It is a substring of parameter names; for the original's substring rule write "
+                f"'*{pattern}*'."
+                if any(pattern in n for n in names)
+                else ""
+            )
+            logging.getLogger("lmforge.optim").warning(
+                "%s: the pattern %r matches no parameter of this model, so it changes nothing (parameter "
+                "names look like %s; docs/config.md#name-patterns).%s",
+                key,
+                pattern,
+                ", ".join(names[:4]),
+                hint,
+            )
     if dims.is_parallel:
         try:
             refuse_unsupported(model, dims)
@@ -357,3 +380,16 @@ def _check_model_structure(
         ),
     )
     return None if plan is None else plan.summary()
+
+
+def _parameter_patterns(cfg: Any, optimizer: Any) -> list[tuple[str, str]]:
+    """(dotted key, pattern) of every parameter-name pattern the file writes in ``optimizer``."""
+    if optimizer is None:
+        return []
+    g = optimizer.grouping
+    found = [("optimizer.weight_decay_include", p) for p in g.weight_decay_include]
+    found += [("optimizer.weight_decay_exclude", p) for p in g.weight_decay_exclude]
+    found += [(f"optimizer.lr_scale[{p!r}]", p) for p, _ in g.lr_scale]
+    if optimizer.type == "Muon" and cfg.optimizer.get("adamw_include") is not None:
+        found += [("optimizer.adamw_include", p) for p in optimizer.hyper["adamw_include"]]
+    return found
