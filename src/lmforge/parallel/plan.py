@@ -101,6 +101,16 @@ class BatchSchedule:
         ]
 
 
+def accumulation_steps(global_batch_size: int, local_batch_size: int, dp: int) -> int:
+    """Micro-batches per step without ramp-up: ``global_batch_size // (dp × local_batch_size)`` (the
+    spec's floor division); a ConfigError when ``dp × local_batch_size`` exceeds the global batch."""
+    schedule = BatchSchedule(global_batch_size, local_batch_size, dp)
+    problems = schedule.problems()
+    if problems:
+        raise ConfigError(problems[0])
+    return schedule.accumulation_steps_at(0)
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """What a configuration means for ``world_size`` processes; built only from valid configurations."""
