@@ -40,8 +40,15 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--inter-node-gbps", type=float, default=25.0, help="GB/s per GPU between nodes (default 25)"
     )
+    p.add_argument(
+        "--latency-us", type=float, default=20.0, help="µs per critical-path collective (default 20)"
+    )
     p.add_argument("--top", type=int, default=10, help="layouts listed (default 10); YAML for the best 3")
     p.set_defaults(func=run)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,12 +72,13 @@ def run(args: argparse.Namespace) -> int:
         efficiency=args.efficiency,
         intra_node_gbps=args.intra_node_gbps,
         inter_node_gbps=args.inter_node_gbps,
+        latency_us=args.latency_us,
     )
     cfg = load_config(args.config, args.overrides)
     fits, misses, facts = plan(cfg, hw)
     gbs = int(cfg.training.global_batch_size)
     print(
-        f"lmforge plan: {args.config}: {facts.total_params / 1e9:.2f}B parameters, {facts.num_layers} layers, "
+        f"lmforge plan: {args.config}: {_count(facts.total_params)} parameters, {facts.num_layers} layers, "
         f"seq {facts.seq_length}, global batch {gbs}; {hw.gpus} GPUs x {format_bytes(hw.gpu_memory)} on {hw.nodes} "
         f"node(s); {hw.gpu_tflops:g} TFLOP/s x {hw.efficiency:g}, {hw.intra_node_gbps:g} GB/s in a node, "
         f"{hw.inter_node_gbps:g} GB/s between nodes"

@@ -17,7 +17,8 @@ prints). The step time is a model, not a measurement:
   per GPU, a 200-400 Gb/s NIC per GPU);
 * overlap: FSDP/HSDP traffic overlaps with compute (only what exceeds the compute time counts);
   tensor-, expert-, context- and pipeline-parallel traffic is on the critical path;
-* pipeline bubble (1F1B): ``(pp - 1) / (micro_batches + pp - 1)`` of the pipeline's time is idle.
+* pipeline bubble (1F1B): ``(pp - 1) / (micro_batches + pp - 1)`` of the pipeline's time is idle;
+* latency: ``latency_us`` (default 20 µs) per collective on the critical path (TP, EP, CP, PP).
 
 Rank order: the layouts that fit, fastest first.
 """
@@ -46,6 +47,7 @@ class Hardware:
     efficiency: float = 0.5
     intra_node_gbps: float = 200.0
     inter_node_gbps: float = 25.0
+    latency_us: float = 20.0  # per collective on the critical path (launch + synchronisation)
 
     @property
     def gpus_per_node(self) -> int:
@@ -203,7 +205,25 @@ def step_time(
     fsdp_t = comm.get("fsdp", 0) / (_group_gbps(layout.dp_shard * layout.cp, layout.tp, hw) * gb)
     hsdp_t = comm.get("hsdp", 0) / (hw.inter_node_gbps * gb)
     overlapped = max(0.0, fsdp_t + hsdp_t - compute)
-    parts = {"compute": compute, "bubble": bubble, **t, "dp (not hidden)": overlapped}
+    # Latency: collectives on the critical path per step (TP 8 per layer and micro-batch, EP 4 per MoE
+    # layer and micro-batch, CP 2 per layer and micro-batch, PP 2 per micro-batch).
+    layers = model.num_layers / layout.pp
+    count = 0.0
+    if layout.tp > 1:
+        count += 8 * layers * micro
+    if layout.ep > 1 and model.moe_layers:
+        count += 4 * model.moe_layers / layout.pp * micro
+    if layout.cp > 1:
+        count += 2 * layers * micro
+    if layout.pp > 1:
+        count += 2 * micro
+    parts = {
+        "compute": compute,
+        "bubble": bubble,
+        **t,
+        "latency": count * hw.latency_us * 1e-6,
+        "dp (not hidden)": overlapped,
+    }
     return sum(parts.values()), {"parts": parts, "comm": comm}
 
 
