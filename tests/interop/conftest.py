@@ -56,3 +56,37 @@ def _tiny_section(model_type: str = "llama", **overrides):
     }
     section.update(overrides)
     return section
+
+
+def _wandb_records(path):
+    """The protobuf records of an offline W&B run file (run-ID.wandb): W&B's LevelDB-style log of
+    32 KiB blocks, records split in FULL/FIRST/MIDDLE/LAST chunks behind a 7-byte header. Written
+    here because wandb >= 0.19 ships no Python reader (its Go core writes the file)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    pos, block, buf = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            yield record
+
+
+@pytest.fixture(scope="session")
+def wandb_records():
+    return _wandb_records
