@@ -87,6 +87,19 @@ def _wandb_records(path):
             yield record
 
 
+def _finished_wandb_records(path, timeout: float = 30.0):
+    """All records of a finished run: wandb-core may still be writing the file when ``finish()``
+    returns in offline mode, so wait for the run's ``exit`` record."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(_wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="session")
 def wandb_records():
-    return _wandb_records
+    return _finished_wandb_records

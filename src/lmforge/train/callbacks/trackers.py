@@ -78,6 +78,7 @@ class TrackerCallback(TrainerCallback):
     def start(self, resume_id: str | None, config: dict[str, Any], step: int) -> str: ...
     def log(self, scalars: dict[str, float], step: int) -> None: ...
     def finish(self, summary: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
 
     # -- hooks
     def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
@@ -101,11 +102,12 @@ class TrackerCallback(TrainerCallback):
             return
         metrics = kwargs.get("metrics") or {}
         step = int(state.global_step)
-        if step % self.log_interval != 0 and "val_loss" not in metrics:
+        evaluated = "val_loss" in metrics or any(k.startswith("lm_eval/") for k in metrics)
+        if step % self.log_interval != 0 and not evaluated:
             return
         scalars = step_scalars(metrics)
         if step % self.log_interval != 0:  # an evaluation between logged steps: only its results
-            scalars = {k: v for k, v in scalars.items() if k.startswith("val_")}
+            scalars = {k: v for k, v in scalars.items() if k.startswith(("val_", "lm_eval/"))}
         if scalars:
             self.log(scalars, step)
 
@@ -116,11 +118,6 @@ class TrackerCallback(TrainerCallback):
         summary = trainer.summary() if trainer is not None and hasattr(trainer, "summary") else {}
         self.finish(_jsonable(summary))
         self.active = False
-
-    def log_results(self, results: dict[str, float], step: int) -> None:
-        """Scalars from outside the step's metrics (downstream evaluation), when a run is open."""
-        if self.active:
-            self.log({k: float(v) for k, v in results.items()}, step)
 
 
 class WandbCallback(TrackerCallback):
@@ -150,6 +147,9 @@ class WandbCallback(TrackerCallback):
 
     def finish(self, summary: dict[str, Any]) -> None:
         self.run.summary.update({f"run/{k}": v for k, v in summary.items()})
+        self.run.finish()
+
+    def close(self) -> None:
         self.run.finish()
 
 
@@ -210,6 +210,9 @@ class MlflowCallback(TrackerCallback):
         self.client.set_tag(self.run_id, "lmforge.status", status)
         self.client.set_terminated(self.run_id, status="FINISHED" if status == "completed" else "KILLED")
 
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id, status="FINISHED")
+
 
 def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
@@ -220,6 +223,31 @@ def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             out[name] = json.dumps(value)[:6000]  # MLflow's limit on a parameter value
     return out
+
+
+def log_to_run_trackers(
+    config: Any, output_dir: str | os.PathLike, scalars: dict[str, float], step: int
+) -> list[str]:
+    """Log ``scalars`` at ``step`` into the tracker runs of a finished (or running) training run, as
+    ``lmforge eval --tasks`` does: the run ids of ``<output_dir>/tracker_runs.json``, else new runs.
+    Returns the names of the trackers logged to."""
+    monitor = section_to_dict(
+        config.get("monitor") if isinstance(config, dict) else getattr(config, "monitor", None)
+    )
+    done = []
+    for cb in tracker_callbacks(monitor, output_dir):
+        runs_file = Path(output_dir) / RUNS_FILE
+        runs = json.loads(runs_file.read_text()) if runs_file.is_file() else {}
+        plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        cb.run_id = cb.start(runs.get(cb.name), _jsonable(plain), step)
+        if cb.name not in runs:
+            runs[cb.name] = cb.run_id
+            runs_file.parent.mkdir(parents=True, exist_ok=True)
+            runs_file.write_text(json.dumps(runs, indent=2) + "\n")
+        cb.log(scalars, step)
+        cb.close()
+        done.append(cb.name)
+    return done
 
 
 def tracker_callbacks(monitor: dict[str, Any], output_dir: str | os.PathLike) -> list[TrackerCallback]:
