@@ -179,3 +179,18 @@ def test_cli_results_go_to_the_run_trackers(
     ]
     saved = json.loads((hf / "lm_eval_results.json").read_text())["results"]["lmforge_tiny"]
     assert history[0]["lm_eval/lmforge_tiny/acc"] == saved["acc,none"] and history[0]["_step"] == 0
+
+
+def test_shipped_example_task_runs(setup, tokenizer_dir):
+    """configs/tasks/kjv_cloze.jsonl (the documented offline task) is valid and runs."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from lmforge.train.harness import _check_jsonl_task, evaluate_tasks
+
+    task = Path(__file__).resolve().parents[2] / "configs" / "tasks" / "kjv_cloze.jsonl"
+    assert _check_jsonl_task(task) == 16
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    got = evaluate_tasks(setup[0], tok, [str(task)], eot_id=0, max_length=64, limit=4)
+    assert set(got["lmforge_kjv_cloze"]) == {"acc,none", "acc_norm,none"}
