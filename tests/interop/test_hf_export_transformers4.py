@@ -30,19 +30,22 @@ READY = VENV / ".lmforge-ready"
 
 SCRIPT = r"""
 import json, sys, torch, transformers
-out, texts = sys.argv[1], json.loads(sys.argv[2])
-model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-tok = transformers.AutoTokenizer.from_pretrained(out)
-ids = torch.load(out + "/ids.pt")
-with torch.no_grad():
-    torch.save(model(input_ids=ids).logits, out + "/logits_tf4.pt")
-print(json.dumps({
-    "version": transformers.__version__,
-    "rope_theta": model.config.rope_theta,
-    "rope_scaling": model.config.rope_scaling,
-    "ids": [tok(t)["input_ids"] for t in texts],
-    "eos": tok.eos_token_id,
-}))
+texts = json.loads(sys.argv[1])
+results = []
+for out in sys.argv[2:]:  # one interpreter for every directory: importing transformers is the slow part
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ids = torch.load(out + "/ids.pt")
+    with torch.no_grad():
+        torch.save(model(input_ids=ids).logits, out + "/logits_tf4.pt")
+    results.append({
+        "version": transformers.__version__,
+        "rope_theta": model.config.rope_theta,
+        "rope_scaling": model.config.rope_scaling,
+        "ids": [tok(t)["input_ids"] for t in texts],
+        "eos": tok.eos_token_id,
+    })
+print(json.dumps(results))
 """
 
 
@@ -76,53 +79,51 @@ def _venv_python() -> Path:
     return python
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_export_reads_the_same_in_transformers_4_57(
-    tmp_path, tokenizer_dir, tiny_section, sample_text, model_type
-):
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+CASES = {
+    "llama": {"rope_theta": 1.0e6, "rope_scaling": LLAMA3},
+    "qwen3": {"rope_theta": 5.0e5},
+}
+
+
+def test_export_reads_the_same_in_transformers_4_57(tmp_path, tokenizer_dir, tiny_section, sample_text):
     python = _venv_python()
-    llama3 = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32,
-    }
-    rope = {"rope_theta": 1.0e6, "rope_scaling": llama3} if model_type == "llama" else {"rope_theta": 5.0e5}
-    torch.manual_seed(0)
-    model = build_model(tiny_section(model_type, **rope))
-    save_model_checkpoint(model, tmp_path / "ckpt")
-    out = tmp_path / "hf"
-    args = [
-        "convert",
-        "--from",
-        str(tmp_path / "ckpt"),
-        "--to-hf",
-        str(out),
-        "--tokenizer",
-        str(tokenizer_dir),
-    ]
-    assert main([*args, "--max-shard-size", "40KB"]) == 0
-    ids = torch.randint(0, 300, (2, 48))
-    torch.save(ids, out / "ids.pt")
+    models, dirs = {}, []
+    for model_type, rope in CASES.items():
+        torch.manual_seed(0)
+        models[model_type] = build_model(tiny_section(model_type, **rope))
+        save_model_checkpoint(models[model_type], tmp_path / model_type / "ckpt")
+        out = tmp_path / model_type / "hf"
+        args = ["convert", "--from", str(tmp_path / model_type / "ckpt"), "--to-hf", str(out)]
+        assert main([*args, "--tokenizer", str(tokenizer_dir), "--max-shard-size", "40KB"]) == 0
+        torch.save(torch.randint(0, 300, (2, 48)), out / "ids.pt")
+        dirs.append(str(out))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # transformers 4.57 from the venv
     done = subprocess.run(
-        [str(python), "-c", SCRIPT, str(out), json.dumps(sample_text)],
+        [str(python), "-c", SCRIPT, json.dumps(sample_text), *dirs],
         capture_output=True,
         text=True,
         timeout=300,
         env={**env, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["version"].startswith("4.57.")
-    assert got["rope_theta"] == rope["rope_theta"]
-    assert (got["rope_scaling"] or {}).get("rope_type") == rope.get("rope_scaling", {}).get("rope_type")
-    with torch.no_grad():
-        ours = model(ids).logits
-    assert (ours - torch.load(out / "logits_tf4.pt")).abs().max() <= 1e-4
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    assert got["ids"] == [tok.encode(t).ids for t in sample_text]
-    assert got["eos"] == tok.token_to_id("<|endoftext|>")
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for (model_type, rope), got, out in zip(CASES.items(), results, dirs):
+        assert got["version"].startswith("4.57.")
+        assert got["rope_theta"] == rope["rope_theta"], model_type
+        assert (got["rope_scaling"] or {}).get("rope_type") == rope.get("rope_scaling", {}).get("rope_type")
+        ids = torch.load(Path(out) / "ids.pt")
+        with torch.no_grad():
+            ours = models[model_type](ids).logits
+        assert (ours - torch.load(Path(out) / "logits_tf4.pt")).abs().max() <= 1e-4, model_type
+        assert got["ids"] == [tok.encode(t).ids for t in sample_text]
+        assert got["eos"] == tok.token_to_id("<|endoftext|>")
