@@ -98,3 +98,14 @@ def test_missing_package_names_the_extra(tmp_path, monkeypatch, cls, extra):
     )
     with pytest.raises(ConfigError, match=rf"pip install 'lmforge\[{extra}\]'"):
         cls({"enable": True}, tmp_path)
+
+
+def test_wandb_online_without_a_login_is_a_clear_error(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a W&B key
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    cb = WandbCallback({"enable": True, "project": "tests"}, tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"monitor.wandb: W&B could not start a run: .*offline: true"):
+        cb.start(None, {"a": 1}, 0)

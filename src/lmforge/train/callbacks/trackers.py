@@ -126,7 +126,19 @@ class WandbCallback(TrackerCallback):
     def start(self, resume_id: str | None, config: dict[str, Any], step: int) -> str:
         import wandb
 
-        self.run = wandb.init(
+        try:
+            self.run = self._init(wandb, resume_id, config)
+        except Exception as exc:  # W&B's own errors (no API key, no network) as one clear message
+            raise ConfigError(
+                f"monitor.wandb: W&B could not start a run: {str(exc).rstrip('.')}. Log in first (wandb login, or "
+                "WANDB_API_KEY), or set monitor.wandb.offline: true and upload later with wandb sync."
+            ) from None
+        if resume_id:
+            self.run.config.update(config, allow_val_change=True)  # the restart's settings win
+        return self.run.id
+
+    def _init(self, wandb: Any, resume_id: str | None, config: dict[str, Any]) -> Any:
+        return wandb.init(
             project=self.cfg.get("project") or "lmforge",
             entity=self.cfg.get("entity") or None,
             name=self.run_name,
@@ -138,9 +150,6 @@ class WandbCallback(TrackerCallback):
             resume="allow" if resume_id else None,
             settings=wandb.Settings(silent=True, console="off"),
         )
-        if resume_id:
-            self.run.config.update(config, allow_val_change=True)  # the restart's settings win
-        return self.run.id
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
