@@ -144,3 +144,27 @@ def test_round_trip_keeps_the_tokenizer(tmp_path, tokenizer_dir, tiny_section):
         "special_tokens_map.json",
     ):
         assert (hf / name).read_bytes() == (tmp_path / "hf2" / name).read_bytes(), name
+
+
+def test_export_of_a_training_checkpoint_finds_the_run_data_tokenizer(
+    tmp_path, tokenizer_dir, tiny_section, base_config
+):
+    """No --tokenizer, none saved with the checkpoint: the tokenizer.json next to the training data
+    named by the checkpoint's config.yaml (the layout of `lmforge data demo`)."""
+    import shutil
+
+    from lmforge.train.checkpoint import Checkpointable, CheckpointManager
+
+    (tmp_path / "data").mkdir()
+    shutil.copyfile(tokenizer_dir / "tokenizer.json", tmp_path / "data" / "tokenizer.json")
+    cfg = dict(base_config, model=tiny_section("qwen3"))
+    cfg["train_dataset"]["dataloader"]["config"]["data_path"] = [str(tmp_path / "data" / "train")]
+    model = build_model(cfg["model"])
+    manager = CheckpointManager(tmp_path / "ckpt", no_save_optim=True, save_max=0, config_dict=cfg)
+    assert manager.save(Checkpointable(model=model), step=3)
+    manager.close()
+    assert main(["convert", "--from", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (
+        tokenizer_dir / "tokenizer.json"
+    ).read_bytes()
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").eos_token == "<|endoftext|>"
