@@ -168,3 +168,8 @@ def test_export_of_a_training_checkpoint_finds_the_run_data_tokenizer(
         tokenizer_dir / "tokenizer.json"
     ).read_bytes()
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").eos_token == "<|endoftext|>"
+
+
+def test_missing_source_checkpoint_is_named(tmp_path, capsys):
+    assert main(["convert", "--from", str(tmp_path / "none"), "--to-hf", str(tmp_path / "hf")]) == 2
+    assert "--from " + str(tmp_path / "none") + ": no such checkpoint directory" in capsys.readouterr().err

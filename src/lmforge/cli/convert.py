@@ -148,6 +148,8 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
     from lmforge.models.io import SECTION_FILE
 
     parse_size(args.max_shard_size)  # a bad size is refused before anything is loaded
+    if not src.is_dir():
+        raise CheckpointError(f"--from {src}: no such checkpoint directory.")
     chat_template = None
     if args.chat_template:
         if args.no_tokenizer:
@@ -158,18 +160,16 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
             chat_template = Path(args.chat_template).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"--chat-template {args.chat_template}: cannot read it ({exc}).") from None
-    section = None
+    tokenizer = None if args.no_tokenizer else _tokenizer_for(src, args)  # found before any loading
     if (src / SECTION_FILE).is_file():
         model = load_model_checkpoint(src)
     else:
         from lmforge.train.checkpoint import load_model_weights
 
-        section = _model_section_for(src, args.config)
-        model = build_model(section, device="meta")
+        model = build_model(_model_section_for(src, args.config), device="meta")
         model.to_empty(device="cpu")
         model.init_weights()
         load_model_weights(src, model)
-    tokenizer = None if args.no_tokenizer else _tokenizer_for(src, args)
     files = save_hf_pretrained(
         model, dst, tokenizer=tokenizer, chat_template=chat_template, max_shard_size=args.max_shard_size
     )
