@@ -194,3 +194,35 @@ def test_shipped_example_task_runs(setup, tokenizer_dir):
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     got = evaluate_tasks(setup[0], tok, [str(task)], eot_id=0, max_length=64, limit=4)
     assert set(got["lmforge_kjv_cloze"]) == {"acc,none", "acc_norm,none"}
+
+
+def test_evaluation_leaves_the_random_state_alone(setup, tokenizer_dir):
+    """The harness seeds random/numpy/torch; a run evaluated every N steps must not see that."""
+    import random
+
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from lmforge.train.harness import evaluate_tasks
+
+    model, _, task = setup
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    evaluate_tasks(model, tok, [str(task)], eot_id=0, max_length=64)
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    assert np.random.rand() == expected[2]
+
+
+@pytest.mark.slow
+def test_unknown_task_name_is_named(setup, tokenizer_dir):
+    """Slow (~30 s): a task name makes the harness index its thousands of built-in task files."""
+    from tokenizers import Tokenizer
+
+    from lmforge.train.harness import evaluate_tasks
+
+    model, _, task = setup
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    with pytest.raises(ConfigError, match=r"unknown task\(s\) no_such_task_xyz"):
+        evaluate_tasks(model, tok, [str(task), "no_such_task_xyz"], eot_id=0, max_length=64)

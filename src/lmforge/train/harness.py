@@ -10,6 +10,7 @@ harness's multiple-choice tasks (``acc``: the choice with the highest log-likeli
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -114,7 +115,9 @@ def evaluate_tasks(
 ) -> dict[str, dict[str, float]]:
     """Run ``tasks``; ``{task: {metric: value}}`` (the harness's ``metric,filter`` keys, numbers only)."""
     require_lm_eval()
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local tasks never need the Hub
+    only_local = all(t.endswith(".jsonl") for t in split_tasks(tasks)) and not include_path
+    if only_local:  # local files never need the Hub: no network look-ups (set before datasets is imported)
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -134,7 +137,6 @@ def evaluate_tasks(
         include = [tmp] if local else []
         if include_path:
             include.append(include_path)
-        only_local = all(t.endswith(".jsonl") for t in split_tasks(tasks)) and not include_path
         manager = TaskManager(include_path=include or None, include_defaults=not only_local)
         unknown = [n for n in names if n not in manager.all_tasks]
         if unknown:
@@ -143,15 +145,16 @@ def evaluate_tasks(
                 "a task directory with --include-path, or a local .jsonl file (docs/guide.md)."
             )
         lm = LmforgeLM(model, tokenizer, eot_id=eot_id, max_length=max_length, batch_size=batch_size)
-        out = simple_evaluate(
-            model=lm,
-            tasks=names,
-            task_manager=manager,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            bootstrap_iters=0,
-            log_samples=False,
-        )
+        with _preserved_rng():  # the harness seeds random / numpy / torch: training must not notice
+            out = simple_evaluate(
+                model=lm,
+                tasks=names,
+                task_manager=manager,
+                limit=limit,
+                num_fewshot=num_fewshot,
+                bootstrap_iters=0,
+                log_samples=False,
+            )
     results: dict[str, dict[str, float]] = {}
     for task, metrics in (out or {}).get("results", {}).items():
         results[task] = {
@@ -163,6 +166,22 @@ def evaluate_tasks(
             and k != "sample_len"
         }
     return results
+
+
+@contextlib.contextmanager
+def _preserved_rng():
+    import random
+
+    import numpy as np
+
+    py, npy = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
 
 
 def flat_results(results: dict[str, dict[str, float]], prefix: str = "lm_eval") -> dict[str, float]:
