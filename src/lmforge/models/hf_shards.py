@@ -87,15 +87,14 @@ def write_sharded(tensors: dict[str, torch.Tensor], path: Path, max_shard_size: 
         old.unlink(missing_ok=True)  # a previous export with another shard count would confuse readers
     writer_cls = _dcp_hf_writer()
     if writer_cls is not None:
-        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        # Inside a process group every rank takes part (DCP de-duplicates the full tensors).
-        single = not (dist.is_available() and dist.is_initialized())
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        # One writer process holding the full tensors (the export); no collectives, even inside a
+        # process group: several ranks writing the same numbered files would overwrite each other.
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(
-                tensors, storage_writer=writer_cls(str(path), fqn_to_index_mapping=mapping), no_dist=single
+                tensors, storage_writer=writer_cls(str(path), fqn_to_index_mapping=mapping), no_dist=True
             )
     else:
         _write_with_safetensors(tensors, path, mapping)
