@@ -109,3 +109,17 @@ def test_wandb_online_without_a_login_is_a_clear_error(tmp_path, monkeypatch):
     cb = WandbCallback({"enable": True, "project": "tests"}, tmp_path / "run")
     with pytest.raises(ConfigError, match=r"monitor.wandb: W&B could not start a run: .*offline: true"):
         cb.start(None, {"a": 1}, 0)
+
+
+def test_output_dir_moves_the_wandb_dir_and_check_lists_the_stores(base_config, monkeypatch):
+    from lmforge.config import load_config
+    from lmforge.config.outputs import output_locations, with_output_dir
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    base_config["output_dir"] = "out/a"
+    base_config["monitor"] = {"wandb": {"enable": True, "dir": "out/a/wb"}, "mlflow": {"enable": True}}
+    cfg = with_output_dir(load_config(base_config), "out/b")
+    assert cfg.monitor.wandb.dir == "out/b/wb"
+    rows = dict(output_locations(cfg))
+    assert rows["W&B run files (monitor.wandb)"] == "out/b/wb/wandb"
+    assert rows["MLflow store (monitor.mlflow)"].startswith("sqlite:///out/b/mlflow.db")
