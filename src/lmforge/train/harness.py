@@ -222,28 +222,31 @@ def _lm_class() -> type:
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any):
             was_training = self.model.training
             self.model.eval()
-            out: list[tuple[float, bool]] = []
+            out: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
+            # Longest first, as the harness's HF model does: batches of similar lengths pad little.
+            order = sorted(range(len(requests)), key=lambda i: -(len(requests[i][1]) + len(requests[i][2])))
             try:
-                for start in range(0, len(requests), self.batch_size):
-                    chunk = requests[start : start + self.batch_size]
+                for start in range(0, len(order), self.batch_size):
+                    chunk = order[start : start + self.batch_size]
                     rows, conts = [], []
-                    for _, ctx, cont in chunk:
+                    for i in chunk:
+                        _, ctx, cont = requests[i]
                         whole = (list(ctx) + list(cont))[-(self.max_length + 1) :]
                         rows.append(whole[:-1])
                         conts.append(list(cont))
                     width = max(len(r) for r in rows)
                     # Right padding: the model is causal, so a row's real positions never see it.
                     ids = torch.full((len(rows), width), self._eot, dtype=torch.long)
-                    for i, r in enumerate(rows):
-                        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-                    logprobs = self.model(ids.to(self._device)).logits.float().log_softmax(-1).cpu()
-                    for i, (r, cont) in enumerate(zip(rows, conts)):
+                    for j, r in enumerate(rows):
+                        ids[j, : len(r)] = torch.tensor(r, dtype=torch.long)
+                    logits = self.model(ids.to(self._device)).logits
+                    for j, (i, r, cont) in enumerate(zip(chunk, rows, conts)):
                         n = len(cont)
-                        lp = logprobs[i, len(r) - n : len(r)]
+                        # only the continuation's positions need the (vocabulary-wide) log-softmax
+                        lp = logits[j, len(r) - n : len(r)].float().log_softmax(-1).cpu()
                         target = torch.tensor(cont, dtype=torch.long)
                         total = float(lp.gather(-1, target[:, None]).sum())
-                        greedy = bool((lp.argmax(-1) == target).all())
-                        out.append((total, greedy))
+                        out[i] = (total, bool((lp.argmax(-1) == target).all()))
             finally:
                 self.model.train(was_training)
             return out
