@@ -105,6 +105,9 @@ def test_live_doctor_warns_once_per_finding(pathology_run):
     symptoms = [ln.split("doctor at step", 1)[1].split(".", 1)[0] for ln in lines]
     assert lines and len(symptoms) == len(set(symptoms))  # checks ran at steps 5, 10, 20 and 30
     assert "lr_scheduler.learning_rate: 0.1" in lines[0]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    counts = {r["step"]: r["doctor_findings"] for r in metrics if "doctor_findings" in r}
+    assert sorted(counts) == [5, 10, 20] and counts[20] == len(lines) - sum("step 30" in ln for ln in lines)
     facts = json.loads((run / "doctor_facts.json").read_text())
     assert facts["not_updated"] == [] and facts["frozen"] == []
 

@@ -4,7 +4,8 @@ At the start it writes ``config.yaml`` (the resolved configuration) and ``doctor
 only the live run can see: frozen parameters, parameters in no optimizer group, norms and biases
 that get weight decay) into the run directory, so that ``lmforge doctor RUN_DIR`` can use them later.
 It checks at steps 5, 10 and 20, then every ``monitor.doctor.check_interval`` steps and at the end,
-and logs each finding once as a warning (with the keys to change). Cost: the rules read a bounded
+and logs each finding once as a warning (with the keys to change); on check steps the step's metrics
+get ``doctor_findings`` (findings so far), which the experiment trackers log. Cost: the rules read a bounded
 window of the step metrics (first 50 and last 1000 steps); the parameter check compares 256 sampled
 elements per parameter with their values at the start. MoE models also get
 ``moe_max_expert_share`` in the step's metrics (the largest share of a layer's routed tokens one
@@ -163,6 +164,9 @@ class DoctorCallback(TrainerCallback):
         step = int(state.global_step)
         if step in _EARLY_CHECKS or step % self.check_interval == 0:
             self.check(step)
+            # On check steps: the number of findings so far, for the trackers (W&B, MLflow) that log
+            # every numeric field of the step's metrics.
+            metrics["doctor_findings"] = len(self.findings)
 
     def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
         self.check(int(state.global_step))
