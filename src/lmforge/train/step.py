@@ -32,15 +32,37 @@ class TrainingStopped(LmforgeError):
 class SkipPolicy:
     """When to skip an update (``monitor.health_checkpoint``) and when to give up.
 
-    A non-finite loss or gradient norm always skips. A finite global gradient norm above
-    ``grad_norm_threshold``, or an embedding gradient norm above ``embedding_norm_threshold``, skips
-    too (the original declares these thresholds but never reads them). After ``max_consecutive``
-    consecutive skips training stops (0: never stop).
+    A non-finite loss or gradient norm always skips. When the file enables
+    ``monitor.health_checkpoint``, a finite global gradient norm above ``grad_norm_threshold``, or
+    an embedding gradient norm above ``embedding_norm_threshold``, skips too (the original declares
+    these thresholds but never reads them). After ``max_consecutive`` consecutive skips training
+    stops (0: never stop).
     """
 
     grad_norm_threshold: float = math.inf
     embedding_norm_threshold: float = math.inf
     max_consecutive: int = 10
+    spike_skipping: bool = False  # whether monitor.health_checkpoint was written (for messages)
+
+    @classmethod
+    def from_monitor(cls, monitor: Any) -> SkipPolicy:
+        """The policy the ``monitor`` section asks for.
+
+        Spike skipping is opt-in: the spec turns a feature off when its section is omitted, and
+        without it the step clips and applies. Only a written ``monitor.health_checkpoint`` (even
+        an empty one, which takes the defaults 100 / 100 / 10) enables the thresholds; non-finite
+        steps are skipped either way, and 10 of them in a row stop the run.
+        """
+        written = getattr(monitor, "model_fields_set", None)
+        if monitor is None or written is None or "health_checkpoint" not in written:
+            return cls()
+        health = monitor.health_checkpoint
+        return cls(
+            grad_norm_threshold=float(health.global_norm_skip_threshold),
+            embedding_norm_threshold=float(health.embedding_local_norm_threshold),
+            max_consecutive=int(health.global_norm_skip_time),
+            spike_skipping=True,
+        )
 
 
 @dataclass

@@ -113,18 +113,13 @@ class Trainer:
             global_batch_size=self.batches.global_batch_at(0),
             num_accumulation_steps=self.batches.accumulation_steps_at(0),
         )
-        health = section_to_dict(getattr(getattr(config, "monitor", None), "health_checkpoint", None))
         self.step_fn = TrainStep(
             model,
             optimizer,
             scheduler,
             max_norm=self.max_norm,
             ctx=self.ctx,
-            skip_policy=SkipPolicy(
-                grad_norm_threshold=float(health.get("global_norm_skip_threshold", math.inf)),
-                embedding_norm_threshold=float(health.get("embedding_local_norm_threshold", math.inf)),
-                max_consecutive=int(health.get("global_norm_skip_time", 10)),
-            ),
+            skip_policy=SkipPolicy.from_monitor(getattr(config, "monitor", None)),
         )
         self.checkpoint_cfg = section_to_dict(config.checkpoint)
         self.callbacks = CallbackHandler()
@@ -322,13 +317,18 @@ class Trainer:
                 metrics=metrics,
                 **kw(),
             )
-            limit = self.step_fn.skip_policy.max_consecutive
+            policy = self.step_fn.skip_policy
+            limit = policy.max_consecutive
             if limit > 0 and state.consecutive_skips >= limit:
+                why = (
+                    f"monitor.health_checkpoint.global_norm_skip_time = {limit}"
+                    if policy.spike_skipping
+                    else f"{limit} consecutive non-finite steps; monitor.health_checkpoint.global_norm_skip_time sets it"
+                )
                 self.stop_reason = (
                     f"diverged: {state.consecutive_skips} consecutive steps were skipped (last: {result.skip_reason}) "
-                    f"at step {state.global_step}. Training stops (monitor.health_checkpoint.global_norm_skip_time "
-                    f"= {limit}). Lower lr_scheduler.learning_rate, check the data, or resume from the last "
-                    f"checkpoint with different settings."
+                    f"at step {state.global_step}. Training stops ({why}). Lower lr_scheduler.learning_rate, check "
+                    f"the data, or resume from the last checkpoint with different settings."
                 )
                 logger.error(self.stop_reason[len("diverged: ") :])
                 break
