@@ -32,6 +32,7 @@ _COMMON_KEYS = {
     "weight_decay",
     "weight_decay_include",
     "weight_decay_exclude",
+    "weight_decay_values",
     "lr_scale",
     "accumulate_allreduce_grads_in_fp32",
 }
@@ -79,6 +80,8 @@ class GroupingOptions:
     weight_decay_include: list[str] = field(default_factory=list)
     weight_decay_exclude: list[str] = field(default_factory=list)
     lr_scale: list[tuple[str, float]] = field(default_factory=list)  # (rule, multiplier), first match wins
+    # (rule, weight decay) replacing ``weight_decay`` for the parameters that decay; first match wins
+    weight_decay_values: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -186,6 +189,27 @@ def _lr_scale(value: Any) -> list[tuple[str, float]]:
     return rules
 
 
+def _weight_decay_values(value: Any) -> list[tuple[str, float]]:
+    """``weight_decay_values: {"*word_embeddings*": 0.02, ...}``: per-name-pattern decay values."""
+    if value is None:
+        return []
+    if not isinstance(value, Mapping):
+        raise _err(
+            "weight_decay_values",
+            "expected a mapping from parameter-name rule (exact name, substring or glob) to a weight "
+            f'decay >= 0, e.g. {{"*word_embeddings*": 0.02, "decoder.layers": 0.01}}; got {type(value).__name__}.',
+        )
+    rules = []
+    for rule, wd in value.items():
+        if not isinstance(rule, str):
+            raise _err("weight_decay_values", f"rule {rule!r} must be a string.")
+        v = _as_float(f"weight_decay_values.{rule}", wd)
+        if v < 0:
+            raise _err(f"weight_decay_values.{rule}", f"Invalid weight_decay value: {v}, should be >= 0.")
+        rules.append((rule, v))
+    return rules
+
+
 def _adamw_include(value: Any) -> list[str]:
     if value is None:
         return list(DEFAULT_ADAMW_INCLUDE)
@@ -283,6 +307,7 @@ def parse_optimizer_section(section: Any) -> OptimizerOptions:
         weight_decay_include=_rule_list("weight_decay_include", raw.get("weight_decay_include")),
         weight_decay_exclude=_rule_list("weight_decay_exclude", raw.get("weight_decay_exclude")),
         lr_scale=_lr_scale(raw.get("lr_scale")),
+        weight_decay_values=_weight_decay_values(raw.get("weight_decay_values")),
     )
 
     if "accumulate_allreduce_grads_in_fp32" in given and raw["accumulate_allreduce_grads_in_fp32"] is False:
