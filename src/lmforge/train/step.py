@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.errors import LmforgeError
+from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext, sync_gradients
 
 CLIP_EPS = 1e-6  # coef = max_norm / (norm + eps), as the original
@@ -77,6 +78,8 @@ class StepResult:
     embedding_grad_norm: float | None = None
     skipped: bool = False
     skip_reason: str | None = None
+    loss_scale: float | None = None  # the fp16 loss scale this step used (None: no scaling)
+    overflow: bool = False  # skipped because the scaled fp16 gradients overflowed
 
 
 def count_loss_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -146,6 +149,7 @@ class TrainStep:
         max_norm: float,
         ctx: ParallelContext,
         skip_policy: SkipPolicy | None = None,
+        loss_scaler: LossScaler | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -153,6 +157,7 @@ class TrainStep:
         self.max_norm = float(max_norm)
         self.ctx = ctx
         self.skip_policy = skip_policy or SkipPolicy()
+        self.loss_scaler = loss_scaler
         named = list(model.named_parameters())
         self.params = [p for _, p in named if p.requires_grad]
         self.embedding_params = [p for n, p in named if p.requires_grad and "word_embeddings" in n]
@@ -179,8 +184,10 @@ class TrainStep:
         n_global, input_tokens, samples = (float(x) for x in local_stats.tolist())
         # Scale so that the reduced gradient is the gradient of the global-batch token mean.
         reduce_scale = ctx.dp_size if (ctx.wrapper_reduces_grads and ctx.grad_reduce_is_mean) else 1
-        inv_tokens = reduce_scale / max(n_global, 1.0)
-        aux_scale = reduce_scale / (accum * ctx.dp_size)
+        # fp16: backpropagate loss x scale (gradients divided by it again before clipping).
+        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        inv_tokens = loss_scale * reduce_scale / max(n_global, 1.0)
+        aux_scale = loss_scale * reduce_scale / (accum * ctx.dp_size)
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         model_tokens = torch.zeros((), dtype=torch.float64, device=device)
@@ -214,10 +221,10 @@ class TrainStep:
         loss = float(reduced[0]) / max(n_global, 1.0)
         aux_losses = {k: float(v) / ctx.dp_size for k, v in zip(aux_totals, reduced[1:].tolist())}
 
-        grad_norm = float(global_grad_norm(self.params, ctx))
+        grad_norm = float(global_grad_norm(self.params, ctx)) / loss_scale
         # Every rank joins the reduction (under pipeline parallel only the first stage holds the embedding).
         emb_norm = (
-            float(global_grad_norm(self.embedding_params, ctx))
+            float(global_grad_norm(self.embedding_params, ctx)) / loss_scale
             if (self.embedding_params or ctx.distributed)
             else None
         )
@@ -231,8 +238,17 @@ class TrainStep:
             samples=int(samples),
             aux_losses=aux_losses,
             embedding_grad_norm=emb_norm,
+            loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else None,
         )
         reason = self._skip_reason(result)
+        if self.loss_scaler is not None:
+            # Overflow: the loss is finite but the scaled gradients are not (NaN/inf in backward).
+            result.overflow = math.isfinite(loss) and not math.isfinite(grad_norm)
+            if result.overflow:
+                old = self.loss_scaler.scale
+                reason = f"float16 gradient overflow at loss scale {old:g} (lowered to {old * self.loss_scaler.backoff_factor:g})"
+            if reason is None or result.overflow:
+                self.loss_scaler.update(result.overflow)
         if reason is not None:
             # Nothing is applied: gradients are dropped; the lr schedule and the optimizer's step
             # counter stay where they are, so the next update gets the lr this one would have had.
@@ -241,8 +257,9 @@ class TrainStep:
             result.skipped, result.skip_reason = True, reason
             return result
 
-        coef = self.max_norm / (grad_norm + CLIP_EPS)
-        if coef < 1.0:
+        # One pass over the gradients: clipping and, under fp16, unscaling.
+        coef = min(1.0, self.max_norm / (grad_norm + CLIP_EPS)) / loss_scale
+        if coef != 1.0:
             grads = [g for g in (grad_of(p) for p in self.params) if g is not None]
             torch._foreach_mul_(grads, coef)
         self.optimizer.step()
