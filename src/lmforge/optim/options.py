@@ -47,6 +47,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "amsgrad": False,
         "maximize": False,
         "offload_states": False,
+        "moment_dtype": "float32",
     },
     "Muon": {
         "weight_decay": 0.1,
@@ -64,6 +65,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "use_fused_adamw": False,
         "adamw_include": None,
         "ns_dtype": "bfloat16",
+        "moment_dtype": "float32",
     },
     # Lion (Chen et al. 2023): sign of an interpolated momentum; decay as in AdamW.
     "Lion": {"betas": (0.9, 0.99), "weight_decay": 0.01, "offload_states": False},
@@ -226,6 +228,16 @@ def _ns_dtype(value: Any) -> str:
     return value
 
 
+def _moment_dtype(value: Any) -> str:
+    if value not in ("float32", "bfloat16"):
+        raise _err(
+            "moment_dtype",
+            f"expected 'float32' (default) or 'bfloat16' (moments stored in bf16, updated in fp32 with "
+            f"stochastic rounding), got {value!r}.",
+        )
+    return value
+
+
 def _validate_adamw_like(kind: str, raw: dict[str, Any], hyper: dict[str, Any]) -> None:
     hyper["betas"] = _betas("betas", raw["betas"])
     if "eps" in hyper:
@@ -234,6 +246,8 @@ def _validate_adamw_like(kind: str, raw: dict[str, Any], hyper: dict[str, Any]) 
         hyper["amsgrad"] = _as_bool("amsgrad", raw["amsgrad"])
         hyper["maximize"] = _as_bool("maximize", raw["maximize"])
     hyper["offload_states"] = _as_bool("offload_states", raw["offload_states"])
+    if kind == "AdamW":
+        hyper["moment_dtype"] = _moment_dtype(raw["moment_dtype"])
 
 
 def _validate_muon(raw: dict[str, Any], hyper: dict[str, Any]) -> None:
@@ -274,6 +288,7 @@ def _validate_muon(raw: dict[str, Any], hyper: dict[str, Any]) -> None:
     hyper["use_fused_adamw"] = _as_bool("use_fused_adamw", raw["use_fused_adamw"])
     hyper["adamw_include"] = _adamw_include(raw["adamw_include"])
     hyper["ns_dtype"] = _ns_dtype(raw["ns_dtype"])
+    hyper["moment_dtype"] = _moment_dtype(raw["moment_dtype"])
 
 
 def parse_optimizer_section(section: Any) -> OptimizerOptions:
@@ -301,6 +316,12 @@ def parse_optimizer_section(section: Any) -> OptimizerOptions:
         _validate_muon(raw, hyper)
     else:
         _validate_adamw_like(kind, raw, hyper)
+        if kind != "AdamW" and "moment_dtype" in given and raw["moment_dtype"] != "float32":
+            raise _err(
+                "moment_dtype",
+                f"compressed (bf16) moments are implemented for AdamW and Muon, not {kind}; remove the key "
+                "or use type: AdamW / Muon.",
+            )
 
     grouping = GroupingOptions(
         weight_decay=_weight_decay(raw["weight_decay"]),
@@ -315,7 +336,7 @@ def parse_optimizer_section(section: Any) -> OptimizerOptions:
             "optimizer.accumulate_allreduce_grads_in_fp32: false has no effect; gradients of bf16/fp16 "
             "parameters always accumulate and reduce in fp32 (as in the original since it removed the switch)."
         )
-    known = _COMMON_KEYS | set(defaults) | {"enable_cpu_offload", "swap"}
+    known = _COMMON_KEYS | set(defaults) | {"enable_cpu_offload", "swap", "moment_dtype"}
     if kind == "AdamW":
         known |= _ADAM_KERNEL_KEYS
     # Kernel choices of the original: lmforge always steps its masters with torch's fused AdamW kernel.
