@@ -186,6 +186,9 @@ class TrainStep:
         reduce_scale = ctx.dp_size if (ctx.wrapper_reduces_grads and ctx.grad_reduce_is_mean) else 1
         # fp16: backpropagate loss x scale (gradients divided by it again before clipping).
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        runner = getattr(self.model, "pipeline_runner", None)
+        if runner is not None:  # pipeline parallel: the schedule runs backward with its own objective
+            runner.loss_scale = loss_scale
         inv_tokens = loss_scale * reduce_scale / max(n_global, 1.0)
         aux_scale = loss_scale * reduce_scale / (accum * ctx.dp_size)
 
