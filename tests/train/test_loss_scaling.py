@@ -48,12 +48,16 @@ def test_fp16_run_matches_fp32_and_bf16_loss_and_grad_norm_curves(tmp_path):
     fp16 = runs["float16"]
     assert [r["loss_scale"] for r in fp16] == [2.0**16] * 6 and not any(r.get("skipped") for r in fp16)
     assert all("loss_scale" not in r for r in runs["float32"] + runs["bfloat16"])
-    for ref in ("float32", "bfloat16"):
-        # The gradient norm is checked too: it is computed after unscaling, so a wrong unscale
-        # (hidden from the loss by clipping) would be off by the scale.
-        for a, b in zip(fp16, runs[ref]):
-            assert a["loss"] == pytest.approx(b["loss"], rel=5e-3), (ref, a["step"])
-            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2), (ref, a["step"])
+    # fp16 has 3 more mantissa bits than bf16: it tracks the fp32 run closely, loss and gradient
+    # norm. The norm is computed after unscaling, so a wrong unscale (hidden from the loss by
+    # clipping) would be off by the scale.
+    for a, b in zip(fp16, runs["float32"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-3), a["step"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-2), a["step"]
+    # bf16 drifts from fp32 itself (its gradient norm by tens of percent after a few steps); the
+    # loss curves agree within bf16's precision.
+    for a, b in zip(fp16, runs["bfloat16"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-2), a["step"]
 
 
 class InjectOverflow(TrainerCallback):
