@@ -55,6 +55,7 @@ class MemoryEstimate:
     recompute_backward: int = 0
     # Gradient accumulation: later micro-batches run their forward with every gradient allocated.
     gradients_during_forward: bool = False
+    moment_bytes: int = 4  # per optimizer-moment element: 4 (fp32) or 2 (optimizer.moment_dtype: bfloat16)
 
     def total(self, recompute: bool = False) -> int:
         """The peak: the largest of the start of backward, a recomputed layer's backward and the
@@ -72,7 +73,7 @@ class MemoryEstimate:
         return [
             ("parameters", self.parameters),
             ("gradients (fp32)", self.gradients),
-            ("optimizer states", self.optimizer_states),
+            (f"optimizer states ({'fp32' if self.moment_bytes == 4 else 'bf16'})", self.optimizer_states),
             ("fp32 master weights", self.master_weights),
             ("gathered layer parameters", self.gathered_parameters),
             ("activations", self.activations),
@@ -149,13 +150,13 @@ def estimate_memory(
     num_layers: int,
     vocab_size: int,
     accumulation_steps: int = 1,
-    optimizer_state_dtype: torch.dtype = torch.float32,
+    moment_bytes: int = 4,
     offload_states: bool = False,
 ) -> MemoryEstimate:
     """Estimate what one rank holds when ``model`` (built on meta) is trained with ``dims``.
 
-    ``optimizer_state_dtype``: the dtype of the optimizer's moments (bf16 when optimizer-state
-    compression keeps them in 16 bits). ``offload_states``: the optimizer keeps its states and fp32
+    ``moment_bytes``: bytes per optimizer-moment element (2 with ``optimizer.moment_dtype: bfloat16``).
+    ``offload_states``: the optimizer keeps its states and fp32
     master weights in CPU memory (``optimizer.offload_states``), so they leave the device's count.
     """
     cbytes = _DTYPE_BYTES.get(compute_dtype, 4)
@@ -195,14 +196,13 @@ def estimate_memory(
         gathered = 0
     grads = int(local * 4)
     opt = optimizer_type.lower()
-    sbytes = _DTYPE_BYTES.get(optimizer_state_dtype, 4)
     if opt == "muon":
         # momentum for Muon matrices, Adam's two moments for the rest
-        states = int(muon_local * sbytes + (local - muon_local) * 2 * sbytes)
+        states = int(muon_local * moment_bytes + (local - muon_local) * 2 * moment_bytes)
     elif opt == "lion":
-        states = int(local * sbytes)  # one momentum
+        states = int(local * moment_bytes)  # one momentum
     else:
-        states = int(local * 2 * sbytes)
+        states = int(local * 2 * moment_bytes)
     if offload_states:
         notes.append("optimizer states and fp32 master weights are in CPU memory (optimizer.offload_states)")
         states, masters = 0, 0
@@ -236,6 +236,7 @@ def estimate_memory(
         notes=notes,
         recompute_backward=recompute_backward,
         gradients_during_forward=accumulation_steps > 1,
+        moment_bytes=moment_bytes,
     )
 
 

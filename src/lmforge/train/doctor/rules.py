@@ -658,7 +658,6 @@ def _memory_options(ev: RunEvidence) -> list[tuple[dict[str, Any], int, int]] | 
     """(keys, estimated bytes per GPU, number of remedies) for the run as configured and for each single remedy, from the
     same estimate as ``lmforge check`` / ``lmforge plan``; None when the config cannot be built."""
     try:
-        import torch
 
         from lmforge.config import load_config
         from lmforge.models import build_model, build_model_config
@@ -678,8 +677,10 @@ def _memory_options(ev: RunEvidence) -> list[tuple[dict[str, Any], int, int]] | 
     opt_type = _opt_type(ev)
     recompute_on = str(ev.section("recompute").get("mode", "None")) == "full"
 
+    moments = 2 if _optimizer(ev).get("moment_dtype") == "bfloat16" else 4
+
     def estimate(
-        lbs_: int = lbs, recompute: bool = recompute_on, offload: bool = False, state_dtype=torch.float32
+        lbs_: int = lbs, recompute: bool = recompute_on, offload: bool = False, moment_bytes: int = moments
     ) -> int:
         est = estimate_memory(
             net,
@@ -692,7 +693,7 @@ def _memory_options(ev: RunEvidence) -> list[tuple[dict[str, Any], int, int]] | 
             num_layers=mc.num_layers,
             vocab_size=mc.vocab_size,
             accumulation_steps=max(1, gbs // max(1, lbs_ * dims.dp)),
-            optimizer_state_dtype=state_dtype,
+            moment_bytes=moment_bytes,
             offload_states=offload,
         )
         return est.total(recompute=recompute)
@@ -703,6 +704,8 @@ def _memory_options(ev: RunEvidence) -> list[tuple[dict[str, Any], int, int]] | 
         remedies.append((full, {"recompute": True}))
     if opt_type.lower() in ("adamw", "lamb", "lion") and not _optimizer(ev).get("offload_states"):
         remedies.append(({"optimizer.offload_states": True}, {"offload": True}))
+    if moments == 4 and opt_type.lower() in ("adamw", "muon"):
+        remedies.append(({"optimizer.moment_dtype": "bfloat16"}, {"moment_bytes": 2}))  # state compression
     if lbs > 1:
         remedies.append(({"training.local_batch_size": lbs // 2}, {"lbs_": lbs // 2}))
     singles = sorted(((k, a, estimate(**a)) for k, a in remedies), key=lambda r: r[2])
