@@ -14,6 +14,11 @@ def _freeze_embedding(trainer) -> None:
     trainer.model.embedding.word_embeddings.weight.requires_grad_(False)
 
 
+def _no_loss_scaler(trainer) -> None:
+    """Custom code (or another framework) running fp16 without the trainer's dynamic loss scaler."""
+    trainer.step_fn.loss_scaler = None
+
+
 def _collapse_router(trainer) -> None:
     """Every router weight 0 and frozen: all scores tie and top-1 picks expert 0 for every token."""
     for module in trainer.model.modules():
@@ -31,7 +36,8 @@ PATHOLOGIES = {
     "warmup_gt_steps": ({"lr_scheduler.warmup_steps": 200}, None),
     "warmup_gt_decay": ({"lr_scheduler.warmup_steps": 100, "lr_scheduler.decay_steps": 20}, None),
     "lr_x100": ({"lr_scheduler.learning_rate": 1.0, "lr_scheduler.lr_end": 0.1}, None),
-    "fp16_no_scaling": ({"model.compute_dtype": "float16"}, None),
+    "fp16_no_scaling": ({"model.compute_dtype": "float16"}, _no_loss_scaler),
+    "fp16_scaled": ({"model.compute_dtype": "float16"}, None),
     "eps_1e16_bf16": ({"model.compute_dtype": "bfloat16", "optimizer.eps": 1e-16}, None),
     "weight_decay_10": ({"optimizer.weight_decay": 10.0}, None),
     "decay_norms": ({"optimizer.weight_decay_include": ["*norm*"]}, None),

@@ -59,6 +59,15 @@ def test_fp16_without_loss_scaling(pathology_run):
     assert "fp16 without loss scaling" in f.cause and f.keys == {"model.compute_dtype": "bfloat16"}
 
 
+def test_fp16_with_the_trainers_loss_scaling_is_healthy(pathology_run):
+    diagnosis = diagnose(read_run_dir(pathology_run("fp16_scaled")))
+    assert diagnosis.findings == []
+    assert any(
+        c.startswith("fp16_without_scaling: fp16 compute with dynamic loss scaling")
+        for c in diagnosis.checked
+    )
+
+
 def test_eps_too_small_in_bf16(pathology_run):
     (f,) = _findings(pathology_run("eps_1e16_bf16"))
     assert "eps too small for bfloat16" in f.cause and f.keys == {"optimizer.eps": 1e-6}

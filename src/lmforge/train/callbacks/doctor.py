@@ -34,6 +34,7 @@ _HEAD, _TAIL = 50, 1000
 _SAMPLE = 256
 _EARLY_CHECKS = (5, 10, 20)
 _KEPT = (
+    "loss_scale",
     "step",
     "loss",
     "lr",

@@ -419,6 +419,9 @@ def fp16_without_scaling(ev: RunEvidence) -> RuleResult:
     dtype = _compute_dtype(ev)
     if dtype != "float16":
         return f"model.compute_dtype is {dtype} (no fp16 underflow)"
+    scales = [v for _, v in ev.series("loss_scale")]
+    if scales:
+        return f"fp16 compute with dynamic loss scaling (scale {_fmt(scales[-1])} at the last step)"
     if _loss_scaling_on(ev.config):
         return "fp16 compute with loss scaling"
     nonfinite = _nonfinite_steps(ev)
@@ -430,7 +433,8 @@ def fp16_without_scaling(ev: RunEvidence) -> RuleResult:
         seen.append(f"zero grad norm at steps {zero[:5]}")
     return Finding(
         symptom="NaN / Inf or silently vanishing gradients (fp16)",
-        evidence=f"model.compute_dtype is float16 and no loss scaling is configured; {', '.join(seen) or 'no NaN yet'}",
+        evidence="model.compute_dtype is float16 and no step reports a loss scale (metrics loss_scale); "
+        f"{', '.join(seen) or 'no NaN yet'}",
         cause="fp16 without loss scaling: small gradients underflow to 0 and large activations overflow to Inf",
         keys={"model.compute_dtype": "bfloat16"},
     )
@@ -658,7 +662,6 @@ def _memory_options(ev: RunEvidence) -> list[tuple[dict[str, Any], int, int]] | 
     """(keys, estimated bytes per GPU, number of remedies) for the run as configured and for each single remedy, from the
     same estimate as ``lmforge check`` / ``lmforge plan``; None when the config cannot be built."""
     try:
-
         from lmforge.config import load_config
         from lmforge.models import build_model, build_model_config
         from lmforge.parallel import ParallelDims
