@@ -29,7 +29,8 @@ def _leaves(node: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
 
 
 LEAVES = _leaves(RAW)
-CORRUPTIONS = st.sampled_from([RENAME, None, "x", -1, 0, True, 1.5, 10**9, [], {}, ["x"]])
+# No huge numbers: a model of 10**9 layers is valid YAML but takes forever to lay out on meta.
+CORRUPTIONS = st.sampled_from([RENAME, None, "x", -1, 0, True, 1.5, 7, [], {}, ["x"]])
 
 
 def _corrupt(path: tuple[str, ...], bad: Any) -> tuple[dict[str, Any], list[str]]:
