@@ -117,8 +117,7 @@ def build_trainer(
     dims = plan.dims
     hook = _activation_hook(cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp)
     if not dims.is_parallel:
-        # Initialised now, from the seeded RNG.
-        model = build_from_config(model_cfg, plan.model_class, device=ctx.device)
+        model = build_from_config(model_cfg, plan.model_class, device=ctx.device, seed=int(training.seed))
         if hook is not None:
             hook(model)
     else:
@@ -137,7 +136,7 @@ def build_trainer(
         )
         model.to_empty(device=ctx.device)
         with torch.no_grad():
-            model.init_weights()
+            model.init_weights(int(training.seed))  # layout-invariant: the same weights as one process
         ctx = ParallelContext(
             rank=ctx.rank,
             world_size=ctx.world_size,
