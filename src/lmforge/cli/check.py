@@ -162,9 +162,12 @@ def _data_file_warnings(cfg: Any) -> list[str]:
 
 def _parallel_plan_lines(cfg: Any, world: int) -> list[str]:
     """The mesh, each rank's share and a per-rank memory estimate (lmforge.parallel.report)."""
+    from lmforge.parallel.plan import collected_warnings
     from lmforge.parallel.report import parallel_plan
 
-    return parallel_plan(cfg.parallelism, cfg.model, cfg.training, cfg.optimizer, world)
+    # The run plan has already collected these sections' warnings; do not print them twice.
+    with collected_warnings([]):
+        return parallel_plan(cfg.parallelism, cfg.model, cfg.training, cfg.optimizer, world)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     lines += ["", "Outputs:"] + [f"  {what}: {where}" for what, where in output_locations(cfg)]
     lines += ["", f"Run plan (world size {world}):", *plan.describe(cfg)]
     lines += ["", *_parallel_plan_lines(cfg, world)]
-    warnings = list(cfg.warnings) + list(plan.warnings) + _data_file_warnings(cfg)
+    warnings = list(cfg.warnings) + plan.warnings_beyond(cfg.warnings) + _data_file_warnings(cfg)
     if warnings:
         lines += ["", "Warnings:"] + [f"  - {w}" for w in warnings]
     print("\n".join(lines))

@@ -27,4 +27,3 @@ __all__ = [
     "save_hf_pretrained",
     "save_model_checkpoint",
 ]
-

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import warnings as py_warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from typing import Any
 
 from lmforge.errors import ConfigError, LmforgeError
 from lmforge.parallel.dims import ParallelDims
+
+_LEADING_KEY = re.compile(r"^([A-Za-z_][\w.]*)\s*(=|:)")
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ class RunPlan:
             raise ConfigError(f"the world size must be a positive integer, got {world_size!r}.")
         problems: list[str] = []
         notes: list[str] = []
-        with _collected_warnings(notes):
+        with collected_warnings(notes):
             plan = _plan(cfg, world_size, problems)
             for check in extra_checks:
                 _attempt(problems, lambda check=check: check(cfg))
@@ -171,6 +174,12 @@ class RunPlan:
         assert plan is not None
         ordered = list(dict.fromkeys([*plan.warnings, *notes]))
         return _replace(plan, warnings=tuple(ordered))
+
+    def warnings_beyond(self, earlier: tuple[str, ...] | list[str]) -> list[str]:
+        """The plan's warnings without those about a key an ``earlier`` warning (``cfg.warnings``)
+        already names first: one warning per key when both layers know a setting is inert."""
+        seen = {m.group(1) for m in map(_LEADING_KEY.match, earlier) if m}
+        return [n for n in self.warnings if not ((m := _LEADING_KEY.match(n)) and m.group(1) in seen)]
 
     # ------------------------------------------------------------------ printing
     def describe(self, cfg: Any) -> list[str]:
@@ -225,7 +234,7 @@ def _strip(text: str) -> str:
 
 
 @contextlib.contextmanager
-def _collected_warnings(notes: list[str]) -> Iterator[None]:
+def collected_warnings(notes: list[str]) -> Iterator[None]:
     """Collect the building blocks' warnings (log records and ``warnings.warn``) instead of printing them."""
 
     class _Collect(logging.Handler):

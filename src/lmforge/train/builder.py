@@ -109,7 +109,7 @@ def build_trainer(
         run_dir.mkdir(parents=True, exist_ok=True)
     # Logging first, so that model / optimizer construction messages reach train.log too.
     setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)
-    for note in plan.warnings:
+    for note in plan.warnings_beyond(getattr(cfg, "warnings", ())):  # load_config logged those
         logger.warning("%s", note)
     training = cfg.training
     seed_everything(int(training.seed), bool(training.deterministic))
