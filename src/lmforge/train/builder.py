@@ -17,23 +17,15 @@ from lmforge.train.parallel_seam import ParallelContext, distributed_env
 from lmforge.train.rng import seed_everything
 from lmforge.train.trainer import Trainer
 from lmforge.utils.logging import get_logger, setup_logging
-from lmforge.utils.sections import section_to_dict
 
 logger = get_logger("lmforge.train")
 
 
-def _section_enabled(section: Any, key: str, off: Any) -> bool:
-    values = section_to_dict(section)
-    return bool(values) and values.get(key, off) not in (off, None, False)
-
-
 def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int):
     """Recompute / swap, applied on one device too (the original only applies them when parallel)."""
-    wanted = (
-        _section_enabled(cfg.recompute, "mode", "None")
-        or _section_enabled(cfg.recompute_comm, "enable", False)
-        or _section_enabled(cfg.swap, "enable", False)
-    )
+    from lmforge.parallel.plan import activation_wanted
+
+    wanted = activation_wanted(cfg)
     if not wanted:
         return None
     from lmforge.parallel.activation import apply_activation_memory
@@ -56,7 +48,7 @@ def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int):
 def find_tokenizer(cfg: Any) -> Path | None:
     """The tokenizer.json of the run's data: ``train_dataset.dataloader.tokenizer`` if it is a local
     path, else a tokenizer.json next to the first training data prefix (as ``lmforge data demo`` lays out)."""
-    loader = section_to_dict(getattr(cfg.train_dataset, "dataloader", None))
+    loader = cfg.train_dataset.dataloader.to_dict()
     candidates: list[Path] = []
     tok = loader.get("tokenizer")
     if isinstance(tok, str) and tok:
