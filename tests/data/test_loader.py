@@ -289,16 +289,6 @@ def test_batched_rows_equal_dataset_samples(prefix, tmp_path, config, extra_colu
                 )
 
 
-def test_global_batch_smaller_than_one_step(prefix, tmp_path):
-    with pytest.raises(
-        ConfigError, match="The product of data_parallel and local_batch_size exceeds global_batch_size"
-    ):
-        build_dataloader(section_for(prefix, tmp_path), local_batch_size=4, dp_size=2, global_batch_size=4)
-    assert build_dataloader(
-        section_for(prefix, tmp_path), local_batch_size=4, dp_size=2, global_batch_size=16
-    )
-
-
 def test_validate_section_needs_no_files(tmp_path):
     from lmforge.data import validate_dataset_section
 

@@ -203,7 +203,6 @@ def build_dataloader(
     dataset_section: Any,
     *,
     local_batch_size: int,
-    global_batch_size: int | None = None,
     dp_rank: int = 0,
     dp_size: int = 1,
     seed: int = 0,
@@ -214,8 +213,8 @@ def build_dataloader(
 ) -> MegatronDataLoader | None:
     """The micro-batch loader of ``phase`` for this data-parallel rank, or None if the split is empty.
 
-    ``dataset_section`` is ``train_dataset`` (pydantic section or dict). ``global_batch_size``, when
-    given, is only checked against ``dp_size * local_batch_size``. Tensor/context-parallel
+    ``dataset_section`` is ``train_dataset`` (pydantic section or dict). The batch arithmetic
+    (global batch against ``dp_size * local_batch_size``) is the run plan's. Tensor/context-parallel
     peers pass the same ``dp_rank`` and so read the same shard. ``seed`` (training.seed) seeds only
     the optional ``dataloader.shuffle``; the sample order itself comes from ``config.seed`` as in
     Megatron. Training loaders run forever across epochs; valid/test loaders run one epoch per
@@ -223,12 +222,6 @@ def build_dataloader(
     """
     if local_batch_size < 1:
         raise ConfigError(f"training.local_batch_size must be >= 1; got {local_batch_size}.")
-    if global_batch_size is not None and dp_size * local_batch_size > global_batch_size:
-        raise ConfigError(
-            "The product of data_parallel and local_batch_size exceeds global_batch_size, please increase "
-            f"global_batch_size or decrease local_batch_size (training.global_batch_size = {global_batch_size}, "
-            f"data_parallel = {dp_size}, training.local_batch_size = {local_batch_size})."
-        )
     dataset, section = build_dataset(
         dataset_section, phase=phase, vocab_size=vocab_size, seq_length=seq_length
     )
