@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, DataError
 from lmforge.train.parallel_seam import ParallelContext, distributed_env
 from lmforge.train.rng import seed_everything
 from lmforge.train.trainer import Trainer
@@ -84,6 +84,7 @@ def build_trainer(
     """Build everything a run needs from ``cfg`` (one process or under torchrun)."""
     from lmforge.config.outputs import with_output_dir
     from lmforge.data import build_dataloader
+    from lmforge.data.files import TRAINING_KEYS, missing_data_files
     from lmforge.lr import ScheduleLR
     from lmforge.models import load_hf_weights
     from lmforge.models.build import build_from_config
@@ -95,6 +96,12 @@ def build_trainer(
         cfg = with_output_dir(cfg, output_dir)
     # Every configuration error is raised here, before a process group, model or dataset exists.
     plan = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    missing = missing_data_files(cfg.train_dataset, TRAINING_KEYS)
+    if missing:
+        raise DataError(
+            "; ".join(missing) + ". Nothing was built; create the data (e.g. 'lmforge data preprocess') or "
+            "point the path at it."
+        )
     ctx = distributed_env(device)
     run_dir = Path(cfg.output_dir or "./output")
     if ctx.rank == 0:
