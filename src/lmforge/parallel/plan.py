@@ -171,7 +171,8 @@ class RunPlan:
                 raise ConfigError(f"Invalid configuration: {problems[0]}")
             numbered = "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
             raise ConfigError(f"Invalid configuration, {len(problems)} problems: {numbered}")
-        assert plan is not None
+        if plan is None:  # every path that yields no plan records a problem; kept explicit for safety
+            raise ConfigError("Invalid configuration: the run plan could not be computed.")
         ordered = list(dict.fromkeys([*plan.warnings, *notes]))
         return _replace(plan, warnings=tuple(ordered))
 
