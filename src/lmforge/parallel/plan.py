@@ -79,8 +79,8 @@ class BatchSchedule:
                 return [
                     "training.global_batch_size: The product of data_parallel and local_batch_size exceeds "
                     "global_batch_size, please increase global_batch_size or decrease local_batch_size "
-                    f"(data_parallel {self.data_parallel} x local_batch_size {self.local_batch_size} = "
-                    f"{per_step} > global_batch_size {self.global_batch_size})."
+                    f"(data_parallel {self.data_parallel} x training.local_batch_size {self.local_batch_size} "
+                    f"= {per_step} > training.global_batch_size {self.global_batch_size})."
                 ]
             return []
         start, inc, _ = self.rampup
