@@ -217,3 +217,12 @@ def test_found_by_exhaustive_corruption_of_the_shipped_configs(base_config: dict
     with pytest.raises(ConfigError, match=r"model\.q_lora_rank = -1 must be a non-negative integer"):
         build_model_config(ds3)
     assert build_model_config({**ds3, "q_lora_rank": 0}).q_lora_rank is None
+    qwen = {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "hidden_size": 64}
+    for key, value in (
+        ("head_dim", -1),
+        ("num_key_value_heads", -2),
+        ("rms_norm_eps", 0),
+        ("initializer_range", -1),
+    ):
+        with pytest.raises(ConfigError, match=rf"model\.{key} = {value}"):
+            build_model_config({**qwen, key: value})
