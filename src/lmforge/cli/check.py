@@ -1,7 +1,8 @@
-"""``lmforge check``: validate a train.yaml, print it resolved, and the quantities derived from it.
+"""``lmforge check``: the pre-build validation of ``lmforge train`` (``load_config`` + the run plan),
+then the resolved configuration, where every output goes, the run plan and the parallel mesh.
 
 Exit 0 when the configuration is valid, 2 (via the CLI's LmforgeError handling) when it is not.
-Missing data files are warnings here; the trainer refuses them.
+Missing data files are warnings here; the trainer refuses them (before it builds anything).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def register(subparsers: Any) -> None:
         "check",
         help="validate a train.yaml and show the resolved configuration",
         description=(
-            "Validate a train.yaml without training: print every value with defaults filled in, marked "
-            "[file], [--set] or [default], then the derived quantities (data-parallel degree, "
-            "gradient-accumulation steps, warm-up steps). Exit 0 when valid, 2 when not."
+            "Validate a train.yaml exactly as `lmforge train` does before it builds anything, without "
+            "training: print every value with defaults filled in, marked [file], [--set] or [default], "
+            "where every output goes, then the run plan (data-parallel degree, gradient-accumulation "
+            "steps, batch ramp-up, lr schedule, recompute/swap) and the parallel mesh. Exit 0 when "
+            "valid, 2 when not (every problem named at once)."
         ),
     )
     parser.add_argument("--config", required=True, metavar="FILE", help="the train.yaml to check")
