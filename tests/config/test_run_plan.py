@@ -226,3 +226,8 @@ def test_found_by_exhaustive_corruption_of_the_shipped_configs(base_config: dict
     ):
         with pytest.raises(ConfigError, match=rf"model\.{key} = {value}"):
             build_model_config({**qwen, key: value})
+
+
+def test_cpu_offload_on_one_process_is_announced_by_the_plan(base_config: dict[str, Any]) -> None:
+    warnings = " | ".join(_plan(base_config, parallelism={"cpu_offload": True}).warnings)
+    assert "parallelism.cpu_offload: true with one process" in warnings

@@ -52,7 +52,7 @@ def check_cpu_offload_on_one_process(section: Any, device: torch.device) -> None
     already live in host memory (a no-op, said so); on an accelerator it would do nothing, so it is
     refused before anything is built, pointing at what does work on one device.
     """
-    if not section_to_dict(section).get("cpu_offload", False):
+    if section is None or not section.get("cpu_offload", False):  # a typed section or a mapping
         return
     if device.type == "cpu":
         logger.warning(
