@@ -78,6 +78,16 @@ def find_tokenizer(cfg: Any) -> Path | None:
     return None
 
 
+def _apply_lora(model: torch.nn.Module, section: Any, seed: int, *, materialised: bool) -> None:
+    """Adapters from ``lora_config`` on the freshly built model (before any parallel wrapping)."""
+    from lmforge.models.lora import apply_lora, init_lora_weights, lora_summary
+
+    apply_lora(model, section)
+    if materialised:
+        init_lora_weights(model, seed)
+    logger.info(lora_summary(model))
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -113,14 +123,25 @@ def build_trainer(
             "training.rampup_batch_size cannot be combined with parallelism.pipeline_parallel > 1: the "
             "pipeline schedule runs a fixed number of micro-batches per step."
         )
+    lora = getattr(cfg, "lora_config", None)
+    if lora is not None and (dims.tp > 1 or dims.pp > 1):
+        raise ConfigError(
+            f"lora_config cannot be combined with parallelism.tensor_parallel ({dims.tp}) > 1 or "
+            f"parallelism.pipeline_parallel ({dims.pp}) > 1 yet: LoRA composes with data parallel (FSDP2/HSDP), "
+            "context and expert parallel only. Remove lora_config or set those degrees to 1."
+        )
     if not dims.is_parallel:
         model = build_model(cfg.model, device=ctx.device)  # initialised now, from the seeded RNG
+        if lora is not None:
+            _apply_lora(model, lora, int(training.seed), materialised=True)
         if hook is not None:
             hook(model)
     else:
         from lmforge.parallel import parallelize
 
         model = build_model(cfg.model, device="meta")
+        if lora is not None:
+            _apply_lora(model, lora, int(training.seed), materialised=False)
         mesh = dims.build_mesh(ctx.device.type)
         model, info = parallelize(
             model,
@@ -134,6 +155,10 @@ def build_trainer(
         model.to_empty(device=ctx.device)
         with torch.no_grad():
             model.init_weights()
+        if lora is not None:
+            from lmforge.models.lora import init_lora_weights
+
+            init_lora_weights(model, int(training.seed))
         ctx = ParallelContext(
             rank=ctx.rank,
             world_size=ctx.world_size,

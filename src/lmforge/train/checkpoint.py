@@ -609,6 +609,13 @@ def load_checkpoint(
     rank = dist.get_rank() if _distributed() else 0
     model_sd = _model_state_dict(target.model)
     missing = [k for k in model_sd if f"model.{k}" not in keys]
+    if no_load_optim and missing:
+        # Fine-tuning with LoRA from a checkpoint of the base model: the adapters keep their fresh init.
+        from lmforge.models.lora import is_lora_param_name
+
+        fresh = [k for k in missing if is_lora_param_name(k)]
+        model_sd = {k: v for k, v in model_sd.items() if k not in fresh}
+        missing = [k for k in missing if k not in fresh]
     if missing:
         raise CheckpointError(
             f"Checkpoint {header.path} does not match the model: {len(missing)} parameter(s) are missing, e.g. "
