@@ -19,7 +19,7 @@ def write_tokenizer(directory, chat_template: str | None = None) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     if chat_template is not None:
-        config = {"chat_template": chat_template, "eos_token": "<|im_end|>"}
+        config = {"chat_template": chat_template, "eos_token": "<|endoftext|>"}
         (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return str(directory / "tokenizer.json")
 
