@@ -178,7 +178,7 @@ def validate_dataset_section(
     if text is not None:
         from .text_loader import parse_text_loader
 
-        parse_text_loader(text, seq_length=seq_length, vocab_size=vocab_size)
+        parse_text_loader(text, seq_length=seq_length, vocab_size=vocab_size, read_files=False)
         return
     _parse_section(dataset_section, vocab_size=vocab_size, seq_length=seq_length)
 

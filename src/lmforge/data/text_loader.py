@@ -63,6 +63,7 @@ _KEYS = {
     "eod_mask_loss",
     "eod_pad_length",
     "shuffle",
+    "python_multiprocessing",  # declared by the typed section; workers are always processes here
 }
 
 
@@ -88,9 +89,14 @@ def _str(loader: dict[str, Any], key: str, default: str) -> str:
 
 
 def parse_text_loader(
-    loader: dict[str, Any], *, seq_length: int | None = None, vocab_size: int | None = None
-) -> TextLoaderSettings:
-    """Validate the dataloader mapping of a TextDataLoader (reads only the tokenizer files)."""
+    loader: dict[str, Any],
+    *,
+    seq_length: int | None = None,
+    vocab_size: int | None = None,
+    read_files: bool = True,
+) -> TextLoaderSettings | None:
+    """Validate the dataloader mapping of a TextDataLoader. With ``read_files=False`` (``lmforge check``)
+    nothing is read: the tokenizer and the data are checked when the loader is built."""
     unknown = sorted(set(loader) - _KEYS)
     if unknown:
         raise ConfigError(
@@ -113,9 +119,6 @@ def parse_text_loader(
         tokenizer = tokenizer.get("tokenizer_file") or tokenizer.get("path") or tokenizer.get("vocab_file")
     if not isinstance(tokenizer, str) or not tokenizer:
         raise ConfigError(f"{KEY}.tokenizer is required: a local tokenizer.json or a directory holding one.")
-    from .tokenizer import find_eod_id, load_tokenizer
-
-    tok = load_tokenizer(tokenizer)
     seq = loader.get("seq_length", seq_length)
     if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
         raise ConfigError(
@@ -138,21 +141,12 @@ def parse_text_loader(
             f"{KEY}.pack must be 'concat' (split documents across samples, for pre-training) or 'whole' "
             f"(never split a document, pad instead, for SFT); got {pack!r}."
         )
-    eod = loader.get("eod")
-    if eod is None:
-        eod = find_eod_id(tok, tokenizer)
-    pad = loader.get("pad", eod)
-    vocab = vocab_size or tok.get_vocab_size(with_added_tokens=True)
-    for name, value in (("eod", eod), ("pad", pad)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
-            raise ConfigError(f"{KEY}.{name} must be a token id in 0 .. {vocab - 1}; got {value!r}.")
     template = loader.get("chat_template")
-    default_template, bos, eos = tokenizer_chat_template(tokenizer)
     if template is not None and not isinstance(template, str):
         raise ConfigError(
             f"{KEY}.chat_template must be a Jinja template string or 'chatml'; got {template!r}."
         )
-    template = BUILTIN_TEMPLATES.get(template, template) if template else default_template
+    template = BUILTIN_TEMPLATES.get(template, template) if template else None
     if template:
         from .text_format import compile_template
 
@@ -160,6 +154,28 @@ def parse_text_loader(
             compile_template(template)
         except Exception as exc:  # jinja2's TemplateSyntaxError
             raise ConfigError(f"{KEY}.chat_template is not a valid Jinja template: {exc}") from None
+    pad_length = loader.get("eod_pad_length", 128)
+    if isinstance(pad_length, bool) or not isinstance(pad_length, int) or pad_length < 1:
+        raise ConfigError(f"{KEY}.eod_pad_length must be a positive integer; got {pad_length!r}.")
+    for name in ("eod", "pad"):
+        value = loader.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ConfigError(f"{KEY}.{name} must be a token id (an integer >= 0); got {value!r}.")
+    if not read_files:
+        return None
+    from .tokenizer import find_eod_id, load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    eod = loader.get("eod")
+    if eod is None:
+        eod = find_eod_id(tok, tokenizer)
+    pad = loader.get("pad", eod)
+    vocab = vocab_size or tok.get_vocab_size(with_added_tokens=True)
+    for name, value in (("eod", eod), ("pad", pad)):
+        if value >= vocab:
+            raise ConfigError(f"{KEY}.{name} must be a token id in 0 .. {vocab - 1}; got {value!r}.")
+    default_template, bos, eos = tokenizer_chat_template(tokenizer)
+    template = template or default_template
     fmt = FormatSettings(
         text_key=_str(loader, "text_key", "text"),
         messages_key=_str(loader, "messages_key", "messages"),
@@ -170,9 +186,6 @@ def parse_text_loader(
         eos_token=eos,
         eod=int(eod),
     )
-    pad_length = loader.get("eod_pad_length", 128)
-    if isinstance(pad_length, bool) or not isinstance(pad_length, int) or pad_length < 1:
-        raise ConfigError(f"{KEY}.eod_pad_length must be a positive integer; got {pad_length!r}.")
     for path in blend.prefixes:
         TextSource(path, f"{KEY}.data_path")  # the files exist and have a known format
     return TextLoaderSettings(
@@ -282,10 +295,14 @@ class TextDataLoader:
             )
         local = None
         if self.num_workers > 1:
-            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-            self._pool = multiprocessing.get_context(method).Pool(
-                self.num_workers, init_worker, (self.s.tokenizer, self.s.format)
-            )
+            # Not fork: the training process has threads (checkpoint writers, loggers) whose locks a
+            # forked child would inherit held. The fork server starts clean, imports the tokenization
+            # module once and forks the workers from there.
+            methods = multiprocessing.get_all_start_methods()
+            ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+            if "forkserver" in methods:
+                ctx.set_forkserver_preload(["lmforge.data.text_format"])
+            self._pool = ctx.Pool(self.num_workers, init_worker, (self.s.tokenizer, self.s.format))
         else:
             from .tokenizer import load_tokenizer
 
