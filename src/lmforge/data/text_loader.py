@@ -44,7 +44,7 @@ log = get_logger("lmforge.data")
 
 KEY = "train_dataset.dataloader"
 TEXT_TYPE = "TextDataLoader"
-CHUNK_DOCUMENTS = 64  # documents per task sent to a tokenization worker
+CHUNK_DOCUMENTS = 256  # documents per encode_batch call / task sent to a tokenization worker
 COLUMNS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask", "actual_seq_len")
 _KEYS = {
     "type",
