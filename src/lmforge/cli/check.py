@@ -7,6 +7,7 @@ Missing data files are warnings here; the trainer refuses them.
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import os
 import re
@@ -163,6 +164,8 @@ def _data_file_warnings(cfg: Any) -> list[str]:
             if not isinstance(item, str) or re.fullmatch(r"\s*[-+]?[\d.eE]+\s*", item):
                 continue  # blend weights ('1', 0.3) sit between the prefixes
             if os.path.exists(item) or (os.path.exists(item + ".bin") and os.path.exists(item + ".idx")):
+                continue
+            if any(c in item for c in "*?[") and glob.glob(item):  # TextDataLoader accepts globs
                 continue
             warnings.append(
                 f"{label}: {item!r} not found (neither the path nor {item}.bin/.idx exists); training will "
