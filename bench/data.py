@@ -213,7 +213,7 @@ def render_text(result: dict[str, Any], repeats: int) -> str:
     best = max(ours for ours, _ in result["rows"].values())
     lines += [
         "",
-        f"Feeding the 100M model: its CPU training step runs at about 251 tokens/s (Training throughput below), so "
+        f"Feeding the 100M model: its CPU training step runs at about 251 tokens/s (see Training throughput), so "
         f"the loader's {best:,.0f} tokens/s is {best / 251:,.0f}x what it consumes (target: 10x).",
         "",
     ]

@@ -273,3 +273,25 @@ def test_lora_model_loads_a_base_checkpoint_without_adapters(tmp_path):
     for name, p in base.named_parameters():
         assert torch.equal(ours[name], p), name
     assert not ours["decoder.layers.0.self_attention.linear_qkv.lora_B.weight"].any()
+
+
+def test_a_lora_checkpoint_is_not_loaded_into_a_model_without_adapters(tmp_path):
+    from lmforge.errors import CheckpointError
+    from lmforge.train.checkpoint import Checkpointable, CheckpointManager, load_model_weights
+
+    torch.manual_seed(4)
+    model = _tiny_model()
+    apply_lora(model, {"target_modules": ".*linear_proj"})
+    init_lora_weights(model, seed=0)
+    _randomise_adapters(model)
+    manager = CheckpointManager(tmp_path / "ckpt", no_save_optim=True, save_max=0)
+    assert manager.save(Checkpointable(model=model), step=0)
+    manager.close()
+    with pytest.raises(CheckpointError, match="holds LoRA adapters"):
+        load_model_weights(tmp_path / "ckpt", _tiny_model())  # would silently drop the adapters
+    again = _tiny_model()
+    apply_lora(again, {"target_modules": ".*linear_proj"})
+    load_model_weights(tmp_path / "ckpt", again)
+    ids = torch.randint(0, 64, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
