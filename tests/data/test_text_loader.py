@@ -94,6 +94,7 @@ def test_every_file_format_gives_the_same_batches(tmp_path, tok):
                 assert torch.equal(a[c], b[c]), (name, c)
 
 
+@pytest.mark.slow  # the fork server's start-up (it imports torch through lmforge.data)
 def test_worker_processes_give_the_same_stream(tmp_path, tok):
     path = write_jsonl(tmp_path / "a.jsonl", text_rows(400))
     a = _batches(_section(path, tok), 30)
