@@ -92,3 +92,34 @@ def test_sft_recipe_trains_adapters_and_resumes_exactly(tmp_path):
     ]
     b = [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "split" / "metrics.jsonl")]
     assert len(a) == 6 and a == b
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sft_recipe_under_two_data_parallel_ranks(tmp_path):
+    """2 gloo ranks: each reads its own documents; FSDP2 with LoRA; a checkpoint resumes on 2 ranks."""
+    from lmforge.models import build_model, save_hf_pretrained
+    from train.test_distributed import torchrun
+
+    write_tokenizer(tmp_path / "tok")
+    rows = [
+        {"prompt": " ".join(WORDS[(i + k) % 40] for k in range(3)), "response": WORDS[(i + 5) % 40]}
+        for i in range(100)
+    ]
+    write_jsonl(tmp_path / "chat.jsonl", rows)
+    cfg = load_config(RECIPE, _plain(_overrides(tmp_path, "x", 1)))
+    torch.manual_seed(0)
+    save_hf_pretrained(build_model(cfg.model), tmp_path / "hf")
+    sets = _plain(_overrides(tmp_path, "dp2", 2, "train_dataset.num_parallel_workers=0"))
+    torchrun(2, str(RECIPE), *sets, port=29653)
+    sets = _plain(_overrides(tmp_path, "dp2", 3, f"checkpoint.load_path={tmp_path / 'dp2' / 'ckpt'}"))
+    torchrun(
+        2,
+        str(RECIPE),
+        *sets,
+        "checkpoint.no_load_optim=false",
+        "train_dataset.num_parallel_workers=0",
+        port=29654,
+    )
+    steps = [r["step"] for r in read_metrics(tmp_path / "dp2" / "metrics.jsonl")]
+    assert steps == [1, 2, 3]
