@@ -295,3 +295,19 @@ def test_a_lora_checkpoint_is_not_loaded_into_a_model_without_adapters(tmp_path)
     ids = torch.randint(0, 64, (1, 16))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("lora_config.target_modules=nothing_matches", "matches no linear module"),
+        ("parallelism.tensor_parallel=2", "lora_config cannot be combined with parallelism.tensor_parallel"),
+    ],
+)
+def test_lmforge_check_reports_lora_problems_before_building(tmp_path, capsys, override, message):
+    cfg = write_config(tmp_path, ADAMW, steps=2)
+    argv = ["check", "--config", cfg, *_sets([*LORA, override])]
+    if "tensor_parallel" in override:
+        argv += ["--world-size", "2"]
+    assert main(argv) != 0
+    assert message in capsys.readouterr().err

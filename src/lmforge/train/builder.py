@@ -130,8 +130,8 @@ def build_trainer(
     if lora is not None and (dims.tp > 1 or dims.pp > 1):
         raise ConfigError(
             f"lora_config cannot be combined with parallelism.tensor_parallel ({dims.tp}) > 1 or "
-            f"parallelism.pipeline_parallel ({dims.pp}) > 1 yet: LoRA composes with data parallel (FSDP2/HSDP), "
-            "context and expert parallel only. Remove lora_config or set those degrees to 1."
+            f"parallelism.pipeline_parallel ({dims.pp}) > 1 yet: LoRA composes with data parallel (FSDP2/HSDP) "
+            "only. Remove lora_config or set those degrees to 1."
         )
     if not dims.is_parallel:
         model = build_from_config(model_cfg, plan.model_class, device=ctx.device, seed=int(training.seed))
