@@ -219,6 +219,9 @@ def test_fine_tune_from_hf_then_merged_and_peft_exports_match(tmp_path, capsys):
         )
         == 0
     )
+    # generate rebuilds the model with the run's lora_config (the adapters are not dropped)
+    argv = ["generate", "--checkpoint", str(ckpt), "--prompt", "t5 t7", "--max-new-tokens", "3"]
+    assert main([*argv, "--temperature", "0"]) == 0
     capsys.readouterr()
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
