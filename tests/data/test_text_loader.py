@@ -107,7 +107,11 @@ def test_resume_continues_bitwise_without_retokenizing_the_start(tmp_path, tok, 
     from lmforge.data import text_format
 
     path = write_jsonl(tmp_path / "a.jsonl", text_rows(300))
-    other = write_jsonl(tmp_path / "b.jsonl", text_rows(300, seed=1))
+    (tmp_path / "b").mkdir()
+    rows_b = text_rows(300, seed=1)
+    write_jsonl(tmp_path / "b" / "0.jsonl.gz", rows_b[:8], compress=True)
+    write_jsonl(tmp_path / "b" / "1.jsonl", rows_b[8:])
+    other = str(tmp_path / "b")  # a directory of files: the position crosses a file boundary
     section = _section(["0.6", path, "0.4", other], tok)
     straight = _batches(section, 12)
     loader = build_dataloader(section, local_batch_size=2)
@@ -115,6 +119,7 @@ def test_resume_continues_bitwise_without_retokenizing_the_start(tmp_path, tok, 
         next(loader)
     state = loader.state_dict()
     assert state["consumed_samples"] == 16
+    assert state["text"]["positions"][1]["doc"] > 8  # past b/0.jsonl.gz: resume skips that file by its length
     seen = []
     original = text_format.RowFormatter.encode_rows
 

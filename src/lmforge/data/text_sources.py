@@ -172,16 +172,21 @@ class TextSource:
         self._lengths: list[int | None] = [None] * len(self.files)
 
     def rows(self, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
-        """``(row index, row)`` from ``start`` to the end of the source."""
+        """``(row index, row)`` from ``start`` to the end of the source.
+
+        Only the files before the one holding ``start`` are counted (not parsed) to find it."""
         offset = 0
         for i, file in enumerate(self.files):
-            if len(self.files) > 1 or start > 0:
+            if start > offset and i < len(self.files) - 1:
                 if self._lengths[i] is None:
                     self._lengths[i] = _file_length(file)
-                n = self._lengths[i]
-                if offset + n <= start:
-                    offset += n
+                if offset + self._lengths[i] <= start:
+                    offset += self._lengths[i]
                     continue
-            for j, row in enumerate(_file_rows(file, max(start - offset, 0))):
-                yield offset + max(start - offset, 0) + j, row
-            offset += self._lengths[i] if self._lengths[i] is not None else 0
+            local = max(start - offset, 0)
+            n = local
+            for j, row in enumerate(_file_rows(file, local)):
+                yield offset + local + j, row
+                n = local + j + 1
+            self._lengths[i] = n
+            offset += n
