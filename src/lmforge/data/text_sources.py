@@ -98,19 +98,22 @@ def _parquet_rows(path: str, start: int) -> Iterator[dict[str, Any]]:
         seen += n
 
 
-def _arrow_rows(path: str, start: int) -> Iterator[dict[str, Any]]:
-    _needs("pyarrow", "Arrow files")
+def _arrow_batches(f: Any) -> Iterator[Any]:
     import pyarrow as pa
 
+    try:
+        reader: Any = pa.ipc.open_file(f)
+        yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+    except pa.ArrowInvalid:
+        f.seek(0)
+        yield from pa.ipc.open_stream(f)
+
+
+def _arrow_rows(path: str, start: int) -> Iterator[dict[str, Any]]:
+    _needs("pyarrow", "Arrow files")
     with open(path, "rb") as f:
-        try:
-            reader: Any = pa.ipc.open_file(f)
-            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        except pa.ArrowInvalid:
-            f.seek(0)
-            batches = iter(pa.ipc.open_stream(f))
         seen = 0
-        for batch in batches:
+        for batch in _arrow_batches(f):
             n = batch.num_rows
             if seen + n > start:
                 yield from batch.to_pylist()[max(start - seen, 0) :]
@@ -154,7 +157,10 @@ def _file_length(path: str) -> int:
         import pyarrow.parquet as pq
 
         return pq.ParquetFile(path).metadata.num_rows
-    return sum(1 for _ in _file_rows(path, 0)) if path.endswith(".arrow") else _count_lines(path)
+    if path.endswith(".arrow"):
+        with open(path, "rb") as f:
+            return sum(batch.num_rows for batch in _arrow_batches(f))
+    return _count_lines(path)
 
 
 def _count_lines(path: str) -> int:
