@@ -314,3 +314,12 @@ def test_lmforge_check_reports_lora_problems_before_building(tmp_path, capsys, o
         argv += ["--world-size", "2"]
     assert main(argv) != 0
     assert message in capsys.readouterr().err
+
+
+def test_muon_qk_clip_on_a_frozen_base_is_refused(tmp_path, capsys):
+    """QK-Clip would rescale frozen q/k weights: refused for models whose attention has no QK-norm."""
+    cfg = write_config(tmp_path, MUON, steps=2)
+    llama = ["model.model_type=llama", "model.architectures=LlamaForCausalLM"]
+    assert main(["check", "--config", cfg, *_sets([*LORA, *llama])]) != 0
+    assert "set optimizer.qk_clip_enabled: false" in capsys.readouterr().err
+    assert main(["check", "--config", cfg, *_sets([*LORA, *llama, "optimizer.qk_clip_enabled=false"])]) == 0

@@ -361,6 +361,19 @@ def _check_model_structure(
         from lmforge.models.lora import select_lora_targets
 
         _attempt(problems, lambda: select_lora_targets(model, lora))
+        hyper = getattr(optimizer, "hyper", {}) or {}
+        clip_layers = getattr(model, "qk_clip_layers", None)
+        if (
+            getattr(optimizer, "type", None) == "Muon"
+            and hyper.get("qk_clip_enabled")
+            and callable(clip_layers)
+            and any(not layer.qk_norm for layer in clip_layers())
+        ):
+            problems.append(
+                "optimizer.qk_clip_enabled: QK-Clip rescales the q/k projection weights, which lora_config "
+                "freezes (and it does not see the adapters' update); set optimizer.qk_clip_enabled: false for a "
+                "LoRA run with Muon."
+            )
     if patterns:
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         for key, pattern in patterns:
