@@ -117,7 +117,8 @@ def _lora_config(tmp_path, optimizer, steps, *extra):
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", [ADAMW, MUON], ids=["adamw", "muon"])
 def test_training_updates_only_the_adapters(tmp_path, optimizer):
-    trainer = build_trainer(_lora_config(tmp_path, optimizer, 4, "checkpoint.enable_save=false"))
+    extra = ["optimizer.qk_clip_enabled=false"] if optimizer is MUON else []  # see the QK-Clip test
+    trainer = build_trainer(_lora_config(tmp_path, optimizer, 4, "checkpoint.enable_save=false", *extra))
     model = trainer.model
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -316,10 +317,11 @@ def test_lmforge_check_reports_lora_problems_before_building(tmp_path, capsys, o
     assert message in capsys.readouterr().err
 
 
-def test_muon_qk_clip_on_a_frozen_base_is_refused(tmp_path, capsys):
-    """QK-Clip would rescale frozen q/k weights: refused for models whose attention has no QK-norm."""
+@pytest.mark.parametrize("family", ["qwen3", "llama"])  # QK-norm gains / q,k projection rows
+def test_muon_qk_clip_on_a_frozen_base_is_refused(tmp_path, capsys, family):
+    """QK-Clip would rescale frozen weights (and ignore the adapters): refused, with the way out."""
     cfg = write_config(tmp_path, MUON, steps=2)
-    llama = ["model.model_type=llama", "model.architectures=LlamaForCausalLM"]
-    assert main(["check", "--config", cfg, *_sets([*LORA, *llama])]) != 0
+    model = [f"model.model_type={family}", f"model.architectures={family.capitalize()}ForCausalLM"]
+    assert main(["check", "--config", cfg, *_sets([*LORA, *model])]) != 0
     assert "set optimizer.qk_clip_enabled: false" in capsys.readouterr().err
-    assert main(["check", "--config", cfg, *_sets([*LORA, *llama, "optimizer.qk_clip_enabled=false"])]) == 0
+    assert main(["check", "--config", cfg, *_sets([*LORA, *model, "optimizer.qk_clip_enabled=false"])]) == 0

@@ -367,12 +367,12 @@ def _check_model_structure(
             getattr(optimizer, "type", None) == "Muon"
             and hyper.get("qk_clip_enabled")
             and callable(clip_layers)
-            and any(not layer.qk_norm for layer in clip_layers())
+            and any(layer.targets for layer in clip_layers())
         ):
             problems.append(
-                "optimizer.qk_clip_enabled: QK-Clip rescales the q/k projection weights, which lora_config "
-                "freezes (and it does not see the adapters' update); set optimizer.qk_clip_enabled: false for a "
-                "LoRA run with Muon."
+                "optimizer.qk_clip_enabled: QK-Clip rescales the q/k projection weights (or the QK-norm gains), "
+                "which lora_config freezes, and it does not see the adapters' update; set "
+                "optimizer.qk_clip_enabled: false for a LoRA run with Muon."
             )
     if patterns:
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
