@@ -197,7 +197,7 @@ def test_spec_skeleton_section_feeds_batches(tmp_path):
     assert build_dataloader(section, local_batch_size=2, phase="valid") is None
 
 
-@pytest.mark.parametrize("kind", ["HFDataLoader", "MindDataset", "OrderedIndexDataLoader", "Whatever"])
+@pytest.mark.parametrize("kind", ["MindDataset", "OrderedIndexDataLoader", "Whatever"])
 def test_unsupported_loader_types_are_refused(kind):
     section = {"dataloader": {"type": kind, "dataset_files": "x"}}
     with pytest.raises(

@@ -306,6 +306,13 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
                 "training.rampup_batch_size cannot be combined with parallelism.pipeline_parallel > 1: the "
                 "pipeline schedule runs a fixed number of micro-batches per step."
             )
+    lora = getattr(cfg, "lora_config", None)
+    if lora is not None and dims is not None and (dims.tp > 1 or dims.pp > 1):
+        problems.append(
+            f"lora_config cannot be combined with parallelism.tensor_parallel ({dims.tp}) > 1 or "
+            f"parallelism.pipeline_parallel ({dims.pp}) > 1 yet: LoRA composes with data parallel (FSDP2/HSDP) "
+            "only. Remove lora_config or set those degrees to 1."
+        )
     summary = None
     if dims is not None and opts is not None and model_config is not None:
         summary = _check_model_structure(cfg, dims, opts, model_config, model_class, optimizer, problems)
@@ -363,9 +370,27 @@ def _check_model_structure(
         ),
     )
     patterns = _parameter_patterns(cfg, optimizer)
-    if not (dims.is_parallel or activation_wanted(cfg) or patterns):
+    lora = getattr(cfg, "lora_config", None)
+    if not (dims.is_parallel or activation_wanted(cfg) or patterns or lora is not None):
         return None
     model = build_from_config(mc, model_class, "meta")
+    if lora is not None:  # target_modules / exclude_layers select at least one linear module
+        from lmforge.models.lora import select_lora_targets
+
+        _attempt(problems, lambda: select_lora_targets(model, lora))
+        hyper = getattr(optimizer, "hyper", {}) or {}
+        clip_layers = getattr(model, "qk_clip_layers", None)
+        if (
+            getattr(optimizer, "type", None) == "Muon"
+            and hyper.get("qk_clip_enabled")
+            and callable(clip_layers)
+            and any(layer.targets for layer in clip_layers())
+        ):
+            problems.append(
+                "optimizer.qk_clip_enabled: QK-Clip rescales the q/k projection weights (or the QK-norm gains), "
+                "which lora_config freezes, and it does not see the adapters' update; set "
+                "optimizer.qk_clip_enabled: false for a LoRA run with Muon."
+            )
     if patterns:
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         for key, pattern in patterns:

@@ -93,6 +93,16 @@ def find_tokenizer(cfg: Any) -> Path | None:
     return None
 
 
+def _apply_lora(model: torch.nn.Module, section: Any, seed: int, *, materialised: bool) -> None:
+    """Adapters from ``lora_config`` on the freshly built model (before any parallel wrapping)."""
+    from lmforge.models.lora import apply_lora, init_lora_weights, lora_summary
+
+    apply_lora(model, section)
+    if materialised:
+        init_lora_weights(model, seed)
+    logger.info(lora_summary(model))
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -138,15 +148,26 @@ def build_trainer(
     model_cfg = plan.model_config
     dims = plan.dims
     hook = _activation_hook(cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp)
+    lora = getattr(cfg, "lora_config", None)
+    if lora is not None and (dims.tp > 1 or dims.pp > 1):
+        raise ConfigError(
+            f"lora_config cannot be combined with parallelism.tensor_parallel ({dims.tp}) > 1 or "
+            f"parallelism.pipeline_parallel ({dims.pp}) > 1 yet: LoRA composes with data parallel (FSDP2/HSDP) "
+            "only. Remove lora_config or set those degrees to 1."
+        )
     if not dims.is_parallel:
         check_cpu_offload_on_one_process(cfg.parallelism, ctx.device)
         model = build_from_config(model_cfg, plan.model_class, device=ctx.device, seed=int(training.seed))
+        if lora is not None:
+            _apply_lora(model, lora, int(training.seed), materialised=True)
         if hook is not None:
             hook(model)
     else:
         from lmforge.parallel import parallelize
 
         model = build_from_config(model_cfg, plan.model_class, device="meta")
+        if lora is not None:
+            _apply_lora(model, lora, int(training.seed), materialised=False)
         mesh = dims.build_mesh(ctx.device.type)
         model, info = parallelize(
             model,
@@ -160,6 +181,10 @@ def build_trainer(
         model.to_empty(device=ctx.device)
         with torch.no_grad():
             model.init_weights(int(training.seed))  # layout-invariant: the same weights as one process
+        if lora is not None:
+            from lmforge.models.lora import init_lora_weights
+
+            init_lora_weights(model, int(training.seed))
         ctx = ParallelContext(
             rank=ctx.rank,
             world_size=ctx.world_size,
