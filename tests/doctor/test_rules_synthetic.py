@@ -147,3 +147,14 @@ def test_cli_json_contract_and_bad_run_dir(tmp_path, capsys):
     assert "is not a directory" in capsys.readouterr().err
     with pytest.raises(LmforgeError, match="neither metrics.jsonl nor train.log"):
         read_run_dir(tmp_path)
+
+
+def test_lora_frozen_base_is_intended_but_a_stuck_adapter_is_not(tmp_path):
+    run = _write_run(tmp_path, _healthy(), config=CONFIG + "lora_config: {lora_rank: 8}\n")
+    facts = {"frozen": ["decoder.layers.0.mlp.linear_fc1.weight"], "not_in_optimizer": [], "not_updated": []}
+    (run / "doctor_facts.json").write_text(json.dumps(facts))
+    assert diagnose(read_run_dir(run)).findings == []
+    facts["not_updated"] = ["decoder.layers.0.mlp.linear_fc1.lora_B.weight"]
+    (run / "doctor_facts.json").write_text(json.dumps(facts))
+    (f,) = diagnose(read_run_dir(run)).findings
+    assert "lora_B" in f.evidence and "linear_fc1.weight" not in f.evidence.replace("lora_B.weight", "")

@@ -307,11 +307,15 @@ def parameters_not_updated(ev: RunEvidence) -> RuleResult:
     facts = ev.facts
     if "not_updated" not in facts and "frozen" not in facts:
         return None
-    stuck = list(
-        dict.fromkeys(
+    # LoRA freezes the base model on purpose (lora_config): only the adapters must change.
+    intended = set(facts.get("frozen", [])) if ev.config.get("lora_config") else set()
+    stuck = [
+        n
+        for n in dict.fromkeys(
             [*facts.get("frozen", []), *facts.get("not_in_optimizer", []), *facts.get("not_updated", [])]
         )
-    )
+        if n not in intended
+    ]
     checked_at = facts.get("not_updated_checked_at_step")
     if not stuck:
         return (
@@ -319,7 +323,7 @@ def parameters_not_updated(ev: RunEvidence) -> RuleResult:
             if checked_at
             else "no parameter is frozen or left out of the optimizer"
         )
-    frozen = facts.get("frozen", [])
+    frozen = [n for n in facts.get("frozen", []) if n not in intended]
     outside = facts.get("not_in_optimizer", [])
     parts = []
     if frozen:
