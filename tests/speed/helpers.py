@@ -7,7 +7,12 @@ import torch
 from lmforge.models import build_model
 
 _FAMILIES = {
-    "qwen3": {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "num_key_value_heads": 2, "head_dim": 16},
+    "qwen3": {
+        "model_type": "qwen3",
+        "architectures": "Qwen3ForCausalLM",
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    },
     "deepseek_v3": {
         "model_type": "deepseek_v3",
         "architectures": "DeepseekV3ForCausalLM",

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.models.common.loss import chunked_linear_cross_entropy, token_cross_entropy
+
 from .helpers import grads, max_rel, tiny_model
 
 
@@ -50,7 +51,8 @@ def test_bf16_follows_the_plain_numerics():
 
 
 @pytest.mark.parametrize(
-    "family,extra", [("qwen3", {"tie_word_embeddings": True}), ("deepseek_v3", {"num_nextn_predict_layers": 1})]
+    "family,extra",
+    [("qwen3", {"tie_word_embeddings": True}), ("deepseek_v3", {"num_nextn_predict_layers": 1})],
 )
 def test_model_loss_and_grads_equal_with_chunks(family, extra):
     """The model's loss (and MTP losses, with tied and untied output layers) with loss_chunk_size."""
