@@ -23,7 +23,7 @@ from torch import nn
 
 from lmforge.models.common.attention import CoreAttention, SelfAttention
 from lmforge.models.common.loss import chunked_linear_cross_entropy, token_cross_entropy
-from lmforge.models.common.masks import build_allowed_mask
+from lmforge.models.common.masks import attention_layout
 from lmforge.models.common.mla import MultiLatentAttention
 from lmforge.models.common.mlp import SwiGLUMLP
 from lmforge.models.common.moe import ExpertWeight, MoELayer, RouterSettings, TopKRouter
@@ -216,7 +216,7 @@ class GPTModel(nn.Module):
             position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
         elif position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
-        allowed = build_allowed_mask(s, device, attention_mask, actual_seq_len)
+        allowed = attention_layout(s, device, attention_mask, actual_seq_len)
         cos, sin = self.rotary_pos_emb(position_ids)
 
         hidden = self.embedding.word_embeddings(input_ids)
