@@ -39,6 +39,7 @@ from lmforge.config.sections_run import (
     TrainingConfig,
     TrainStateConfig,
 )
+from lmforge.config.sections_speed import CompileConfig, Float8Config, MfuConfig
 
 __all__ = [
     "SECTION_CLASSES",
@@ -93,6 +94,10 @@ class TrainConfig(OpenSection):
     lora_config: LoraConfig | None = None
     # lmforge's own top-level key: where logs, TensorBoard events and plots go.
     output_dir: str = "./output"
+    # lmforge's own speed sections (docs/config.md "lmforge's own keys")
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    float8: Float8Config = Field(default_factory=Float8Config)
+    mfu: MfuConfig = Field(default_factory=MfuConfig)
 
     # Warnings found while loading (inert fields, ...); see lmforge.config.config_warnings.
     _warnings: tuple[str, ...] = PrivateAttr(default=())
@@ -174,4 +179,7 @@ SECTION_CLASSES: dict[str, type[Section]] = {
     "swap": SwapConfig,
     "callbacks": CallbackConfig,
     "lora_config": LoraConfig,
+    "compile": CompileConfig,
+    "float8": Float8Config,
+    "mfu": MfuConfig,
 }
