@@ -53,6 +53,29 @@ def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int):
     return apply
 
 
+def _maybe_float8(model: torch.nn.Module, section: Any) -> None:
+    """Float8 Linear layers first: before tensor parallel, recompute, compile and FSDP2 wrap the blocks."""
+    if section is not None and section.enable:
+        from lmforge.parallel.float8 import apply_float8
+
+        apply_float8(model, section)
+
+
+def _with_compile(hook: Any, cfg: Any):
+    """Regional compile after recompute/swap wrapped the blocks and before FSDP2 shards them."""
+    section = getattr(cfg, "compile", None)
+    if section is None or not section.enable:
+        return hook
+    from lmforge.parallel.compile import compile_blocks
+
+    def apply(model: torch.nn.Module) -> None:
+        if hook is not None:
+            hook(model)
+        compile_blocks(model, section)
+
+    return apply
+
+
 def find_tokenizer(cfg: Any) -> Path | None:
     """The tokenizer.json of the run's data: ``train_dataset.dataloader.tokenizer`` if it is a local
     path, else a tokenizer.json next to the first training data prefix (as ``lmforge data demo`` lays out)."""
@@ -108,19 +131,27 @@ def build_trainer(
     dims = ParallelDims.from_section(cfg.parallelism, ctx.world_size)
     batch = int(training.global_batch_size) // max(int(training.local_batch_size) * dims.dp, 1)
     hook = _activation_hook(cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp)
+    hook = _with_compile(hook, cfg)
     if dims.pp > 1 and training.rampup_batch_size:
         raise ConfigError(
             "training.rampup_batch_size cannot be combined with parallelism.pipeline_parallel > 1: the "
             "pipeline schedule runs a fixed number of micro-batches per step."
         )
+    float8 = getattr(cfg, "float8", None)
+    if float8 is not None and float8.enable:
+        from lmforge.parallel.float8 import check_float8_supported
+
+        check_float8_supported(float8, ctx.device, dims.tp)
     if not dims.is_parallel:
         model = build_model(cfg.model, device=ctx.device)  # initialised now, from the seeded RNG
+        _maybe_float8(model, float8)
         if hook is not None:
             hook(model)
     else:
         from lmforge.parallel import parallelize
 
         model = build_model(cfg.model, device="meta")
+        _maybe_float8(model, float8)
         mesh = dims.build_mesh(ctx.device.type)
         model, info = parallelize(
             model,
