@@ -2,13 +2,16 @@
 
 ``chunked_linear_cross_entropy`` computes ``CE(hidden @ weightᵀ, labels)`` a chunk of tokens at a time,
 so the ``[tokens, vocab]`` logits exist only one chunk at a time, in forward and in backward: the
-backward recomputes each chunk's logits from the saved hidden states and weight instead of keeping
-them. For Qwen3's 151,936-token vocabulary at seq 4096 that is 2.5 GB of fp32 logits (plus their
-gradient) replaced by ``chunk × vocab × 4`` bytes.
+forward computes each chunk's logits once and derives both the loss and the gradients of the hidden
+states and the weight from them (no recompute; the backward only scales the stored gradients). For
+Qwen3's 151,936-token vocabulary at seq 4096 that is 2.5 GB of fp32 logits (plus their gradient)
+replaced by about ``chunk × vocab × 8`` bytes of working memory; what is kept from forward to backward
+is the gradients themselves (the size of the hidden states and of the weight).
 
 The numerics follow the plain path: the logits are computed in the inputs' dtype and promoted to fp32
 for the log-softmax; the logits' gradient is cast back to the inputs' dtype before the two matmuls
-(what autograd does for ``logits.float()``). The weight gradient is accumulated over chunks in fp32.
+(what autograd does for ``logits.float()``). The weight gradient accumulates over chunks in the
+weight's dtype (bf16 for bf16 weights: one rounding per chunk more than the plain path's single matmul).
 """
 
 from __future__ import annotations
@@ -35,47 +38,60 @@ def token_cross_entropy(
     return (ce * weights).sum(), weights.sum()
 
 
-def _chunk_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-token CE, fp32 logits) of one chunk."""
-    logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    return lse - logits.gather(1, labels[:, None]).squeeze(1), logits
-
-
 class _ChunkedLinearCE(torch.autograd.Function):
+    """Forward computes the loss and, chunk by chunk, both gradients (the chunk's logits are needed
+    for both and are freed right after); backward only scales them by the incoming gradient.
+
+    Per chunk the working memory is the ``[chunk, vocab]`` logits in the inputs' dtype, once in fp32
+    (turned into the softmax in place) and once as the gradient in the inputs' dtype. The weight
+    gradient accumulates in the weight's dtype (``addmm`` into one buffer, as Liger-Kernel does).
+    """
+
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, chunk):  # type: ignore[override]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = hidden.new_zeros((), dtype=torch.float32)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
         for start in range(0, hidden.shape[0], chunk):
             sl = slice(start, start + chunk)
-            ce, _ = _chunk_ce(hidden[sl] @ weight.t(), labels[sl])
-            total = total + (ce * weights[sl]).sum()
-        ctx.save_for_backward(hidden, weight, labels, weights)
-        ctx.chunk = chunk
+            h, lab, wt = hidden[sl], labels[sl], weights[sl]
+            logits = (h @ weight.t()).float()
+            target = logits.gather(1, lab[:, None]).squeeze(1)
+            # log-sum-exp by hand, in place: torch.logsumexp would allocate a second [chunk, vocab] buffer.
+            row_max = logits.amax(dim=-1)
+            probs = logits.sub_(row_max[:, None]).exp_()
+            sum_exp = probs.sum(dim=-1)
+            total = total + ((row_max + sum_exp.log() - target) * wt).sum()
+            if not (need_h or need_w):
+                continue
+            # d CE / d logits = softmax - onehot(label), times each token's weight.
+            grad = probs.div_(sum_exp[:, None])
+            grad[torch.arange(grad.shape[0], device=grad.device), lab] -= 1.0
+            grad = grad.mul_(wt[:, None]).to(hidden.dtype)
+            del logits, probs
+            if need_h:
+                torch.mm(grad, weight, out=grad_h[sl])
+            if need_w:
+                grad_w.addmm_(grad.t(), h)
+        # Kept on ctx rather than saved: backward scales them in place (no second weight-sized buffer).
+        ctx.grads = (grad_h, grad_w)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):  # type: ignore[override]
-        hidden, weight, labels, weights = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        scale = weights * grad_total.float()
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            sl = slice(start, start + ctx.chunk)
-            h = hidden[sl]
-            logits = (h @ weight.t()).float()
-            # d CE / d logits = softmax - onehot(label), times each token's weight.
-            grad = torch.softmax(logits, dim=-1)
-            rows = torch.arange(grad.shape[0], device=grad.device)
-            grad[rows, labels[sl]] -= 1.0
-            grad = (grad * scale[sl, None]).to(hidden.dtype)
-            if need_h:
-                grad_h[sl] = grad @ weight
-            if need_w:
-                grad_w += (grad.t() @ h).float()
+        if ctx.grads is None:
+            raise RuntimeError(
+                "chunked_linear_cross_entropy: a second backward through the same loss (retain_graph) is not "
+                "supported; set model.loss_chunk_size: 0 for that."
+            )
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        scale = grad_total.to(torch.float32)
+        if grad_h is not None:
+            grad_h.mul_(scale)
         if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
+            grad_w.mul_(scale)
         return grad_h, grad_w, None, None, None
 
 
