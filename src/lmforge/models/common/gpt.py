@@ -250,7 +250,11 @@ class GPTModel(nn.Module):
         """(CE sum, valid tokens, logits or None): chunked when ``loss_chunk_size`` > 0, else plain."""
         chunk = self.config.loss_chunk_size
         if chunk > 0:
-            lsum, n = chunked_linear_cross_entropy(normed, self._output_weight(), labels, loss_mask, chunk)
+            # Tensor parallel sets ``vocab_parallel_output`` (→ local weight rows, their offset, the group):
+            # the chunks then run on this rank's vocabulary shard and the logits are never gathered.
+            shard = getattr(self, "vocab_parallel_output", None)
+            weight, offset, group = shard() if shard is not None else (self._output_weight(), 0, None)
+            lsum, n = chunked_linear_cross_entropy(normed, weight, labels, loss_mask, chunk, group, offset)
             return lsum, n, None
         logits = F.linear(normed, self._output_weight())
         lsum, n = token_cross_entropy(logits, labels, loss_mask)
