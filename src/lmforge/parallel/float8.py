@@ -4,9 +4,9 @@ Each selected ``nn.Linear`` becomes torchao's ``Float8Linear``: inputs, weights 
 are cast to float8 (e4m3 forward, e5m2 gradients for ``tensorwise``; e4m3 with per-row scales for
 ``rowwise``) with dynamic scaling, and the matmuls run on float8 tensor cores; parameters, optimizer
 states and everything else keep their dtypes. It is applied right after the model is built, before
-tensor parallel, recompute, compile and FSDP2 (torchtitan's order), so it composes with compile and
-FSDP2. ``emulate: true`` runs torchao's emulation (float8 rounding, matmuls in high precision) so the
-path can be tested without float8 hardware.
+recompute, compile and FSDP2 (torchtitan's order, in which torchao's float8 composes with both; only
+the single-process path is tested here, in emulation). ``emulate: true`` runs torchao's emulation
+(float8 rounding, matmuls in high precision) so the path can be tested without float8 hardware.
 
 Not converted: layers whose qualified name contains an entry of ``float8.skip`` (by default the output
 layer, the MoE router and the MTP projection, which want full precision) and layers whose dimensions
