@@ -38,7 +38,13 @@ def test_compiled_blocks_with_recompute_match_eager_and_recompile_once_for_new_l
 
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 128, (2, s), generator=g) for s in (16, 24, 40)]
+    batches = [(torch.randint(0, 128, (2, s), generator=g), None) for s in (16, 24, 40)]
+    # Packed documents: attention over spans is a graph break, so new spans must not recompile.
+    ids = torch.randint(0, 128, (2, 40), generator=g)
+    batches += [
+        (ids, torch.tensor([[9, 30, 40], [17, 40, 40]])),
+        (ids, torch.tensor([[5, 11, 40], [33, 40, 40]])),
+    ]
     runs = []
     for compiled in (False, True):
         model = tiny_model("qwen3", num_hidden_layers=2, hidden_size=32, intermediate_size=48).train()
@@ -48,8 +54,8 @@ def test_compiled_blocks_with_recompute_match_eager_and_recompile_once_for_new_l
             compile_blocks(model, CompileConfig(enable=True))
             watch = CompileWatch()
         losses, spent = [], []
-        for ids in batches:
-            out = model(ids, labels=ids)
+        for ids, ends in batches:
+            out = model(ids, labels=ids, actual_seq_len=ends)
             out.loss.backward()
             losses.append(out.loss.detach())
             if compiled:
@@ -60,5 +66,6 @@ def test_compiled_blocks_with_recompute_match_eager_and_recompile_once_for_new_l
         assert max_rel(a, b) <= 1e-5
     for name in ref_g:
         assert max_rel(got_g[name], ref_g[name]) <= 1e-4, name
-    # The first length compiles, the second recompiles once with the length dynamic, later ones reuse it.
-    assert spent[0] > 0 and spent[2] == 0
+    # The first length compiles, the second recompiles once with the length dynamic, later ones reuse it;
+    # the first document batch compiles the pieces around the attention, other spans reuse them.
+    assert spent[0] > 0 and spent[2] == 0 and spent[4] == 0
