@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 
 from lmforge.parallel.fsdp import decoder_layers
@@ -36,6 +37,11 @@ def compile_blocks(model: nn.Module, section: Any) -> int:
         options["mode"] = section.mode
     for block in blocks:
         block.compile(**options)
+    # The output projection + plain cross-entropy is one more region (at small widths it is much of
+    # the step). The chunked loss stays eager: its chunk loop is already memory-bound by design.
+    token_loss = getattr(model, "_token_loss", None)
+    if token_loss is not None and not getattr(getattr(model, "config", None), "loss_chunk_size", 0):
+        model._token_loss = torch.compile(token_loss, **options)
     model.lmforge_compiled_blocks = len(blocks)
     logger.info(
         "compile: %d transformer blocks compiled with torch.compile(%s); compilation runs at the first step",
