@@ -45,6 +45,29 @@ def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int):
     return apply
 
 
+def _maybe_float8(model: torch.nn.Module, section: Any) -> None:
+    """Float8 Linear layers first: before tensor parallel, recompute, compile and FSDP2 wrap the blocks."""
+    if section is not None and section.enable:
+        from lmforge.parallel.float8 import apply_float8
+
+        apply_float8(model, section)
+
+
+def _with_compile(hook: Any, cfg: Any):
+    """Regional compile after recompute/swap wrapped the blocks and before FSDP2 shards them."""
+    section = getattr(cfg, "compile", None)
+    if section is None or not section.enable:
+        return hook
+    from lmforge.parallel.compile import compile_blocks
+
+    def apply(model: torch.nn.Module) -> None:
+        if hook is not None:
+            hook(model)
+        compile_blocks(model, section)
+
+    return apply
+
+
 def check_cpu_offload_on_one_process(section: Any, device: torch.device) -> None:
     """``parallelism.cpu_offload`` is FSDP2's CPUOffloadPolicy, applied only when the run is parallel.
 
@@ -148,6 +171,12 @@ def build_trainer(
     model_cfg = plan.model_config
     dims = plan.dims
     hook = _activation_hook(cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp)
+    hook = _with_compile(hook, cfg)
+    float8 = getattr(cfg, "float8", None)
+    if float8 is not None and float8.enable:
+        from lmforge.parallel.float8 import check_float8_supported
+
+        check_float8_supported(float8, ctx.device, dims.tp)
     lora = getattr(cfg, "lora_config", None)
     if lora is not None and (dims.tp > 1 or dims.pp > 1):
         raise ConfigError(
@@ -158,6 +187,7 @@ def build_trainer(
     if not dims.is_parallel:
         check_cpu_offload_on_one_process(cfg.parallelism, ctx.device)
         model = build_from_config(model_cfg, plan.model_class, device=ctx.device, seed=int(training.seed))
+        _maybe_float8(model, float8)
         if lora is not None:
             _apply_lora(model, lora, int(training.seed), materialised=True)
         if hook is not None:
@@ -166,6 +196,7 @@ def build_trainer(
         from lmforge.parallel import parallelize
 
         model = build_from_config(model_cfg, plan.model_class, device="meta")
+        _maybe_float8(model, float8)
         if lora is not None:
             _apply_lora(model, lora, int(training.seed), materialised=False)
         mesh = dims.build_mesh(ctx.device.type)

@@ -71,6 +71,7 @@ def common_fields(values: dict[str, Any], family_qk_norm: bool, family_mla: bool
         compute_dtype=parse_dtype(values.get("compute_dtype") or "bfloat16", "model.compute_dtype"),
         params_dtype=parse_dtype(values.get("params_dtype") or "float32", "model.params_dtype"),
         seq_length=positive_int(values, "seq_length"),
+        loss_chunk_size=positive_int(values, "loss_chunk_size", allow_zero=True),
     )
 
 
