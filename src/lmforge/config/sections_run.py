@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -28,6 +28,11 @@ class CheckpointConfig(Section):
     load_worker_number: int = 1
     save_global_layout_cache: bool = True
     reshard_worker_num: int = 1
+    # lmforge extension (docs/training.md "Automatic resume"): resume from save_path's latest complete
+    # checkpoint, ahead of load_path. "auto": only when torchrun restarted the workers (an elastic
+    # restart of the same job; the original has none, so its semantics are untouched); true: also on a
+    # fresh launch (a requeued SLURM job); false: never.
+    auto_resume: bool | Literal["auto"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> CheckpointConfig:
@@ -35,6 +40,13 @@ class CheckpointConfig(Section):
         # negative value would crash or delete every checkpoint, so they are refused here.
         for name in ("save_max", "save_interleaved_steps", "load_worker_number", "reshard_worker_num"):
             check_positive(getattr(self, name), f"checkpoint.{name}")
+        if self.auto_resume is not False and not self.enable_save:
+            # Nothing is saved, so there is nothing to resume from; only an explicit true is a mistake.
+            if self.auto_resume is True:
+                raise ValueError(
+                    "checkpoint.auto_resume: true needs checkpoint.enable_save: true (it resumes from the "
+                    "checkpoints this run saves in checkpoint.save_path); set auto_resume: false or enable saving."
+                )
         return self
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lmforge.train.auto_resume import auto_resume_path
 from lmforge.train.batching import BatchSchedule
 from lmforge.train.callbacks import (
     CallbackHandler,
@@ -223,8 +224,11 @@ class Trainer:
 
     def _resume_or_start(self) -> None:
         load_path = self.checkpoint_cfg.get("load_path", "")
-        header = resolve_checkpoint(load_path) if load_path else None
         no_load_optim = bool(self.checkpoint_cfg.get("no_load_optim", False))
+        own = auto_resume_path(self.checkpoint_cfg)
+        if own is not None:  # this job's own checkpoint: continue it completely (optimizer included)
+            load_path, no_load_optim = own, False
+        header = resolve_checkpoint(load_path) if load_path else None
         consumed = 0
         if header is not None and header.kind == "dcp" and not no_load_optim:
             consumed = int(header.common.get("consumed_samples", 0))

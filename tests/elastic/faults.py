@@ -1,0 +1,58 @@
+"""Faults injected into a training run from its YAML (``callbacks: [{type: elastic.faults:Fault, ...}]``).
+
+Each fault fires on one rank, on one torchrun attempt (``TORCHELASTIC_RESTART_COUNT``), so the
+restarted job runs clean:
+
+- ``kill``: SIGKILL at the end of step ``step`` (after that step's checkpoint, if any);
+- ``kill_mid_save``: SIGKILL inside the checkpoint save of step ``step``, after this rank wrote its
+  shard files and before the save was published (the tracker still names the previous checkpoint);
+- ``hang``: stop making progress at the end of step ``step`` (sleeps, ignoring nothing but SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from lmforge.train.callbacks import TrainerCallback
+
+
+class Fault(TrainerCallback):
+    order = 85  # after the checkpoint callback (80) of the same step
+
+    def __init__(self, kind: str, step: int, rank: int = 1, attempt: int = 0) -> None:
+        assert kind in ("kill", "kill_mid_save", "hang"), kind
+        self.kind, self.step, self.rank, self.attempt = kind, step, rank, attempt
+        self.active = (
+            int(os.environ.get("RANK", "0")) == rank
+            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == attempt
+        )
+        self._state: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        self._state = state
+        if self.active and self.kind == "kill_mid_save":
+            from lmforge.train import checkpoint
+
+            original = checkpoint._PrefixedWriter.write_data
+            fault = self
+
+            def write_then_die(writer: Any, plan: Any, planner: Any) -> Any:
+                future = original(writer, plan, planner)
+                if fault._state.global_step == fault.step:
+                    future.wait()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return future
+
+            checkpoint._PrefixedWriter.write_data = write_then_die
+
+    def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        if not self.active or state.global_step != self.step:
+            return
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "hang":
+            while True:
+                time.sleep(0.05)
