@@ -38,14 +38,28 @@ def worker_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun(args: list[str], lmforge_args: list[str], timeout: float = 240, **env: str):
+def start_torchrun(args: list[str], lmforge_args: list[str], **env: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "lmforge", *lmforge_args]
-    return subprocess.run(cmd, env=worker_env(**env), capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen(
+        cmd, env=worker_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
-def train_standalone(cfg: str, nproc: int = 2, max_restarts: int = 0, timeout: float = 240):
+def start_standalone(cfg: str, nproc: int = 2, max_restarts: int = 0) -> subprocess.Popen:
+    """``torchrun --standalone`` (a free port per job, so jobs may run side by side)."""
     args = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2"]
-    return torchrun(args, ["train", "--config", cfg], timeout=timeout)
+    return start_torchrun(args, ["train", "--config", cfg])
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    """(exit status, combined output) of a job started above; killed if it outlives ``timeout``."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        return -999, out + f"\n[test] killed after {timeout} s"
+    return proc.returncode, out
 
 
 def losses(root: Path) -> list[tuple[int, float]]:

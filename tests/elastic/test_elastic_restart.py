@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .helpers import checkpoint_weights, job_config, losses, train_standalone
+from .helpers import checkpoint_weights, finish, job_config, losses, start_standalone
 
 
 @pytest.mark.slow
@@ -15,8 +15,7 @@ from .helpers import checkpoint_weights, job_config, losses, train_standalone
 def test_killed_workers_restart_and_resume_bitwise(tmp_path):
     steps = 8
     clean = tmp_path / "clean"
-    r = train_standalone(job_config(clean, steps))
-    assert r.returncode == 0, r.stderr[-3000:]
+    reference = start_standalone(job_config(clean, steps))  # runs beside the faulty job
 
     # Attempt 0: rank 0 is SIGKILLed after step 5 (newest checkpoint: 4). Attempt 1: rank 1 is
     # SIGKILLed inside the save of step 6, after writing its shard (newest complete: still 4).
@@ -26,9 +25,10 @@ def test_killed_workers_restart_and_resume_bitwise(tmp_path):
         {"kind": "kill_mid_save", "step": 6, "rank": 1, "attempt": 1},
     ]
     faulty = tmp_path / "faulty"
-    r = train_standalone(job_config(faulty, steps, faults), max_restarts=2)
-    log = r.stderr + r.stdout
-    assert r.returncode == 0, log[-4000:]
+    rc, log = finish(start_standalone(job_config(faulty, steps, faults), max_restarts=2))
+    assert rc == 0, log[-4000:]
+    rc, clean_log = finish(reference)
+    assert rc == 0, clean_log[-4000:]
     assert log.count("elastic restart 1: resuming from the latest complete checkpoint") >= 1, log[-3000:]
     assert "elastic restart 2: resuming" in log and "(iteration 4)" in log
     assert "Resumed from" in log and "iteration_00000004 at step 4" in log
