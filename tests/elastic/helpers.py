@@ -17,7 +17,9 @@ TESTS_DIR = Path(__file__).resolve().parents[1]
 SRC_DIR = TESTS_DIR.parent / "src"
 
 
-def job_config(root: Path, steps: int = 8, faults: list[dict[str, Any]] | None = None, **sections: Any) -> str:
+def job_config(
+    root: Path, steps: int = 8, faults: list[dict[str, Any]] | None = None, **sections: Any
+) -> str:
     """The tiny Qwen3 of tests/train in ``root``, checkpointing every 2 steps, with injected faults."""
     root.mkdir(parents=True, exist_ok=True)
     path = Path(write_config(root, ADAMW, steps=steps))
@@ -47,7 +49,12 @@ def start_torchrun(args: list[str], lmforge_args: list[str], **env: str) -> subp
 
 def start_standalone(cfg: str, nproc: int = 2, max_restarts: int = 0) -> subprocess.Popen:
     """``torchrun --standalone`` (a free port per job, so jobs may run side by side)."""
-    args = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2"]
+    args = [
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.2",
+    ]
     return start_torchrun(args, ["train", "--config", cfg])
 
 

@@ -40,13 +40,12 @@ class CheckpointConfig(Section):
         # negative value would crash or delete every checkpoint, so they are refused here.
         for name in ("save_max", "save_interleaved_steps", "load_worker_number", "reshard_worker_num"):
             check_positive(getattr(self, name), f"checkpoint.{name}")
-        if self.auto_resume is not False and not self.enable_save:
-            # Nothing is saved, so there is nothing to resume from; only an explicit true is a mistake.
-            if self.auto_resume is True:
-                raise ValueError(
-                    "checkpoint.auto_resume: true needs checkpoint.enable_save: true (it resumes from the "
-                    "checkpoints this run saves in checkpoint.save_path); set auto_resume: false or enable saving."
-                )
+        # Nothing is saved, so there is nothing to resume from; only an explicit true is a mistake.
+        if self.auto_resume is True and not self.enable_save:
+            raise ValueError(
+                "checkpoint.auto_resume: true needs checkpoint.enable_save: true (it resumes from the "
+                "checkpoints this run saves in checkpoint.save_path); set auto_resume: false or enable saving."
+            )
         return self
 
 

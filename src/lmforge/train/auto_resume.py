@@ -35,8 +35,14 @@ def auto_resume_path(checkpoint: dict[str, Any]) -> str | None:
         return None
     reason = f"elastic restart {restart_count()}" if is_elastic_restart() else "checkpoint.auto_resume: true"
     load_path = checkpoint.get("load_path") or ""
-    instead = f" instead of checkpoint.load_path {load_path!r}" if load_path and load_path != save_path else ""
+    instead = (
+        f" instead of checkpoint.load_path {load_path!r}" if load_path and load_path != save_path else ""
+    )
     logger.warning(
-        "%s: resuming from the latest complete checkpoint in %s (iteration %d)%s.", reason, save_path, step, instead
+        "%s: resuming from the latest complete checkpoint in %s (iteration %d)%s.",
+        reason,
+        save_path,
+        step,
+        instead,
     )
     return str(save_path)

@@ -16,6 +16,7 @@ from lmforge.errors import ConfigError
 from lmforge.train.parallel_seam import ParallelContext, distributed_env
 from lmforge.train.rng import seed_everything
 from lmforge.train.trainer import Trainer
+from lmforge.train.watchdog import hang_watchdog
 from lmforge.utils.logging import get_logger, setup_logging
 from lmforge.utils.sections import section_to_dict
 
@@ -96,7 +97,7 @@ def build_trainer(
     from lmforge.optim import build_optimizer
     from lmforge.parallel import ParallelDims
 
-    ctx = distributed_env(device)
+    ctx = distributed_env(device, float(cfg.parallelism.process_group_timeout))
     run_dir = Path(output_dir or getattr(cfg, "output_dir", None) or "./output")
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -188,4 +189,5 @@ def build_trainer(
         output_dir=run_dir,
         hf_loader=load_hf_weights,
         files_to_copy=[tokenizer] if tokenizer else None,
+        callbacks=hang_watchdog(float(cfg.parallelism.process_group_timeout), ctx.rank, ctx.world_size),
     )
