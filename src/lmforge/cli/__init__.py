@@ -16,7 +16,7 @@ from lmforge import __version__
 from lmforge.errors import LmforgeError
 
 # Order is the order shown in ``lmforge --help``.
-SUBCOMMANDS: list[str] = ["check", "data", "lr", "convert", "eval", "train", "generate", "checkpoint"]
+SUBCOMMANDS: list[str] = ["check", "data", "lr", "convert", "eval", "train", "generate", "checkpoint", "env"]
 
 EXIT_USER_ERROR = 2
 
