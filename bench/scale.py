@@ -309,8 +309,8 @@ def main() -> int:
             )
     imp = import_seconds()
     launch = torchrun_env_seconds()
-    hs = {w: handshake_seconds(w) for w in (8, 64, 256)}
-    per_rank_ms = (hs[256] - hs[8]) / (256 - 8) * 1e3
+    hs = {w: handshake_seconds(w) for w in (8, 64, 256, 512)}
+    per_rank_ms = (hs[512] - hs[64]) / (512 - 64) * 1e3
     out.append("\n### Start-up (measured on this machine)\n")
     out.append("| what | seconds |")
     out.append("|---|---:|")
@@ -322,7 +322,7 @@ def main() -> int:
         out.append(f"| store handshake (utils/elastic.py), {w} simulated ranks on one TCPStore | {s:.3f} |")
     out.append(
         f"| store handshake extrapolated to {n} ranks ({per_rank_ms:.2f} ms per rank, linear) | "
-        f"{hs[8] + per_rank_ms * (n - 8) / 1e3:.2f} |"
+        f"{hs[512] + per_rank_ms * (n - 512) / 1e3:.2f} |"
     )
     out.append(
         f"\nMachine: {platform.processor() or platform.machine()}, {os.cpu_count()} vCPUs, Python "

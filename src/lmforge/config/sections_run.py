@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from lmforge.config.base import Float, OpenSection, Section, check_positive
 
@@ -33,6 +33,13 @@ class CheckpointConfig(Section):
     # restart of the same job; the original has none, so its semantics are untouched); true: also on a
     # fresh launch (a requeued SLURM job); false: never.
     auto_resume: bool | Literal["auto"] = "auto"
+
+    @field_validator("auto_resume", mode="before")
+    @classmethod
+    def _auto_resume_value(cls, value: Any) -> Any:
+        if not isinstance(value, bool) and value != "auto":
+            raise ValueError(f'checkpoint.auto_resume must be true, false or "auto"; got {value!r}')
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> CheckpointConfig:

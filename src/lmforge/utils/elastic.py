@@ -12,10 +12,10 @@ worker failed counts a restart, the other agents restart theirs as a membership 
 count differs between nodes. Instead the ranks agree on a fresh *generation* through the store:
 
 - rank 0 takes the next generation number with an atomic ``add`` (unique to this rank-0 process);
-- every other rank writes a random nonce under ``hello/{rank}`` and blocks on ``ack/{nonce}``, which
-  only a live rank 0 can write, since the nonce is new; rank 0 acknowledges every nonce it sees with
-  its generation, and stops when every rank confirmed ``ready/{gen}/{rank}`` (keys no earlier
-  attempt can have written);
+- every other rank queues a random nonce and blocks on ``ack/{nonce}``, which only a live rank 0
+  can write, since the nonce is new; rank 0 answers every queued nonce with its generation, and
+  stops when all other ranks counted themselves in ``ready/{gen}`` (a key no earlier attempt can
+  have written);
 - the process group is then built on the store prefixed with that generation, so no key of an
   earlier attempt is ever read.
 """
@@ -76,12 +76,18 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout_s: floa
 
 
 def agree_generation(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> int:
-    """A number that every rank of this attempt gets and no rank of an earlier attempt had."""
+    """A number that every rank of this attempt gets and no rank of an earlier attempt had.
+
+    Rank 0's cost is one store round trip per joining rank (plus one per nonce of earlier attempts
+    still queued): every other rank appends its nonce to a queue (an atomic counter plus one key per
+    entry), rank 0 answers the queue in order and counts the ranks that took their answer.
+    """
     if world_size == 1:
         return store.add(f"{NAMESPACE}/generation", 1)
     if rank != 0:
         nonce = uuid.uuid4().hex
-        store.set(f"{NAMESPACE}/hello/{rank}", nonce)
+        slot = store.add(f"{NAMESPACE}/queue_len", 1)
+        store.set(f"{NAMESPACE}/queue/{slot}", nonce)
         try:
             generation = int(store.get(f"{NAMESPACE}/ack/{nonce}"))  # blocks up to the store's timeout
         except Exception as exc:  # torch raises DistStoreError (a RuntimeError) on its timeout
@@ -90,32 +96,23 @@ def agree_generation(store: dist.Store, rank: int, world_size: int, timeout_s: f
                 f"({timeout_s:g} s) during start-up (phase: rendezvous). Check that rank 0 started "
                 f"and can reach MASTER_ADDR={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}."
             ) from exc
-        store.set(f"{NAMESPACE}/ready/{generation}/{rank}", "1")
+        store.add(f"{NAMESPACE}/ready/{generation}", 1)
         return generation
     generation = store.add(f"{NAMESPACE}/generation", 1)
-    acked: dict[int, str] = {}
-    waiting = set(range(1, world_size))
+    answered = 0  # queue entries answered; earlier attempts' entries are answered too (harmless)
     deadline = time.monotonic() + timeout_s
-    while waiting:
-        for r in sorted(waiting):
-            if store.check([f"{NAMESPACE}/ready/{generation}/{r}"]):
-                waiting.discard(r)
-                continue
-            hello = f"{NAMESPACE}/hello/{r}"
-            if store.check([hello]):
-                nonce = store.get(hello).decode()
-                if acked.get(r) != nonce:  # may be an earlier attempt's nonce: answering it is harmless
-                    store.set(f"{NAMESPACE}/ack/{nonce}", str(generation))
-                    acked[r] = nonce
-        if not waiting:
-            break
+    while store.add(f"{NAMESPACE}/ready/{generation}", 0) < world_size - 1:
+        queued = store.add(f"{NAMESPACE}/queue_len", 0)
+        while answered < queued:
+            answered += 1
+            nonce = store.get(f"{NAMESPACE}/queue/{answered}").decode()  # set right after the slot is taken
+            store.set(f"{NAMESPACE}/ack/{nonce}", str(generation))
         if time.monotonic() > deadline:
-            missing = sorted(waiting)
-            shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+            joined = store.add(f"{NAMESPACE}/ready/{generation}", 0)
             raise DistributedStartError(
-                f"rank 0: {len(missing)} rank(s) did not join within parallelism.process_group_timeout "
-                f"({timeout_s:g} s) during start-up (phase: rendezvous): rank(s) {shown}. Check that every "
-                f"node started (torchrun --nnodes) and can reach MASTER_ADDR."
+                f"rank 0: only {joined} of the {world_size - 1} other ranks joined within "
+                f"parallelism.process_group_timeout ({timeout_s:g} s) during start-up (phase: rendezvous). "
+                f"Check that every node started (torchrun --nnodes) and can reach MASTER_ADDR."
             )
-        time.sleep(0.02)
+        time.sleep(0.01)
     return generation
