@@ -34,9 +34,10 @@ class Fault(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
         self._state = state
         if self.active and self.kind == "kill_mid_save":
-            from lmforge.train import checkpoint
+            # torch's DCP file writer (lmforge's writer subclasses it): every shard write goes through it.
+            from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-            original = checkpoint._PrefixedWriter.write_data
+            original = FileSystemWriter.write_data
             fault = self
 
             def write_then_die(writer: Any, plan: Any, planner: Any) -> Any:
@@ -46,7 +47,7 @@ class Fault(TrainerCallback):
                     os.kill(os.getpid(), signal.SIGKILL)
                 return future
 
-            checkpoint._PrefixedWriter.write_data = write_then_die
+            FileSystemWriter.write_data = write_then_die
 
     def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
         if not self.active or state.global_step != self.step:
