@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -115,3 +116,20 @@ def test_env_prints_one_process_view(capsys):
     assert main(["env", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["world_size"] == 1 and summary["ranks"][0]["backend"] in ("gloo", "nccl")
+
+
+def test_a_rank_missing_at_start_up_is_reported_within_the_timeout():
+    from datetime import timedelta
+
+    from lmforge.utils.elastic import DistributedStartError
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    t0 = time.monotonic()
+    with pytest.raises(
+        DistributedStartError, match=r"rank 0: only 0 of the 1 other ranks joined .*phase: rendezvous"
+    ):
+        agree_generation(server, 0, 2, 0.5)
+    lone = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=0.5))
+    with pytest.raises(DistributedStartError, match=r"rank 1: rank 0 did not answer .*phase: rendezvous"):
+        agree_generation(lone, 1, 2, 0.5)
+    assert time.monotonic() - t0 < 5
