@@ -6,8 +6,10 @@ anyone editing the YAML. A save interrupted half-way never counts: it lives in a
 ``.iteration_*.partial`` directory and the tracker file is replaced only after it is complete
 (train/checkpoint.py), so the tracker always names a complete checkpoint.
 
-Modes: ``"auto"`` (default) resumes only on an elastic restart (``TORCHELASTIC_RESTART_COUNT`` > 0),
-so a fresh launch keeps the original's meaning of ``load_path``; ``true`` resumes whenever
+Modes: ``"auto"`` (default) resumes only on an elastic restart — decided the same way on every
+rank, from the job's store generation (utils/elastic.py), because torchrun's own
+``TORCHELASTIC_RESTART_COUNT`` stays 0 on the nodes whose workers did not fail — so a fresh launch
+keeps the original's meaning of ``load_path``; ``true`` resumes whenever
 ``save_path`` holds a checkpoint; ``false`` never does.
 """
 

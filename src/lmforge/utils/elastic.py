@@ -39,8 +39,19 @@ class DistributedStartError(LmforgeError):
     """The ranks of a job did not all join within the process-group timeout."""
 
 
+_generation: int | None = None  # this attempt's store generation, once the process group is up
+
+
 def restart_count() -> int:
-    """How many times torchrun restarted this node's workers (0 on the first attempt)."""
+    """How many times this job was restarted (0 on the first attempt); the same on every rank.
+
+    Under torchrun's shared store this is the store generation minus one: every attempt of the job,
+    on every node, takes one. ``TORCHELASTIC_RESTART_COUNT`` is only the fallback (before the process
+    group exists, or without the shared store): on a multi-node job it counts only the restarts of
+    the node whose worker failed, so ranks on other nodes would disagree about resuming.
+    """
+    if _generation is not None:
+        return _generation - 1
     try:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     except ValueError:
@@ -69,7 +80,9 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout_s: floa
         is_master=False,
         timeout=timeout,
     )
+    global _generation
     generation = agree_generation(base, rank, world_size, timeout_s)
+    _generation = generation
     store = dist.PrefixStore(f"{NAMESPACE}/gen{generation}/", base)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return store
