@@ -1,7 +1,7 @@
 """Faults injected into a training run from its YAML (``callbacks: [{type: elastic.faults:Fault, ...}]``).
 
-Each fault fires on one rank, on one torchrun attempt (``TORCHELASTIC_RESTART_COUNT``), so the
-restarted job runs clean:
+Each fault fires on one rank, on one attempt of the job (``lmforge.utils.elastic.restart_count``), so
+the restarted job runs clean:
 
 - ``kill``: SIGKILL at the end of step ``step`` (after that step's checkpoint, if any);
 - ``kill_mid_save``: SIGKILL inside the checkpoint save of step ``step``, after this rank wrote its
@@ -25,13 +25,15 @@ class Fault(TrainerCallback):
     def __init__(self, kind: str, step: int, rank: int = 1, attempt: int = 0) -> None:
         assert kind in ("kill", "kill_mid_save", "hang"), kind
         self.kind, self.step, self.rank, self.attempt = kind, step, rank, attempt
-        self.active = (
-            int(os.environ.get("RANK", "0")) == rank
-            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == attempt
-        )
+        self.active = False
         self._state: Any = None
 
     def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        # The job's attempt as lmforge counts it (the same on every node, unlike torchrun's
+        # TORCHELASTIC_RESTART_COUNT), read once the process group is up.
+        from lmforge.utils.elastic import restart_count
+
+        self.active = int(os.environ.get("RANK", "0")) == self.rank and restart_count() == self.attempt
         self._state = state
         if self.active and self.kind == "kill_mid_save":
             # torch's DCP file writer (lmforge's writer subclasses it): every shard write goes through it.

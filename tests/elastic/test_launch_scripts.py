@@ -36,9 +36,11 @@ def launcher_env(**extra: str) -> dict[str, str]:
     return worker_env(PYTHON=sys.executable, TORCHRUN_ARGS="--monitor-interval=0.2", **extra)
 
 
-def run_nodes(nnodes: int, args: list[str], timeout: float = 180) -> list[str]:
+def run_nodes(nnodes: int, args: list[str], timeout: float = 180, **extra: str) -> list[str]:
     port = free_port()
-    env = launcher_env(NNODES=str(nnodes), NPROC_PER_NODE="1", RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID="t")
+    env = launcher_env(
+        NNODES=str(nnodes), NPROC_PER_NODE="1", RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID="t", **extra
+    )
     procs = [
         subprocess.Popen(
             [str(LAUNCHER), *args],
@@ -139,3 +141,17 @@ def test_sigterm_to_the_launcher_saves_once_on_all_ranks_and_exits_0(tmp_path):
     assert len(shards) == 2, shards  # both ranks wrote their part of the same checkpoint
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(last_step)
     assert out.count("Saved checkpoint of step") == 1 and "received SIGTERM" in out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_nodes_restart_together_and_resume(tmp_path):
+    # Rank 1 dies on attempt 0. Only its node's agent counts a restart (TORCHELASTIC_RESTART_COUNT);
+    # the other node restarts its worker as a membership change with the count still 0. Both ranks
+    # must still agree that this is a restart and resume from the same checkpoint.
+    cfg = job_config(tmp_path, steps=5, faults=[{"kind": "kill", "step": 3, "rank": 1, "attempt": 0}])
+    outs = run_nodes(2, ["train", "--config", cfg], timeout=300, MAX_RESTARTS="1")
+    log = "\n".join(outs)
+    assert "elastic restart 1: resuming from the latest complete checkpoint" in log and "(iteration 2)" in log
+    assert "iteration_00000002 at step 2" in log
+    assert [s for s, _ in losses(tmp_path)] == [1, 2, 3, 4, 5]
