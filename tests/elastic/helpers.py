@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,8 +45,19 @@ def worker_env(**extra: str) -> dict[str, str]:
 def start_torchrun(args: list[str], lmforge_args: list[str], **env: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "lmforge", *lmforge_args]
     return subprocess.Popen(
-        cmd, env=worker_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        env=worker_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: kill_group ends torchrun and its workers
     )
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a job started with ``start_new_session`` and everything it started."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def start_standalone(cfg: str, nproc: int = 2, max_restarts: int = 0) -> subprocess.Popen:
@@ -63,7 +76,7 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        kill_group(proc)
         out, _ = proc.communicate()
         return -999, out + f"\n[test] killed after {timeout} s"
     return proc.returncode, out

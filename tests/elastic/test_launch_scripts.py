@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import job_config, losses, worker_env
+from .helpers import job_config, kill_group, losses, worker_env
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "scripts" / "lmforge-torchrun.sh"
@@ -49,10 +49,19 @@ def run_nodes(nnodes: int, args: list[str], timeout: float = 180, **extra: str) 
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,  # its own process group, so a timeout can end all of it
         )
         for _ in range(nnodes)
     ]
-    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:  # the launcher and its torchrun and workers: the whole process group
+            kill_group(p)
+        raise
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     return outs
@@ -107,10 +116,22 @@ def test_slurm_script_with_fake_srun(tmp_path):
         RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
         OMP_NUM_THREADS="1",
     )
-    r = subprocess.run(["bash", str(SLURM)], env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert "lmforge: 2 node(s) x 1" in r.stdout
-    assert "parallel: world=2" in r.stderr
+    job = subprocess.Popen(
+        ["bash", str(SLURM)],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = job.communicate(timeout=240)
+    finally:
+        kill_group(job)  # nothing is left running, also when the job timed out
+    assert job.returncode == 0, (stdout + stderr)[-3000:]
+    assert "lmforge: 2 node(s) x 1" in stdout
+    assert "parallel: world=2" in stderr
     assert [s for s, _ in losses(tmp_path / "job")] == [1, 2, 3]
 
 
@@ -126,13 +147,17 @@ def test_sigterm_to_the_launcher_saves_once_on_all_ranks_and_exits_0(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,
     )
-    deadline = time.monotonic() + 180
-    while len(losses(tmp_path)) < 3:
-        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=120)[0]
+    try:
+        deadline = time.monotonic() + 180
+        while len(losses(tmp_path)) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        kill_group(proc)  # nothing is left running, whatever happened
     assert proc.returncode == 0, out[-3000:]
     saved = sorted(p.name for p in (tmp_path / "ckpt").glob("iteration_*"))
     last_step = losses(tmp_path)[-1][0]
