@@ -23,7 +23,7 @@ from lmforge.train.callbacks.base import HOOKS
 
 ENTRY_POINT_GROUP = "lmforge.callbacks"
 # lmforge's registered callbacks that live outside the trainer's own modules.
-BUILTIN_MODULES = ("lmforge.train.callbacks.max_logits",)
+BUILTIN_MODULES = ("lmforge.train.callbacks.max_logits", "lmforge.train.callbacks.downstream")
 
 
 def load_builtin_callbacks() -> None:
