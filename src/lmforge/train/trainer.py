@@ -407,9 +407,14 @@ class Trainer:
         if self.ctx.distributed:
             flag = torch.tensor([1 if self.stop_requested else 0], device=self.ctx.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if int(flag.item()) and not self.stop_requested:
+            agreed = bool(int(flag.item()))
+            if agreed and not self.stop_requested:
                 self.stop_requested = True
                 self.stop_reason = "stop requested on another rank"
+            # The agreed value, not the local flag: a signal handled right after the all-reduce
+            # would stop this rank alone (the others train on: a collective mismatch); it is
+            # agreed on at the next step instead.
+            return agreed
         return self.stop_requested
 
     def _install_signal_handlers(self) -> dict[int, Any]:
