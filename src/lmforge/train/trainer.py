@@ -35,8 +35,9 @@ from lmforge.train.checkpoint import (
     read_tracker,
     resolve_checkpoint,
 )
+from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext
-from lmforge.train.perf import device_memory_gib, matmul_peak_flops
+from lmforge.train.perf import device_memory_gib, mfu_peak
 from lmforge.train.state import TrainState
 from lmforge.train.step import SkipPolicy, StepResult, TrainingStopped, TrainStep
 from lmforge.utils.logging import get_logger, setup_logging
@@ -82,6 +83,12 @@ class Trainer:
         self.output_dir = Path(output_dir or getattr(config, "output_dir", None) or "./output")
         self.hf_loader = hf_loader
         self.peak_flops = peak_flops
+        # Regional torch.compile (parallel/compile.py): log how long compiling took, and any recompile.
+        self._compile_watch = None
+        if getattr(model, "lmforge_compiled_blocks", 0):
+            from lmforge.parallel.compile import CompileWatch
+
+            self._compile_watch = CompileWatch()
         self.log_to_file = log_to_file
         self.stop_requested = False
         self.stop_reason: str | None = None
@@ -110,18 +117,14 @@ class Trainer:
             global_batch_size=self.batches.global_batch_at(0),
             num_accumulation_steps=self.batches.accumulation_steps_at(0),
         )
-        health = section_to_dict(getattr(getattr(config, "monitor", None), "health_checkpoint", None))
         self.step_fn = TrainStep(
             model,
             optimizer,
             scheduler,
             max_norm=self.max_norm,
             ctx=self.ctx,
-            skip_policy=SkipPolicy(
-                grad_norm_threshold=float(health.get("global_norm_skip_threshold", math.inf)),
-                embedding_norm_threshold=float(health.get("embedding_local_norm_threshold", math.inf)),
-                max_consecutive=int(health.get("global_norm_skip_time", 10)),
-            ),
+            skip_policy=SkipPolicy.from_monitor(getattr(config, "monitor", None)),
+            loss_scaler=_loss_scaler_for(model),
         )
         self.checkpoint_cfg = section_to_dict(config.checkpoint)
         self.callbacks = CallbackHandler()
@@ -247,6 +250,19 @@ class Trainer:
                         self.state.global_step,
                     )
         self.state.max_steps = int(section_to_dict(self.config.training)["steps"])
+        scaler = self.step_fn.loss_scaler
+        if scaler is not None:
+            if self.state.loss_scaler:
+                scaler.load_state_dict(self.state.loss_scaler)  # resume: the scale of the checkpoint
+            self.state.loss_scaler = scaler.state_dict()
+            logger.info(
+                "model.compute_dtype float16: dynamic loss scaling from %g (x%g after %d clean updates, x%g "
+                "on overflow)",
+                scaler.scale,
+                scaler.growth_factor,
+                scaler.growth_interval,
+                scaler.backoff_factor,
+            )
         self._data_iter: Iterator | None = None
         self._epoch_open = False
         # Micro-batches this rank has consumed (the data position in loader steps).
@@ -305,6 +321,8 @@ class Trainer:
             state.num_accumulation_steps = self.batches.accumulation_steps_at(state.consumed_samples)
             micro = [self._next_micro_batch() for _ in range(state.num_accumulation_steps)]
             result = self.step_fn(micro)
+            if self.step_fn.loss_scaler is not None:
+                state.loss_scaler = self.step_fn.loss_scaler.state_dict()
             if self.ctx.device.type == "cuda":
                 torch.cuda.synchronize(self.ctx.device)
             step_time = time.perf_counter() - t0
@@ -312,6 +330,8 @@ class Trainer:
             state.global_step += 1
             self._account(result)
             metrics = self._metrics(result, step_time, micro[0])
+            if self._compile_watch is not None:
+                metrics["compile_s"] = self._compile_watch.after_step(state.global_step)
             self.callbacks.call(
                 "on_step_end",
                 self.config,
@@ -322,13 +342,18 @@ class Trainer:
                 metrics=metrics,
                 **kw(),
             )
-            limit = self.step_fn.skip_policy.max_consecutive
+            policy = self.step_fn.skip_policy
+            limit = policy.max_consecutive
             if limit > 0 and state.consecutive_skips >= limit:
+                why = (
+                    f"monitor.health_checkpoint.global_norm_skip_time = {limit}"
+                    if policy.spike_skipping
+                    else f"{limit} consecutive non-finite steps; monitor.health_checkpoint.global_norm_skip_time sets it"
+                )
                 self.stop_reason = (
                     f"diverged: {state.consecutive_skips} consecutive steps were skipped (last: {result.skip_reason}) "
-                    f"at step {state.global_step}. Training stops (monitor.health_checkpoint.global_norm_skip_time "
-                    f"= {limit}). Lower lr_scheduler.learning_rate, check the data, or resume from the last "
-                    f"checkpoint with different settings."
+                    f"at step {state.global_step}. Training stops ({why}). Lower lr_scheduler.learning_rate, check "
+                    f"the data, or resume from the last checkpoint with different settings."
                 )
                 logger.error(self.stop_reason[len("diverged: ") :])
                 break
@@ -339,7 +364,10 @@ class Trainer:
         self._run_tokens += r.input_tokens
         if r.skipped:
             s.skipped_steps += 1
-            s.consecutive_skips += 1
+            # An fp16 overflow lowers the loss scale and is expected now and then; it counts towards
+            # divergence only once the scale is below 1 (the gradients overflow unscaled).
+            if not r.overflow or (r.loss_scale or 0.0) <= 1.0:
+                s.consecutive_skips += 1
             return
         s.consecutive_skips = 0
         s.last_loss = r.loss
@@ -370,6 +398,8 @@ class Trainer:
         if r.aux_losses:
             m["aux_losses"] = dict(r.aux_losses)
             m.update(r.aux_losses)
+        if r.loss_scale is not None:
+            m["loss_scale"] = r.loss_scale
         if r.skipped:
             m["skipped"] = True
             m["skip_reason"] = r.skip_reason
@@ -387,7 +417,10 @@ class Trainer:
     def _peak(self) -> float:
         if self.peak_flops is None:
             dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-            self.peak_flops = matmul_peak_flops(self.ctx.device, dtype)
+            override = getattr(getattr(self.config, "mfu", None), "peak_tflops", None)
+            peak = mfu_peak(self.ctx.device, dtype, override)
+            logger.info("MFU denominator: %s", peak.source)
+            self.peak_flops = peak.flops
         return self.peak_flops
 
     # -- stopping -----------------------------------------------------------------------------
@@ -470,6 +503,11 @@ class Trainer:
             if key in self.artifacts:
                 out[key] = self.artifacts[key]
         return out
+
+
+def _loss_scaler_for(model: nn.Module) -> LossScaler | None:
+    """fp16 compute needs dynamic loss scaling; bf16 and fp32 do not (fp32's exponent range)."""
+    return LossScaler() if getattr(model, "compute_dtype", None) == torch.float16 else None
 
 
 def _fmt_seconds(seconds: float) -> str:
