@@ -28,6 +28,7 @@ SUBCOMMANDS: list[str] = [
     "checkpoint",
     "doctor",
     "plan",
+    "env",
 ]
 
 EXIT_USER_ERROR = 2

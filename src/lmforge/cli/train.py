@@ -7,6 +7,7 @@ torchrun --nproc-per-node 2 -m lmforge train --config FILE
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from lmforge.cli.options import add_set_option
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from lmforge.train.builder import build_trainer
 
     config = load_config(args.config, args.overrides)
+    trainer = None
     try:
         try:
             trainer = build_trainer(config, output_dir=args.output_dir, device=args.device)
@@ -55,7 +57,22 @@ def run(args: argparse.Namespace) -> int:
                 ) from None
             raise
         trainer.fit()
+    except RuntimeError as exc:  # torch's collective and store errors (DistBackendError, ...)
+        _report_distributed_failure(trainer, exc)
+        raise
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _report_distributed_failure(trainer: Any, exc: BaseException) -> None:
+    """Name this rank, its phase and where the other ranks were when a collective failed."""
+    from lmforge.train.watchdog import active_watchdog
+
+    dog = active_watchdog(trainer)
+    if dog is None:
+        return
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    message = dog.diagnose(0.0, failure=f"{type(exc).__name__}: {first_line}")
+    print(f"lmforge train: error: {message}", file=sys.stderr, flush=True)

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import model_validator
 
-from lmforge.config.base import Section, check_one_of, check_positive
+from lmforge.config.base import Float, Section, check_one_of, check_positive
 from lmforge.config.layer_spec import parse_layer_specs
 
 # --------------------------------------------------------------------------------------------------
@@ -55,6 +55,9 @@ class ParallelismConfig(Section):
     moe_token_dispatcher_type: str = "alltoall"
     expert_parallel_async_d2h: bool = False
     expert_parallel_use_safe_tokens: bool = True
+    # lmforge extension (docs/parallel.md "Timeouts and hangs"): seconds a collective, the start-up
+    # rendezvous or one training phase may wait for the slowest rank before the job fails.
+    process_group_timeout: Float = 1800.0
 
     @model_validator(mode="before")
     @classmethod
@@ -113,6 +116,11 @@ class ParallelismConfig(Section):
                     f"{p}.ulysses_degree_in_cp ({u}) must divide context_parallel ({self.context_parallel})"
                 )
         self._check_layers_per_stage()
+        if not self.process_group_timeout > 0:
+            raise ValueError(
+                f"{p}.process_group_timeout must be a positive number of seconds (default 1800), "
+                f"got {self.process_group_timeout}"
+            )
         return self
 
     def _check_layers_per_stage(self) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from lmforge.config.base import Float, OpenSection, Section, check_positive
 from lmforge.config.sections_trackers import MlflowConfig, WandbConfig
@@ -29,6 +29,18 @@ class CheckpointConfig(Section):
     load_worker_number: int = 1
     save_global_layout_cache: bool = True
     reshard_worker_num: int = 1
+    # lmforge extension (docs/training.md "Automatic resume"): resume from save_path's latest complete
+    # checkpoint, ahead of load_path. "auto": only when torchrun restarted the workers (an elastic
+    # restart of the same job; the original has none, so its semantics are untouched); true: also on a
+    # fresh launch (a requeued SLURM job); false: never.
+    auto_resume: bool | Literal["auto"] = "auto"
+
+    @field_validator("auto_resume", mode="before")
+    @classmethod
+    def _auto_resume_value(cls, value: Any) -> Any:
+        if not isinstance(value, bool) and value != "auto":
+            raise ValueError(f'checkpoint.auto_resume must be true, false or "auto"; got {value!r}')
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> CheckpointConfig:
@@ -41,6 +53,12 @@ class CheckpointConfig(Section):
                 "checkpoint.save_path: save_path must be provided for CheckpointCallback. Set it to the "
                 "directory where iteration_XXXXXXXX/ checkpoints should be written, or set "
                 "checkpoint.enable_save: false (or omit the checkpoint section: no checkpoints are saved)."
+            )
+        # Nothing is saved, so there is nothing to resume from; only an explicit true is a mistake.
+        if self.auto_resume is True and not self.enable_save:
+            raise ValueError(
+                "checkpoint.auto_resume: true needs checkpoint.enable_save: true (it resumes from the "
+                "checkpoints this run saves in checkpoint.save_path); set auto_resume: false or enable saving."
             )
         return self
 

@@ -16,6 +16,7 @@ from lmforge.errors import ConfigError, DataError
 from lmforge.train.parallel_seam import ParallelContext, distributed_env
 from lmforge.train.rng import seed_everything
 from lmforge.train.trainer import Trainer
+from lmforge.train.watchdog import hang_watchdog
 from lmforge.utils.logging import get_logger, setup_logging
 
 logger = get_logger("lmforge.train")
@@ -158,7 +159,7 @@ def build_trainer(
             "; ".join(missing) + ". Nothing was built; create the data (e.g. 'lmforge data preprocess') or "
             "point the path at it."
         )
-    ctx = distributed_env(device)
+    ctx = distributed_env(device, float(cfg.parallelism.process_group_timeout))
     run_dir = Path(cfg.output_dir or "./output")
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -271,4 +272,5 @@ def build_trainer(
         hf_loader=load_hf_weights,
         files_to_copy=[tokenizer] if tokenizer else None,
         batches=plan.batches,
+        callbacks=hang_watchdog(float(cfg.parallelism.process_group_timeout), ctx.rank, ctx.world_size),
     )

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lmforge.utils.elastic import DEFAULT_TIMEOUT_S, init_process_group
 
 
 @dataclass
@@ -37,8 +38,12 @@ class ParallelContext:
         return self.world_size > 1
 
 
-def distributed_env(device: str | None = None) -> ParallelContext:
-    """Initialise torch.distributed from torchrun's environment (if launched that way)."""
+def distributed_env(device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelContext:
+    """Initialise torch.distributed from torchrun's environment (if launched that way).
+
+    ``timeout_s`` is ``parallelism.process_group_timeout``: how long a collective (and start-up) may
+    wait for the slowest rank before the job fails (and torchrun may restart it).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -49,7 +54,7 @@ def distributed_env(device: str | None = None) -> ParallelContext:
     else:
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
+        init_process_group("nccl" if use_cuda else "gloo", rank, world, timeout_s)
     return ParallelContext(
         rank=rank, world_size=world, local_rank=local_rank, dp_rank=rank, dp_size=world, device=dev
     )

@@ -17,6 +17,7 @@ from torch import nn
 
 from lmforge.errors import ConfigError
 from lmforge.parallel.plan import BatchSchedule
+from lmforge.train.auto_resume import auto_resume_path
 from lmforge.train.callbacks import (
     CallbackHandler,
     CheckpointCallback,
@@ -222,8 +223,11 @@ class Trainer:
 
     def _resume_or_start(self) -> None:
         load_path = self.checkpoint_cfg.get("load_path", "")
-        header = resolve_checkpoint(load_path) if load_path else None
         no_load_optim = bool(self.checkpoint_cfg.get("no_load_optim", False))
+        own = auto_resume_path(self.checkpoint_cfg)
+        if own is not None:  # this job's own checkpoint: continue it completely (optimizer included)
+            load_path, no_load_optim = own, False
+        header = resolve_checkpoint(load_path) if load_path else None
         consumed = 0
         if header is not None and header.kind == "dcp" and not no_load_optim:
             consumed = int(header.common.get("consumed_samples", 0))
@@ -436,9 +440,14 @@ class Trainer:
         if self.ctx.distributed:
             flag = torch.tensor([1 if self.stop_requested else 0], device=self.ctx.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if int(flag.item()) and not self.stop_requested:
+            agreed = bool(int(flag.item()))
+            if agreed and not self.stop_requested:
                 self.stop_requested = True
                 self.stop_reason = "stop requested on another rank"
+            # The agreed value, not the local flag: a signal handled right after the all-reduce
+            # would stop this rank alone (the others train on: a collective mismatch); it is
+            # agreed on at the next step instead.
+            return agreed
         return self.stop_requested
 
     def _install_signal_handlers(self) -> dict[int, Any]:

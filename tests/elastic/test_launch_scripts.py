@@ -1,0 +1,182 @@
+"""scripts/: the per-node launcher on 2 "nodes" of 1 process (c10d rendezvous on 127.0.0.1), the
+SLURM batch script with stand-ins for srun and scontrol, and SIGTERM to the launcher.
+
+What is tested for SLURM: the batch script's own logic (head node, node count, rendezvous, srun
+line, signal forwarding) with a fake ``srun`` that starts the given command once per node on this
+machine, and a fake ``scontrol``. Real SLURM is not available here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .helpers import job_config, kill_group, losses, worker_env
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "scripts" / "lmforge-torchrun.sh"
+SLURM = REPO / "scripts" / "slurm" / "lmforge.slurm"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_env(**extra: str) -> dict[str, str]:
+    import sys
+
+    return worker_env(PYTHON=sys.executable, TORCHRUN_ARGS="--monitor-interval=0.2", **extra)
+
+
+def run_nodes(nnodes: int, args: list[str], timeout: float = 180, **extra: str) -> list[str]:
+    port = free_port()
+    env = launcher_env(
+        NNODES=str(nnodes), NPROC_PER_NODE="1", RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID="t", **extra
+    )
+    procs = [
+        subprocess.Popen(
+            [str(LAUNCHER), *args],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group, so a timeout can end all of it
+        )
+        for _ in range(nnodes)
+    ]
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:  # the launcher and its torchrun and workers: the whole process group
+            kill_group(p)
+        raise
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    return outs
+
+
+def test_launcher_prints_the_torchrun_line():
+    env = launcher_env(NNODES="4", NPROC_PER_NODE="8", RDZV_ENDPOINT="node1:29400", LMFORGE_PRINT_ONLY="1")
+    out = subprocess.run(
+        [str(LAUNCHER), "train", "--config", "x.yaml"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    line = out.stdout
+    for part in ("--nnodes 4", "--nproc-per-node 8", "--rdzv-backend c10d", "--rdzv-endpoint node1:29400"):
+        assert part in line
+    assert line.rstrip().endswith("-m lmforge train --config x.yaml")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_nodes_meet_through_the_c10d_rendezvous():
+    outs = run_nodes(2, ["env"])
+    table = next(o for o in outs if "world size" in o)  # printed by global rank 0, on either "node"
+    assert "world size      : 2 rank(s) on 2 node(s)" in table, table
+    assert "node 0:" in table and "node 1:" in table and table.count(": 1 rank(s):") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_slurm_script_with_fake_srun(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # srun: start the command once per node of the job, as SLURM would on each node.
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        "while [[ $1 == --* ]]; do shift; done\n"
+        'pids=(); for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do SLURM_NODEID=$i "$@" & pids+=($!); done\n'
+        "trap 'kill -TERM \"${pids[@]}\"' TERM\n"
+        'status=0; for p in "${pids[@]}"; do wait "$p" || status=$?; done; exit $status\n'
+    )
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\necho 127.0.0.2\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    cfg = job_config(tmp_path / "job", steps=3)
+    env = launcher_env(
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        CONFIG=cfg,
+        SLURM_JOB_NODELIST="fake[1-2]",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_JOB_ID="4242",
+        SLURM_SUBMIT_DIR=str(REPO),
+        NPROC_PER_NODE="1",
+        RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
+        OMP_NUM_THREADS="1",
+    )
+    job = subprocess.Popen(
+        ["bash", str(SLURM)],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = job.communicate(timeout=240)
+    finally:
+        kill_group(job)  # nothing is left running, also when the job timed out
+    assert job.returncode == 0, (stdout + stderr)[-3000:]
+    assert "lmforge: 2 node(s) x 1" in stdout
+    assert "parallel: world=2" in stderr
+    assert [s for s, _ in losses(tmp_path / "job")] == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_the_launcher_saves_once_on_all_ranks_and_exits_0(tmp_path):
+    cfg = job_config(tmp_path, steps=10_000, checkpoint={"save_interleaved_steps": 100_000})
+    env = launcher_env(NPROC_PER_NODE="2", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
+    proc = subprocess.Popen(
+        [str(LAUNCHER), "train", "--config", cfg],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while len(losses(tmp_path)) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        kill_group(proc)  # nothing is left running, whatever happened
+    assert proc.returncode == 0, out[-3000:]
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("iteration_*"))
+    last_step = losses(tmp_path)[-1][0]
+    assert saved == [f"iteration_{last_step:08d}"], (saved, last_step)  # one save, at the stop step
+    shards = sorted(p.name for p in (tmp_path / "ckpt" / saved[0]).glob("*.distcp"))
+    assert len(shards) == 2, shards  # both ranks wrote their part of the same checkpoint
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(last_step)
+    assert out.count("Saved checkpoint of step") == 1 and "received SIGTERM" in out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_nodes_restart_together_and_resume(tmp_path):
+    # Rank 1 dies on attempt 0. Only its node's agent counts a restart (TORCHELASTIC_RESTART_COUNT);
+    # the other node restarts its worker as a membership change with the count still 0. Both ranks
+    # must still agree that this is a restart and resume from the same checkpoint.
+    cfg = job_config(tmp_path, steps=5, faults=[{"kind": "kill", "step": 3, "rank": 1, "attempt": 0}])
+    outs = run_nodes(2, ["train", "--config", cfg], timeout=300, MAX_RESTARTS="1")
+    log = "\n".join(outs)
+    assert "elastic restart 1: resuming from the latest complete checkpoint" in log and "(iteration 2)" in log
+    assert "iteration_00000002 at step 2" in log
+    assert [s for s, _ in losses(tmp_path)] == [1, 2, 3, 4, 5]
