@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
+import subprocess
 import sys
 import textwrap
 
@@ -244,7 +247,7 @@ def test_hugging_face_round_trip_is_exact(toy, tmp_path):
     assert all(torch.equal(ours[k], fresh.state_dict()[k]) for k in ours)
 
 
-def _write_run(tmp_path, model_section: dict) -> str:
+def _write_run(tmp_path, model_section: dict, **sections) -> str:
     from lmforge.data import IndexedDatasetWriter
 
     prefix = tmp_path / "data" / "docs"
@@ -261,6 +264,7 @@ def _write_run(tmp_path, model_section: dict) -> str:
         "lr_scheduler": {"type": "ConstantWarmUpLR", "learning_rate": 1.0e-2, "warmup_steps": 0},
         "checkpoint": {"enable_save": False},
         "model": model_section,
+        **sections,
         "train_dataset": {
             "dataloader": {
                 "type": "BlendedMegatronDatasetDataLoader",
@@ -298,6 +302,46 @@ def test_lmforge_check_and_train_run_the_toy_family(toy, tmp_path, capsys):
     assert records[1]["loss"] != records[0]["loss"]
 
 
+def _entry_point_dist(where, name: str, target: str) -> None:
+    """A minimal installed-distribution record whose metadata declares one ``lmforge.models`` entry point."""
+    dist = where / f"{name}-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[lmforge.models]\n{name} = {target}\n")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_the_toy_family_tensor_parallel_plan_matches_one_process(toy, tmp_path):
+    """The toy's declared TP plan under torchrun (tp=2, fp32) reproduces the one-process losses and
+    gradient norms. The workers find the family through an entry point naming this module."""
+    from lmforge.cli import main
+    from lmforge.train.callbacks import read_metrics
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "tp").mkdir()
+    assert main(["train", "--config", _write_run(tmp_path / "one", section())]) == 0
+    cfg = _write_run(tmp_path / "tp", section(), parallelism={"tensor_parallel": 2})
+    _entry_point_dist(tmp_path / "plugin", "toy_gelu", "test_toy_family:TOY_FAMILY")
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([str(tmp_path / "plugin"), here, os.environ.get("PYTHONPATH", "")])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}"]
+    cmd += ["-m", "lmforge", "train", "--config", cfg]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    one = read_metrics(tmp_path / "one" / "run" / "metrics.jsonl")
+    tp = read_metrics(tmp_path / "tp" / "run" / "metrics.jsonl")
+    assert len(one) == len(tp) == 2
+    for a, b in zip(one, tp):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
 def test_a_family_from_an_entry_point_is_discovered(tmp_path, monkeypatch):
     """A package outside lmforge declares ``[lmforge.models]`` in its metadata; discovery loads it."""
     pkg = tmp_path / "toy_plugin_family"
@@ -313,10 +357,7 @@ def test_a_family_from_an_entry_point_is_discovered(tmp_path, monkeypatch):
             """
         )
     )
-    dist = tmp_path / "toy_plugin_family-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin-family\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[lmforge.models]\ntoy_plugin = toy_plugin_family:FAMILY\n")
+    _entry_point_dist(tmp_path, "toy_plugin", "toy_plugin_family:FAMILY")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(sys.modules, "toy_family_under_test", sys.modules[__name__])
     monkeypatch.setattr(registry, "_discovered", False)
