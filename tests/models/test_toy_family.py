@@ -230,6 +230,11 @@ def test_the_toy_blocks_compute_what_the_family_declares(toy):
     out = model(torch.randint(0, VOCAB, (2, 8)), labels=torch.randint(0, VOCAB, (2, 8)))
     assert out.logits.shape == (2, 8, VOCAB) and torch.isfinite(out.loss)
     assert model.flops_per_token(8) > 0
+    # Optimizer hooks come from the blocks: GQA's fused QKV pieces and QK-Clip; the GELU MLP has none.
+    assert set(model.muon_split_schema()) == {
+        f"decoder.layers.{i}.self_attention.linear_qkv.weight" for i in (0, 1)
+    }
+    assert len(model.qk_clip_layers()) == 2
 
 
 def test_hugging_face_round_trip_is_exact(toy, tmp_path):

@@ -23,12 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.common import init
-from lmforge.models.common.attention import CoreAttention, SelfAttention
+from lmforge.models.common.attention import CoreAttention
 from lmforge.models.common.blocks import LayerBlocks
 from lmforge.models.common.init import draw_seed
 from lmforge.models.common.masks import build_allowed_mask
-from lmforge.models.common.mla import MultiLatentAttention
-from lmforge.models.common.mlp import SwiGLUMLP
 from lmforge.models.common.moe import ExpertWeight, MoELayer, TopKRouter
 from lmforge.models.common.norms import RMSNorm
 from lmforge.models.common.rope import RotaryEmbedding
@@ -258,20 +256,30 @@ class GPTModel(nn.Module):
         """Norm gains and biases (1-D parameters); routers' expert bias is a buffer, not a parameter."""
         return {name for name, p in self.named_parameters() if p.dim() < 2}
 
+    def _blocks(self, part: str) -> list[tuple[str, nn.Module]]:
+        """(name, block) of every layer's ``self_attention`` or ``mlp``, whatever class the family built."""
+        return [
+            (f"{name}.{part}", getattr(m, part))
+            for name, m in self.named_modules()
+            if isinstance(m, TransformerLayer)
+        ]
+
     def _attention_modules(self) -> list[tuple[str, nn.Module]]:
+        # An attention block takes part in QK-Clip and max-logit tracking by giving the optional hook
+        # ``qk_clip_layer(prefix)`` over a ``core_attention`` (CoreAttention), as GQA and MLA do.
         return [
             (name, m)
-            for name, m in self.named_modules()
-            if isinstance(m, (SelfAttention, MultiLatentAttention))
+            for name, m in self._blocks("self_attention")
+            if callable(getattr(m, "qk_clip_layer", None))
         ]
 
     def muon_split_schema(self) -> dict[str, tuple[int, list[int]]]:
+        """Each block's optional ``muon_split_schema(prefix)`` (fused weights and their pieces)."""
         schema: dict[str, tuple[int, list[int]]] = {}
-        for name, m in self.named_modules():
-            if isinstance(m, (SelfAttention, MultiLatentAttention, MoELayer)) or (
-                isinstance(m, SwiGLUMLP) and not name.endswith("shared_experts")
-            ):
-                schema.update(m.muon_split_schema(name))
+        for name, m in [*self._blocks("self_attention"), *self._blocks("mlp")]:
+            hook = getattr(m, "muon_split_schema", None)
+            if hook is not None:
+                schema.update(hook(name))
         return schema
 
     def qk_clip_layers(self) -> list[QKClipLayer]:
