@@ -33,10 +33,4 @@ __all__ = [
     "register_family",
     "save_hf_pretrained",
     "save_model_checkpoint",
-    "validate_model_section",
 ]
-
-
-def validate_model_section(section) -> None:
-    """The hook ``lmforge check`` calls: raises ConfigError for an invalid ``model`` section."""
-    build_model_config(section)
