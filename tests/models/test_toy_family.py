@@ -252,6 +252,21 @@ def test_hugging_face_round_trip_is_exact(toy, tmp_path):
     assert all(torch.equal(ours[k], fresh.state_dict()[k]) for k in ours)
 
 
+def test_a_family_without_a_tp_plan_refuses_tensor_parallel_at_check(tmp_path, capsys):
+    import dataclasses
+
+    from lmforge.cli import main
+
+    registry.register(dataclasses.replace(TOY_FAMILY, tp_plan=None))
+    try:
+        cfg = _write_run(tmp_path, section(), parallelism={"tensor_parallel": 2})
+        assert main(["check", "--config", cfg, "--world-size", "2"]) != 0
+        captured = capsys.readouterr()
+        assert "model_type 'toy_gelu' declares no tensor-parallel plan" in captured.out + captured.err
+    finally:
+        registry.unregister(TOY)
+
+
 def _write_run(tmp_path, model_section: dict, **sections) -> str:
     from lmforge.data import IndexedDatasetWriter
 
