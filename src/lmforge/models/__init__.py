@@ -1,5 +1,8 @@
 """Model families (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3), their registry and Hugging Face interchange.
 
+* Each family is one self-registering folder (``llama/``, ``qwen3/``, ...); ``registry.families()``
+  lists them, ``register_family`` adds one (see docs/models.md, "Adding a family").
+
 * ``build_model(section, device=None)`` / ``build_model_config(section)``: see ``build.py``.
 * ``load_hf_pretrained(path, dtype=None)`` / ``save_hf_pretrained(model, path)``: see ``hf_io.py``;
   ``load_hf_weights(model, path)`` fills an existing model (the trainer's ``hf_loader``).
@@ -9,21 +12,25 @@
 from lmforge.models.build import build_model, build_model_config
 from lmforge.models.common.gpt import CausalLMOutput, GPTModel
 from lmforge.models.common.transformer_config import TransformerConfig
+from lmforge.models.family import Family, HFAdapter
 from lmforge.models.hf_io import load_hf_pretrained, load_hf_weights, save_hf_pretrained
 from lmforge.models.io import load_model_checkpoint, save_model_checkpoint
-from lmforge.models.registry import ARCHITECTURES, MODEL_TYPES
+from lmforge.models.registry import families
+from lmforge.models.registry import register as register_family
 
 __all__ = [
-    "ARCHITECTURES",
-    "MODEL_TYPES",
     "CausalLMOutput",
+    "Family",
     "GPTModel",
+    "HFAdapter",
     "TransformerConfig",
     "build_model",
     "build_model_config",
+    "families",
     "load_hf_pretrained",
     "load_hf_weights",
     "load_model_checkpoint",
+    "register_family",
     "save_hf_pretrained",
     "save_model_checkpoint",
 ]

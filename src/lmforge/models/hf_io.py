@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -17,36 +16,30 @@ from lmforge.models.common.config_keys import HF_BOOKKEEPING_KEYS
 from lmforge.models.common.dtypes import dtype_name, parse_dtype
 from lmforge.models.common.gpt import GPTModel
 from lmforge.models.common.transformer_config import TransformerConfig
-from lmforge.models.deepseek_v3 import hf_adapter as deepseek_v3_adapter
+from lmforge.models.family import HFAdapter
 from lmforge.models.hf_shards import DEFAULT_MAX_SHARD_SIZE, parse_size, write_sharded
-from lmforge.models.llama import hf_adapter as llama_adapter
 from lmforge.models.lora import is_lora_param_name
-from lmforge.models.qwen3 import hf_adapter as qwen3_adapter
-from lmforge.models.qwen3_moe import hf_adapter as qwen3_moe_adapter
 from lmforge.models.registry import family_for, resolve
 from lmforge.utils.logging import get_logger
 
 _log = get_logger("lmforge.models")
 
-ADAPTERS: dict[str, ModuleType] = {
-    "llama": llama_adapter,
-    "qwen3": qwen3_adapter,
-    "qwen3_moe": qwen3_moe_adapter,
-    "deepseek_v3": deepseek_v3_adapter,
-}
+
+def _adapter(cfg: TransformerConfig) -> HFAdapter:
+    return family_for(cfg.model_type).hf_adapter
 
 
 def section_from_hf_config(hf_cfg: dict[str, Any], dtype: Any = None) -> dict[str, Any]:
     """A lmforge ``model`` section equivalent to a Hugging Face config.json (unknown keys dropped, warned)."""
     family = family_for(hf_cfg.get("model_type"))
-    adapter = ADAPTERS[family.keys.model_type]
+    adapter = family.hf_adapter
     valid = set(family.keys.valid_keys())
     section: dict[str, Any] = {}
     dropped = []
-    renames = getattr(adapter, "HF_RENAMES", {})
+    renames = adapter.renames
     for key, value in hf_cfg.items():
         key = renames.get(key, key)
-        if key in adapter.HF_DERIVED_KEYS or key in HF_BOOKKEEPING_KEYS:
+        if key in adapter.derived_keys or key in HF_BOOKKEEPING_KEYS:
             continue
         if key in valid:
             section[key] = value
@@ -93,7 +86,7 @@ def hf_state_dict(path: str | Path, cfg: TransformerConfig) -> dict[str, torch.T
     """The tensors of a Hugging Face directory under lmforge names, for a model of ``cfg``."""
     path = Path(path)
     hf_sd = read_safetensors_dir(path)
-    sd = ADAPTERS[cfg.model_type].from_hf(hf_sd, cfg)
+    sd = _adapter(cfg).from_hf(hf_sd, cfg)
     leftover = sorted(k for k in hf_sd if not k.endswith("rotary_emb.inv_freq"))
     if leftover:
         _log.warning("%s: %d tensors not used: %s", path, len(leftover), ", ".join(leftover[:8]))
@@ -212,7 +205,7 @@ def hf_config_json(cfg: TransformerConfig) -> dict[str, Any]:
     reads ``rope_theta`` / ``rope_scaling`` (and would silently fall back to base 10000 without them),
     so both forms are written. Likewise ``dtype`` (5.x) and ``torch_dtype`` (4.x).
     """
-    hf_cfg = ADAPTERS[cfg.model_type].hf_config(cfg)
+    hf_cfg = _adapter(cfg).hf_config(cfg)
     params = dict(hf_cfg.get("rope_parameters") or {})
     hf_cfg["rope_theta"] = float(params.pop("rope_theta", cfg.rope_theta))
     hf_cfg["rope_scaling"] = params if params.get("rope_type", "default") != "default" else None
@@ -236,7 +229,7 @@ def save_hf_pretrained(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    hf_sd = {k: v.contiguous().clone() for k, v in ADAPTERS[cfg.model_type].to_hf(sd, cfg).items()}
+    hf_sd = {k: v.contiguous().clone() for k, v in _adapter(cfg).to_hf(sd, cfg).items()}
     hf_cfg = hf_config_json(cfg)
     if tokenizer is not None:
         from lmforge.models.hf_tokenizer_files import write_tokenizer_files

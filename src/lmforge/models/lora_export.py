@@ -26,10 +26,10 @@ PEFT_PREFIX = "base_model.model."
 
 def peft_adapter_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(PEFT tensors by name, Hugging Face module names that carry an adapter) of a LoRA model."""
-    from lmforge.models.hf_io import ADAPTERS
+    from lmforge.models.registry import family_for
 
     cfg = model.config
-    to_hf = ADAPTERS[cfg.model_type].to_hf
+    to_hf = family_for(cfg.model_type).hf_adapter.to_hf
     mods = lora_modules(model)
     if not mods:
         raise CheckpointError(

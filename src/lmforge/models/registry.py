@@ -1,4 +1,8 @@
-"""model_type → family (keys and config conversion); architectures → model class.
+"""The families lmforge knows: each registers itself; this module finds them and resolves sections.
+
+Discovery (on first use): every subpackage of ``lmforge.models`` except ``common`` is imported (a
+family's ``__init__.py`` calls :func:`register`), then every entry point of the group
+``lmforge.models`` is loaded (a module that registers on import, or a ``Family`` object).
 
 As in the original, ``model_type`` picks the configuration class and ``architectures`` (a string, or
 the first element of a list) picks the model class; here the pair must also agree.
@@ -6,76 +10,116 @@ the first element of a list) picks the model class; here the pair must also agre
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import importlib
+import pkgutil
+from importlib.metadata import entry_points
 from typing import Any
 
 from lmforge.errors import ConfigError
-from lmforge.models.common.config_keys import FamilyKeys, resolve_section
+from lmforge.models.common.config_keys import resolve_section
 from lmforge.models.common.gpt import GPTModel
 from lmforge.models.common.transformer_config import TransformerConfig
-from lmforge.models.deepseek_v3 import DeepseekV3ForCausalLM
-from lmforge.models.deepseek_v3 import config as deepseek_v3_config
-from lmforge.models.llama import LlamaForCausalLM
-from lmforge.models.llama import config as llama_config
-from lmforge.models.qwen3 import Qwen3ForCausalLM
-from lmforge.models.qwen3 import config as qwen3_config
-from lmforge.models.qwen3_moe import Qwen3MoeForCausalLM
-from lmforge.models.qwen3_moe import config as qwen3_moe_config
+from lmforge.models.family import Family
+
+ENTRY_POINT_GROUP = "lmforge.models"
+_FAMILIES: dict[str, Family] = {}
+_ALIASES: dict[str, str] = {}
+_discovered = False
 
 
-@dataclass(frozen=True)
-class Family:
-    keys: FamilyKeys
-    to_transformer_config: Callable[[dict[str, Any]], TransformerConfig]
+def register(family: Family) -> Family:
+    """Make ``family`` known under its model_type and aliases. Registering the same object again is a
+    no-op; another family under a taken name is an error."""
+    for name in (family.model_type, *family.aliases):
+        owner = _FAMILIES.get(_ALIASES.get(name, name))
+        if owner is not None and owner is not family:
+            raise ValueError(f"model_type {name!r} is already registered (family {owner.model_type!r}).")
+    for arch in family.model_classes:
+        other = next((f for f in _FAMILIES.values() if f is not family and arch in f.model_classes), None)
+        if other is not None:
+            raise ValueError(f"architecture {arch!r} is already registered by family {other.model_type!r}.")
+    _FAMILIES[family.model_type] = family
+    _ALIASES.update(dict.fromkeys(family.aliases, family.model_type))
+    return family
 
 
-MODEL_TYPES: dict[str, Family] = {
-    "llama": Family(llama_config.FAMILY, llama_config.to_transformer_config),
-    "qwen3": Family(qwen3_config.FAMILY, qwen3_config.to_transformer_config),
-    "qwen3_moe": Family(qwen3_moe_config.FAMILY, qwen3_moe_config.to_transformer_config),
-    "deepseek_v3": Family(deepseek_v3_config.FAMILY, deepseek_v3_config.to_transformer_config),
-}
-MODEL_TYPE_ALIASES = {"deepseek_mtp": "deepseek_v3"}
+def unregister(model_type: str) -> None:
+    family = _FAMILIES.pop(model_type, None)
+    if family is not None:
+        for alias in family.aliases:
+            _ALIASES.pop(alias, None)
 
-ARCHITECTURES: dict[str, type[GPTModel]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
-}
+
+def _discover() -> None:
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    import lmforge.models as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.ispkg and info.name != "common":
+            importlib.import_module(f"{package.__name__}.{info.name}")
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = ep.load()
+        except Exception as exc:  # a broken plugin is named, not a traceback from importlib
+            raise ConfigError(
+                f"the model family entry point {ep.name!r} ({ep.value}) of group '{ENTRY_POINT_GROUP}' failed "
+                f"to load: {type(exc).__name__}: {exc}"
+            ) from exc
+        if isinstance(loaded, Family):
+            register(loaded)
+
+
+def families() -> dict[str, Family]:
+    """model_type → Family, every discovered and registered family."""
+    _discover()
+    return dict(_FAMILIES)
+
+
+def model_type_aliases() -> dict[str, str]:
+    _discover()
+    return dict(_ALIASES)
+
+
+def architectures() -> dict[str, type[GPTModel]]:
+    """Architecture name → model class, over all families."""
+    return {name: cls for f in families().values() for name, cls in f.model_classes.items()}
 
 
 def family_for(model_type: Any) -> Family:
+    known = families()
     if not isinstance(model_type, str) or not model_type:
         raise ConfigError(
-            f"model.model_type is required (got {model_type!r}); known model types: {', '.join(sorted(MODEL_TYPES))}."
+            f"model.model_type is required (got {model_type!r}); known model types: {', '.join(sorted(known))}."
         )
-    name = MODEL_TYPE_ALIASES.get(model_type, model_type)
-    if name not in MODEL_TYPES:
+    name = _ALIASES.get(model_type, model_type)
+    if name not in known:
         raise ConfigError(
             f"model.model_type = {model_type!r} is not a known model type; known: "
-            f"{', '.join(sorted([*MODEL_TYPES, *MODEL_TYPE_ALIASES]))}."
+            f"{', '.join(sorted([*known, *_ALIASES]))}."
         )
-    return MODEL_TYPES[name]
+    return known[name]
 
 
 def architecture_name(raw: Any, family: Family) -> str:
     arch = raw[0] if isinstance(raw, (list, tuple)) and raw else raw
     if not isinstance(arch, str) or not arch:
         raise ConfigError(
-            f"model.architectures is required (got {raw!r}); for model_type '{family.keys.model_type}' use "
+            f"model.architectures is required (got {raw!r}); for model_type '{family.model_type}' use "
             f"{' or '.join(family.keys.architectures)}."
         )
     if arch not in family.keys.architectures:
-        if arch not in ARCHITECTURES:
+        known = architectures()
+        if arch not in known:
             raise ConfigError(
                 f"model.architectures = {arch!r} is not a known architecture; for model_type "
-                f"'{family.keys.model_type}' use {' or '.join(family.keys.architectures)} (known: "
-                f"{', '.join(sorted(ARCHITECTURES))})."
+                f"'{family.model_type}' use {' or '.join(family.keys.architectures)} (known: "
+                f"{', '.join(sorted(known))})."
             )
         raise ConfigError(
-            f"model.architectures = {arch!r} does not match model.model_type = '{family.keys.model_type}'; "
+            f"model.architectures = {arch!r} does not match model.model_type = '{family.model_type}'; "
             f"use {' or '.join(family.keys.architectures)}."
         )
     return arch
@@ -88,4 +132,4 @@ def resolve(raw: dict[str, Any]) -> tuple[TransformerConfig, type[GPTModel]]:
     values = resolve_section(raw, family.keys)
     cfg = family.to_transformer_config(values)
     cfg.section = dict(raw)
-    return cfg, ARCHITECTURES[arch]
+    return cfg, family.model_classes[arch]

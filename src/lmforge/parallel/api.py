@@ -155,6 +155,15 @@ def _install_cp_io(model: nn.Module, cp_mesh: Any, doc_mask: DocumentMask | None
 
 def refuse_unsupported(model: nn.Module, dims: ParallelDims) -> None:
     """Combinations of model features and degrees that are not implemented (also run by lmforge check)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if dims.tp > 1 and model_type is not None:
+        from lmforge.models.registry import family_for
+
+        if family_for(model_type).tp_plan is None:
+            raise NotSupportedError(
+                f"parallelism.tensor_parallel > 1: model_type {model_type!r} declares no tensor-parallel plan "
+                "(its family's tp_plan); set parallelism.tensor_parallel: 1."
+            )
     mtp = getattr(model, "mtp", None) is not None
     if dims.cp > 1 and mtp:
         raise NotSupportedError(

@@ -33,6 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.errors import ConfigError
+from lmforge.models.common.tp_plan import (
+    FusedColwise,
+    GatherSequence,
+    LocalHeads,
+    PerRankCounts,
+    RowwiseToSequence,
+    SequenceAuxLoss,
+)
 from lmforge.parallel import comm
 from lmforge.parallel.fsdp import decoder_layers
 
@@ -270,41 +278,6 @@ def _tp_core_attention(core: nn.Module, tp_rank: int) -> None:
     core.forward = types.MethodType(forward, core)
 
 
-def _parallelize_attention(attn: nn.Module, mesh: Any, group: Any) -> None:
-    t = mesh.size()
-    _gather_block_input(attn, group)
-    if hasattr(attn, "linear_qkv"):
-        pieces = [attn.q_rows, attn.kv_rows, attn.kv_rows]
-        _pieces_colwise(attn.linear_qkv, pieces, mesh, group)
-        _localise(attn, t, ("num_heads", "num_kv_heads", "q_rows", "kv_rows"))
-    elif hasattr(attn, "linear_kv_up_proj"):  # MLA
-        n = attn.num_heads
-        q_pieces = [n * attn.dn, n * attn.dr]
-        q_name = "linear_q_up_proj" if attn.q_lora_rank else "linear_q_proj"
-        _pieces_colwise(getattr(attn, q_name), q_pieces, mesh, group)
-        _pieces_colwise(attn.linear_kv_up_proj, [n * attn.dn, n * attn.dv], mesh, group)
-        _localise(attn, t, ("num_heads",))
-    else:
-        raise ConfigError(
-            f"tensor parallel does not know the attention module {type(attn).__name__}; "
-            "set parallelism.tensor_parallel: 1."
-        )
-    core = getattr(attn, "core_attention", None)
-    if core is not None:
-        _localise(core, t, ("num_heads",))
-        _tp_core_attention(core, mesh.get_local_rank())
-    _rowwise_to_sequence(attn.linear_proj, mesh, group)
-
-
-def _parallelize_dense_mlp(mlp: nn.Module, mesh: Any, group: Any) -> None:
-    _gather_block_input(mlp, group)
-    f = mlp.linear_fc2.in_features
-    fc1_out = mlp.linear_fc1.out_features
-    pieces = [f, f] if fc1_out == 2 * f else [fc1_out]
-    _pieces_colwise(mlp.linear_fc1, pieces, mesh, group)
-    _rowwise_to_sequence(mlp.linear_fc2, mesh, group)
-
-
 def _sequence_aux_loss(router: nn.Module, group: Any) -> None:
     """The balancing loss sees the whole sequence, not this rank's shard: gather scores and choices first."""
     original = router._aux_loss
@@ -321,16 +294,43 @@ def _sequence_aux_loss(router: nn.Module, group: Any) -> None:
     router._aux_loss = aux_loss
 
 
-def _is_dense_mlp(mlp: nn.Module) -> bool:
-    return isinstance(getattr(mlp, "linear_fc1", None), nn.Linear) and isinstance(
-        getattr(mlp, "linear_fc2", None), nn.Linear
-    )
+def _apply_style(module: nn.Module, style: Any, mesh: Any, group: Any) -> None:
+    if isinstance(style, GatherSequence):
+        _gather_block_input(module, group)
+    elif isinstance(style, FusedColwise):
+        _pieces_colwise(module, list(style.pieces), mesh, group)
+    elif isinstance(style, RowwiseToSequence):
+        _rowwise_to_sequence(module, mesh, group)
+    elif isinstance(style, PerRankCounts):
+        _localise(module, mesh.size(), style.attributes)
+    elif isinstance(style, LocalHeads):
+        _tp_core_attention(module, mesh.get_local_rank())
+    elif isinstance(style, SequenceAuxLoss):
+        _sequence_aux_loss(module, group)
+    else:
+        raise ConfigError(f"unknown tensor-parallel style {style!r} in a family's TP plan.")
+
+
+def _apply_layer_plan(layer: nn.Module, plan: dict[str, tuple[Any, ...]], mesh: Any, group: Any) -> None:
+    for path, styles in plan.items():
+        module = layer.get_submodule(path)
+        for style in styles:
+            _apply_style(module, style, mesh, group)
 
 
 def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
-    """Apply tensor + sequence parallel in place over ``tp_mesh`` (1-D)."""
+    """Apply tensor + sequence parallel in place over ``tp_mesh`` (1-D): the embedding and output layer
+    by vocabulary rows, each decoder layer by its family's ``tp_plan`` (``models/<family>/parallelize.py``)."""
     from torch.distributed.tensor import DTensor
 
+    from lmforge.models.registry import family_for
+
+    cfg = model.config
+    family = family_for(cfg.model_type)
+    if family.tp_plan is None:
+        raise ConfigError(
+            f"model_type {family.model_type!r} declares no tensor-parallel plan; set parallelism.tensor_parallel: 1."
+        )
     group = tp_mesh.get_group()
     emb = getattr(getattr(model, "embedding", None), "word_embeddings", None)
     out = getattr(model, "output_layer", None)
@@ -339,20 +339,7 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
         _vocab_parallel_embedding(emb, tp_mesh, group)
     for layer in decoder_layers(model):
         layer = getattr(layer, "transformer_layer", layer)  # an MTP depth wraps a transformer layer
-        attn = getattr(layer, "self_attention", None)
-        if attn is not None:
-            _parallelize_attention(attn, tp_mesh, group)
-        mlp = getattr(layer, "mlp", None)
-        if mlp is not None:
-            if _is_dense_mlp(mlp):
-                _parallelize_dense_mlp(mlp, tp_mesh, group)
-            else:
-                shared = getattr(mlp, "shared_experts", None)
-                if shared is not None and _is_dense_mlp(shared):
-                    _parallelize_dense_mlp(shared, tp_mesh, group)
-                router = getattr(mlp, "router", None)
-                if router is not None and hasattr(router, "_aux_loss"):
-                    _sequence_aux_loss(router, group)
+        _apply_layer_plan(layer, family.tp_plan(cfg, layer.layer_id), tp_mesh, group)
     if out is not None and not tied:
         _vocab_split_output(out, tp_mesh)
     # Everything else (norms, routers, routed experts, MLA down projections) is replicated over tp and

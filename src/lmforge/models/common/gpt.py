@@ -4,9 +4,9 @@ Module tree (Megatron / MindSpore Transformers names, so YAML name patterns matc
 
     embedding.word_embeddings                      [vocab, hidden]
     decoder.layers.N.input_layernorm               RMSNorm
-    decoder.layers.N.self_attention.*              SelfAttention (GQA) or MultiLatentAttention
+    decoder.layers.N.self_attention.*              the family's attention block (GQA, MLA, ...)
     decoder.layers.N.pre_mlp_layernorm             RMSNorm
-    decoder.layers.N.mlp.*                         SwiGLUMLP or MoELayer
+    decoder.layers.N.mlp.*                         the family's MLP block (SwiGLU, MoE, ...)
     decoder.final_layernorm                        RMSNorm
     output_layer                                   Linear [vocab, hidden] (absent when embeddings are tied)
     mtp.layers.K.{enorm,hnorm,eh_proj,transformer_layer,final_layernorm}   DeepSeek-V3 multi-token prediction
@@ -16,21 +16,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.common import init
-from lmforge.models.common.attention import CoreAttention, SelfAttention
+from lmforge.models.common.attention import CoreAttention
+from lmforge.models.common.blocks import LayerBlocks
 from lmforge.models.common.init import draw_seed
 from lmforge.models.common.loss import chunked_linear_cross_entropy, token_cross_entropy
 from lmforge.models.common.masks import attention_layout
-from lmforge.models.common.mla import MultiLatentAttention
-from lmforge.models.common.mlp import SwiGLUMLP
-from lmforge.models.common.moe import ExpertWeight, MoELayer, RouterSettings, TopKRouter
+from lmforge.models.common.moe import ExpertWeight, MoELayer, TopKRouter
 from lmforge.models.common.norms import RMSNorm
-from lmforge.models.common.rope import RotaryEmbedding, yarn_softmax_scale_factor
+from lmforge.models.common.rope import RotaryEmbedding
 from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.utils.qk_clip import QKClipLayer
 
@@ -47,56 +47,14 @@ class CausalLMOutput:
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: TransformerConfig, layer_id: int) -> None:
+    def __init__(self, cfg: TransformerConfig, layer_id: int, blocks: LayerBlocks) -> None:
         super().__init__()
         self.layer_id = layer_id
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        if cfg.multi_latent_attention:
-            scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale_factor(
-                cfg.rope_scaling
-            )
-            self.self_attention = MultiLatentAttention(
-                h,
-                cfg.num_attention_heads,
-                cfg.q_lora_rank,
-                cfg.kv_lora_rank,
-                cfg.qk_nope_head_dim,
-                cfg.qk_rope_head_dim,
-                cfg.v_head_dim,
-                scale,
-                cfg.attention_dropout,
-            )
-        else:
-            self.self_attention = SelfAttention(
-                h,
-                cfg.num_attention_heads,
-                cfg.num_key_value_heads,
-                cfg.head_dim,
-                qk_norm=cfg.qk_norm,
-                norm_eps=cfg.rms_norm_eps,
-                bias=cfg.attention_bias,
-                dropout=cfg.attention_dropout,
-            )
+        self.self_attention = blocks.attention(cfg, layer_id)
         self.pre_mlp_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        if cfg.is_moe_layer(layer_id):
-            settings = RouterSettings(
-                num_experts=cfg.num_experts,
-                top_k=cfg.num_experts_per_tok,
-                score_function=cfg.score_function,
-                n_group=cfg.n_group,
-                topk_group=cfg.topk_group,
-                group_score=cfg.group_score,
-                norm_topk_prob=cfg.norm_topk_prob,
-                scaling_factor=cfg.routed_scaling_factor,
-                enable_expert_bias=cfg.enable_expert_bias,
-                bias_update_rate=cfg.bias_update_rate,
-                load_balancing_type=cfg.load_balancing_type,
-                aux_loss_coeff=cfg.aux_loss_coeff,
-            )
-            self.mlp = MoELayer(h, cfg.moe_intermediate_size, settings, cfg.shared_expert_intermediate_size)
-        else:
-            self.mlp = SwiGLUMLP(h, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.mlp = blocks.mlp(cfg, layer_id)
         self.hidden_dropout = cfg.hidden_dropout
 
     def forward(
@@ -114,29 +72,31 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, blocks: LayerBlocks) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i, blocks) for i in range(cfg.num_layers))
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class MTPLayer(nn.Module):
     """DeepSeek-V3 multi-token prediction depth k: [enorm(emb(t+k)); hnorm(h)] → eh_proj → layer → norm."""
 
-    def __init__(self, cfg: TransformerConfig, layer_id: int) -> None:
+    def __init__(self, cfg: TransformerConfig, layer_id: int, blocks: LayerBlocks) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.transformer_layer = TransformerLayer(cfg, layer_id)
+        self.transformer_layer = TransformerLayer(cfg, layer_id, blocks)
         self.final_layernorm = RMSNorm(h, cfg.rms_norm_eps)
 
 
 class MultiTokenPrediction(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, blocks: LayerBlocks) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(MTPLayer(cfg, cfg.num_layers + i) for i in range(cfg.mtp_num_layers))
+        self.layers = nn.ModuleList(
+            MTPLayer(cfg, cfg.num_layers + i, blocks) for i in range(cfg.mtp_num_layers)
+        )
 
 
 def _shift_left(t: torch.Tensor, fill: float | int) -> torch.Tensor:
@@ -144,9 +104,16 @@ def _shift_left(t: torch.Tensor, fill: float | int) -> torch.Tensor:
 
 
 class GPTModel(nn.Module):
-    """A decoder-only causal LM. Families subclass it only to name themselves."""
+    """A decoder-only causal LM. A family subclasses it to name itself and its layer blocks."""
+
+    # How this family builds a layer's attention and MLP (set by every family's model class).
+    blocks: ClassVar[LayerBlocks | None] = None
 
     def __init__(self, config: TransformerConfig) -> None:
+        if self.blocks is None:
+            raise TypeError(
+                f"{type(self).__name__} must declare its LayerBlocks as the class attribute 'blocks'."
+            )
         super().__init__()
         self.config = config
         self.compute_dtype = config.compute_dtype
@@ -154,7 +121,7 @@ class GPTModel(nn.Module):
         h = config.hidden_size
         self.embedding = nn.Module()
         self.embedding.word_embeddings = nn.Embedding(config.vocab_size, h)
-        self.decoder = TransformerBlock(config)
+        self.decoder = TransformerBlock(config, self.blocks)
         self.output_layer = (
             None if config.tie_word_embeddings else nn.Linear(h, config.vocab_size, bias=False)
         )
@@ -162,7 +129,7 @@ class GPTModel(nn.Module):
         self.rotary_pos_emb = RotaryEmbedding(
             rope_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         )
-        self.mtp = MultiTokenPrediction(config) if config.mtp_num_layers > 0 else None
+        self.mtp = MultiTokenPrediction(config, self.blocks) if config.mtp_num_layers > 0 else None
         self._track_max_logits = False
 
     # ---- construction -------------------------------------------------------------------------
@@ -293,20 +260,30 @@ class GPTModel(nn.Module):
         """Norm gains and biases (1-D parameters); routers' expert bias is a buffer, not a parameter."""
         return {name for name, p in self.named_parameters() if p.dim() < 2}
 
+    def _blocks(self, part: str) -> list[tuple[str, nn.Module]]:
+        """(name, block) of every layer's ``self_attention`` or ``mlp``, whatever class the family built."""
+        return [
+            (f"{name}.{part}", getattr(m, part))
+            for name, m in self.named_modules()
+            if isinstance(m, TransformerLayer)
+        ]
+
     def _attention_modules(self) -> list[tuple[str, nn.Module]]:
+        # An attention block takes part in QK-Clip and max-logit tracking by giving the optional hook
+        # ``qk_clip_layer(prefix)`` over a ``core_attention`` (CoreAttention), as GQA and MLA do.
         return [
             (name, m)
-            for name, m in self.named_modules()
-            if isinstance(m, (SelfAttention, MultiLatentAttention))
+            for name, m in self._blocks("self_attention")
+            if callable(getattr(m, "qk_clip_layer", None))
         ]
 
     def muon_split_schema(self) -> dict[str, tuple[int, list[int]]]:
+        """Each block's optional ``muon_split_schema(prefix)`` (fused weights and their pieces)."""
         schema: dict[str, tuple[int, list[int]]] = {}
-        for name, m in self.named_modules():
-            if isinstance(m, (SelfAttention, MultiLatentAttention, MoELayer)) or (
-                isinstance(m, SwiGLUMLP) and not name.endswith("shared_experts")
-            ):
-                schema.update(m.muon_split_schema(name))
+        for name, m in [*self._blocks("self_attention"), *self._blocks("mlp")]:
+            hook = getattr(m, "muon_split_schema", None)
+            if hook is not None:
+                schema.update(hook(name))
         return schema
 
     def qk_clip_layers(self) -> list[QKClipLayer]:

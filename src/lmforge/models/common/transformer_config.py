@@ -66,6 +66,8 @@ class TransformerConfig:
     seq_length: int = 4096
     # lmforge extension: tokens per chunk of the output projection + cross-entropy (0 = full logits)
     loss_chunk_size: int = 0
+    # Settings only one family's own blocks read (a new family puts its options here, not new fields)
+    family_options: dict[str, Any] = field(default_factory=dict)
     # Keys that only matter for writing a Hugging Face config.json back (token ids, rope_interleave, ...)
     hf_extra: dict[str, Any] = field(default_factory=dict)
     # The validated model section as given (written next to converted checkpoints)

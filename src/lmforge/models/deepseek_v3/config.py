@@ -10,7 +10,7 @@ from lmforge.models.common.config_keys import FamilyKeys
 from lmforge.models.common.family_build import check_experts, common_fields, moe_balance, positive_int
 from lmforge.models.common.transformer_config import TransformerConfig
 
-FAMILY = FamilyKeys(
+KEYS = FamilyKeys(
     model_type="deepseek_v3",
     architectures=("DeepseekV3ForCausalLM",),
     hf={

@@ -1,3 +1,18 @@
-from lmforge.models.llama.model import LlamaForCausalLM
+"""``model_type: llama``: config schema (config.py), model (model.py), HF adapter, TP plan (parallelize.py)."""
 
-__all__ = ["LlamaForCausalLM"]
+from lmforge.models.family import Family, HFAdapter
+from lmforge.models.llama import config, hf_adapter, parallelize
+from lmforge.models.llama.model import LlamaForCausalLM
+from lmforge.models.registry import register
+
+FAMILY = register(
+    Family(
+        keys=config.KEYS,
+        model_classes={"LlamaForCausalLM": LlamaForCausalLM},
+        to_transformer_config=config.to_transformer_config,
+        hf_adapter=HFAdapter(hf_adapter.from_hf, hf_adapter.to_hf, hf_adapter.hf_config),
+        tp_plan=parallelize.tp_plan,
+    )
+)
+
+__all__ = ["FAMILY", "LlamaForCausalLM"]

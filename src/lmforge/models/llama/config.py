@@ -8,7 +8,7 @@ from lmforge.models.common.config_keys import FamilyKeys
 from lmforge.models.common.family_build import common_fields, positive_int
 from lmforge.models.common.transformer_config import TransformerConfig
 
-FAMILY = FamilyKeys(
+KEYS = FamilyKeys(
     model_type="llama",
     architectures=("LlamaForCausalLM",),
     hf={

@@ -18,8 +18,6 @@ from __future__ import annotations
 from lmforge.models.common import hf_names as h
 from lmforge.models.common.transformer_config import TransformerConfig
 
-HF_DERIVED_KEYS: tuple[str, ...] = ()
-
 
 def from_hf(hf: dict, cfg: TransformerConfig) -> dict:
     out: dict = {}

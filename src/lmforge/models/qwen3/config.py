@@ -30,7 +30,7 @@ QWEN3_ATTENTION_KEYS: dict[str, Any] = {
     "layer_types": None,
 }
 
-FAMILY = FamilyKeys(model_type="qwen3", architectures=("Qwen3ForCausalLM",), hf=dict(QWEN3_ATTENTION_KEYS))
+KEYS = FamilyKeys(model_type="qwen3", architectures=("Qwen3ForCausalLM",), hf=dict(QWEN3_ATTENTION_KEYS))
 
 
 def check_full_attention(values: dict[str, Any]) -> None:

@@ -12,9 +12,7 @@ from lmforge.models.common import hf_names as h
 from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.models.llama.hf_adapter import from_hf, to_hf
 
-__all__ = ["HF_DERIVED_KEYS", "from_hf", "hf_config", "to_hf"]
-
-HF_DERIVED_KEYS: tuple[str, ...] = ()
+__all__ = ["from_hf", "hf_config", "to_hf"]
 
 
 def hf_config(cfg: TransformerConfig) -> dict:

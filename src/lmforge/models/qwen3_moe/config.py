@@ -10,7 +10,7 @@ from lmforge.models.common.family_build import check_experts, common_fields, moe
 from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.models.qwen3.config import QWEN3_ATTENTION_KEYS, check_full_attention
 
-FAMILY = FamilyKeys(
+KEYS = FamilyKeys(
     model_type="qwen3_moe",
     architectures=("Qwen3MoeForCausalLM",),
     hf={

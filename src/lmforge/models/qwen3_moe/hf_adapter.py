@@ -15,7 +15,6 @@ from lmforge.errors import CheckpointError
 from lmforge.models.common import hf_names as h
 from lmforge.models.common.transformer_config import TransformerConfig
 
-HF_DERIVED_KEYS: tuple[str, ...] = ()
 # transformers 5 writes the expert count under its attribute-map name.
 HF_RENAMES = {"num_local_experts": "num_experts"}
 
