@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 
@@ -30,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--debug", action="store_true", help="show Python tracebacks for user errors (for bug reports)"
     )
+    parser.add_argument(
+        "--allow-imports",
+        action="store_true",
+        help="allow the YAML to name Python modules to import (callbacks: [{type: module:Class}]); "
+        "only for files you trust (same as LMFORGE_ALLOW_IMPORTS=1)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in SUBCOMMANDS:
@@ -43,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     if debug:
         argv = [a for a in argv if a != "--debug"]
+    if "--allow-imports" in argv:
+        # An environment variable, so that processes torchrun starts inherit the opt-in.
+        from lmforge.train.callbacks.plugins import ALLOW_IMPORTS_ENV
+
+        argv = [a for a in argv if a != "--allow-imports"]
+        os.environ[ALLOW_IMPORTS_ENV] = "1"
     parser = build_parser()
     args = parser.parse_args(argv)
     args.debug = debug

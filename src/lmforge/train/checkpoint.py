@@ -26,7 +26,6 @@ import copy
 import dataclasses
 import json
 import os
-import pickle
 import shutil
 import time
 import warnings
@@ -40,11 +39,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StoragePrefix
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmforge.errors import CheckpointError
 from lmforge.train.rng import capture_rng_state, restore_rng_state
+from lmforge.train.safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    decode_skeleton,
+    encode_skeleton,
+    read_dcp_metadata,
+)
+from lmforge.train.safe_load import TensorRef as _TensorRef
 from lmforge.train.state import TrainState
 from lmforge.utils.logging import get_logger
 
@@ -554,10 +561,8 @@ def _check_hf_index(path: Path) -> None:
 
 
 def _read_metadata(path: Path):
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:  # a truncated or foreign .metadata file
-        raise CheckpointError(f"Cannot read the DCP metadata of checkpoint {path}: {exc}") from exc
+    # Never pickle.load: see train/safe_load.py (a .metadata file could otherwise run code).
+    return read_dcp_metadata(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -605,7 +610,7 @@ def load_checkpoint(
         raise CheckpointError(NO_OPTIMIZER_MESSAGE.format(dir=header.path))
     metadata = _read_metadata(header.path)
     keys = metadata.state_dict_metadata
-    reader = FileSystemReader(str(header.path))
+    reader = SafeFileSystemReader(str(header.path))
     rank = dist.get_rank() if _distributed() else 0
     model_sd = _model_state_dict(target.model)
     missing = [k for k in model_sd if f"model.{k}" not in keys]
@@ -638,7 +643,7 @@ def load_checkpoint(
             sd["dataloader"] = {own_loader: _allocate_encoded(metadata, f"dataloader.{own_loader}")}
 
     with _quiet_single_process():
-        dcp.load(sd, storage_reader=reader, no_dist=not _distributed())
+        dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not _distributed())
 
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -710,16 +715,9 @@ def _check_shapes(path: Path, model_sd: dict[str, Any], keys: dict[str, Any]) ->
         )
 
 
-class _TensorRef:
-    """Stands for a tensor inside an encoded skeleton (see :func:`encode_state`)."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-
 def encode_state(obj: Any) -> dict[str, Any]:
-    """Split an arbitrary state (nested dicts, lists, tuples, tensors, python values) into a pickled
-    skeleton and a flat dict of tensors, so DCP stores it exactly: DCP alone would stringify integer
+    """Split an arbitrary state (nested dicts, lists, tuples, tensors, python values) into a JSON
+    skeleton (train/safe_load.py) and a flat dict of tensors, so DCP stores it exactly: DCP alone would stringify integer
     keys and drop empty containers (an optimizer's state dict has both)."""
     tensors: dict[str, torch.Tensor] = {}
 
@@ -736,9 +734,9 @@ def encode_state(obj: Any) -> dict[str, Any]:
             return tuple(walk(v) for v in x)
         return copy.deepcopy(x)
 
-    # Pickled here, at call time: an asynchronous save then holds the state as of the call, and DCP
+    # Encoded here, at call time: an asynchronous save then holds the state as of the call, and DCP
     # stores the bytes as one opaque item instead of traversing the structure.
-    skeleton = pickle.dumps(walk(obj))
+    skeleton = encode_skeleton(walk(obj))
     return {"skeleton": skeleton, "tensors": tensors}
 
 
@@ -756,7 +754,7 @@ def decode_state(encoded: dict[str, Any]) -> Any:
             return tuple(walk(v) for v in x)
         return x
 
-    return walk(pickle.loads(encoded["skeleton"]))
+    return walk(decode_skeleton(encoded["skeleton"]))
 
 
 def _allocate_encoded(metadata: Any, prefix: str) -> dict[str, Any]:

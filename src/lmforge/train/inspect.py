@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmforge.train.checkpoint import (
@@ -24,6 +23,7 @@ from lmforge.train.checkpoint import (
     read_tracker,
     resolve_checkpoint,
 )
+from lmforge.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
 
 def _bytes(n: float) -> str:
@@ -37,7 +37,7 @@ def _bytes(n: float) -> str:
 def _read_small(path: Path, metadata: Any, prefix: str) -> Any:
     sd = {prefix: _allocate_encoded(metadata, prefix)}
     with _quiet_single_process():
-        dcp.load(sd, storage_reader=FileSystemReader(str(path)), no_dist=True)
+        dcp.load(sd, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
     return decode_state(sd[prefix])
 
 
