@@ -63,21 +63,57 @@ def run(args: argparse.Namespace) -> int:
     return _export_hf(Path(args.from_ckpt), Path(args.to_hf), args.config)
 
 
+# What a directory written by an earlier conversion of the same kind holds; only such a directory
+# (or an empty one) is replaced. Anything else, a training run's save_path above all, is refused.
+_OWN_OUTPUT = {
+    "dcp": {"latest_checkpointed_iteration.txt", "iteration_00000000"},
+    "safetensors": {"model.safetensors", "lmforge_model.json"},
+    "hf": {"config.json", "model.safetensors"},
+}
+
+
+def _check_destination(dst: Path, option: str, kind: str) -> None:
+    """Refuse a destination whose contents this conversion would destroy (before any work)."""
+    from lmforge.train.checkpoint import TRACKER_FILE, read_tracker
+    from lmforge.utils.atomic import check_output_dir
+
+    check_output_dir(dst, option)
+    if not dst.is_dir():
+        return
+    names = {p.name for p in dst.iterdir()}
+    if TRACKER_FILE in names and (kind != "dcp" or read_tracker(dst) != 0 or not names <= _OWN_OUTPUT["dcp"]):
+        raise CheckpointError(
+            f"{option} {str(dst)!r} is a training run's checkpoint directory (its {TRACKER_FILE} names iteration "
+            f"{read_tracker(dst)}); converting into it would replace that tracker and the run could no longer "
+            f"resume. Choose a new directory for {option}."
+        )
+    if names and not names <= _OWN_OUTPUT[kind]:
+        shown = ", ".join(sorted(names)[:5])
+        raise CheckpointError(
+            f"{option} {str(dst)!r} already holds other files ({shown}); lmforge convert replaces only an empty "
+            f"directory or the output of an earlier conversion of the same kind. Choose a new directory."
+        )
+
+
 def _import_hf(src: Path, dst: Path, form: str, dtype: str | None) -> int:
     from lmforge.models import load_hf_pretrained, save_model_checkpoint
+    from lmforge.utils.atomic import atomic_dir
 
+    _check_destination(dst, "--to", form)
     model = load_hf_pretrained(src, dtype=dtype)
-    if form == "safetensors":
-        save_model_checkpoint(model, dst)
-    else:
-        from lmforge.train.checkpoint import Checkpointable, CheckpointManager
+    # Written aside and renamed into place: a failure leaves what was at --to untouched.
+    with atomic_dir(dst) as tmp:
+        if form == "safetensors":
+            save_model_checkpoint(model, tmp)
+        else:
+            from lmforge.train.checkpoint import Checkpointable, CheckpointManager
 
-        manager = CheckpointManager(
-            dst, no_save_optim=True, save_max=0, config_dict={"model": model.config.section}
-        )
-        if not manager.save(Checkpointable(model=model), step=0):
-            raise CheckpointError(f"{src} holds non-finite weights; nothing was written to {dst}.")
-        manager.close()
+            manager = CheckpointManager(
+                tmp, no_save_optim=True, save_max=0, config_dict={"model": model.config.section}
+            )
+            if not manager.save(Checkpointable(model=model), step=0):
+                raise CheckpointError(f"{src} holds non-finite weights; nothing was written to {dst}.")
+            manager.close()
     n = sum(p.numel() for p in model.parameters())
     print(f"converted {src} ({model.config.model_type}, {n:,} parameters) -> {dst}")
     return 0
@@ -113,7 +149,9 @@ def _model_section_for(ckpt: Path, config: str | None) -> dict:
 def _export_hf(src: Path, dst: Path, config: str | None) -> int:
     from lmforge.models import build_model, load_model_checkpoint, save_hf_pretrained
     from lmforge.models.io import SECTION_FILE
+    from lmforge.utils.atomic import atomic_dir
 
+    _check_destination(dst, "--to-hf", "hf")
     if (src / SECTION_FILE).is_file():
         model = load_model_checkpoint(src)
     else:
@@ -123,6 +161,7 @@ def _export_hf(src: Path, dst: Path, config: str | None) -> int:
         model.to_empty(device="cpu")
         model.init_weights()
         load_model_weights(src, model)
-    save_hf_pretrained(model, dst)
+    with atomic_dir(dst) as tmp:
+        save_hf_pretrained(model, tmp)
     print(f"converted {src} ({model.config.model_type}) -> {dst}")
     return 0

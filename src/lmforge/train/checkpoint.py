@@ -53,6 +53,7 @@ from lmforge.train.safe_load import (
 )
 from lmforge.train.safe_load import TensorRef as _TensorRef
 from lmforge.train.state import TrainState
+from lmforge.utils.atomic import check_output_dir, recover_dir, replace_dir
 from lmforge.utils.logging import get_logger
 
 logger = get_logger("lmforge.train.checkpoint")
@@ -240,6 +241,7 @@ class CheckpointManager:
         # with training's collectives interleaves them and corrupts both (gloo aborts).
         self._pg = dist.new_group(backend="gloo") if (async_save and _distributed()) else None
         if self.rank == 0:
+            check_output_dir(self.save_path, "checkpoint.save_path")
             self.save_path.mkdir(parents=True, exist_ok=True)
 
     # -- public -------------------------------------------------------------------------------
@@ -354,18 +356,10 @@ class CheckpointManager:
         """Rank 0: fsync, rename the partial directory into place, update the tracker, rotate."""
         _fsync_tree(pending.partial_dir)
         final_dir = pending.final_dir
-        if final_dir.exists():
-            # Re-saving a step (as the original does): move the old one aside first so that at any
-            # moment one complete copy exists.
-            trash = self.save_path / f".{final_dir.name}.old"
-            if trash.exists():
-                shutil.rmtree(trash)
-            os.replace(final_dir, trash)
-            os.replace(pending.partial_dir, final_dir)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(pending.partial_dir, final_dir)
-        _fsync_dir(self.save_path)
+        # Re-saving a step (as the original does) moves the old one aside to .iteration_X.old first,
+        # so that at any moment one complete copy exists; resolve_checkpoint() finds it there if a
+        # crash hits between the two renames.
+        replace_dir(pending.partial_dir, final_dir)
         write_tracker(self.save_path, pending.step)
         seconds = time.perf_counter() - pending.started
         logger.info("Saved checkpoint of step %d to %s (%.2fs)", pending.step, final_dir, seconds)
@@ -527,6 +521,8 @@ def resolve_checkpoint(load_path: str | os.PathLike) -> CheckpointHeader | None:
     if step is not None:
         it = path / iteration_dir_name(step)
         if not it.is_dir():
+            it = _recovered_iteration(it)
+        if not it.is_dir():
             raise CheckpointError(
                 f"{path / TRACKER_FILE} names iteration {step}, but {it} does not exist. Point "
                 f"checkpoint.load_path at an existing iteration_XXXXXXXX directory."
@@ -547,6 +543,19 @@ def resolve_checkpoint(load_path: str | os.PathLike) -> CheckpointHeader | None:
             k.startswith("optimizer.") for k in _read_metadata(path).state_dict_metadata
         )
     return CheckpointHeader("dcp", path, common)
+
+
+def _recovered_iteration(it: Path) -> Path:
+    """The iteration a crash during a re-save left under its ``.old`` name (put back when possible)."""
+    old = it.with_name(f".{it.name}.old")
+    if not (old / ".metadata").is_file():
+        return it
+    try:
+        recover_dir(it)
+    except OSError:
+        return old  # a read-only save_path: load it where it is
+    logger.warning("Recovered %s from %s (a crash interrupted its re-save).", it, old.name)
+    return it
 
 
 def _check_hf_index(path: Path) -> None:

@@ -37,6 +37,7 @@ from lmforge.train.parallel_seam import ParallelContext
 from lmforge.train.perf import device_memory_gib, matmul_peak_flops
 from lmforge.train.state import TrainState
 from lmforge.train.step import SkipPolicy, StepResult, TrainingStopped, TrainStep
+from lmforge.utils.atomic import check_output_dir, write_text_atomic
 from lmforge.utils.logging import get_logger, setup_logging
 from lmforge.utils.sections import section_to_dict
 
@@ -194,6 +195,7 @@ class Trainer:
 
     def _setup_run_dir(self) -> None:
         if self.ctx.rank == 0:
+            check_output_dir(self.output_dir, "output_dir")
             self.output_dir.mkdir(parents=True, exist_ok=True)
         log_file = str(self.output_dir / "train.log") if (self.log_to_file and self.ctx.rank == 0) else None
         setup_logging(log_file=log_file)
@@ -201,24 +203,51 @@ class Trainer:
             self.artifacts["log"] = log_file
 
     def fit(self) -> dict[str, Any]:
-        self._resume_or_start()
+        # Signals are handled from the start to the end of the run (also during the final save), so
+        # SIGTERM at any moment ends with a complete checkpoint; the run's directories are locked.
         previous_handlers = self._install_signal_handlers()
-        kw = self._hook_kwargs
+        locks = self._lock_run_dirs()
         try:
-            self.callbacks.call("on_begin", self.config, self.state, **kw())
-            self.callbacks.call("on_train_begin", self.config, self.state, **kw())
-            self._run_started = time.perf_counter()
-            self._loop()
+            summary = self._fit()
         finally:
+            for lock in locks:
+                lock.release()
             self._restore_signal_handlers(previous_handlers)
+        if self.stop_reason and self.stop_reason.startswith("diverged"):
+            raise TrainingStopped(self.stop_reason[len("diverged: ") :])
+        return summary
+
+    def _lock_run_dirs(self) -> list[Any]:
+        from lmforge.utils.run_lock import RunLock
+
+        if self.ctx.rank != 0:
+            return []
+        dirs = {self.output_dir.resolve(): "output_dir"}
+        if self.checkpoint_cfg.get("enable_save", True) and self.checkpoint_cfg.get("save_path"):
+            dirs.setdefault(Path(self.checkpoint_cfg["save_path"]).resolve(), "checkpoint.save_path")
+        locks: list[Any] = []
+        try:
+            for path, what in dirs.items():
+                locks.append(RunLock(path, what).acquire())
+        except BaseException:
+            for lock in locks:
+                lock.release()
+            raise
+        return locks
+
+    def _fit(self) -> dict[str, Any]:
+        self._resume_or_start()
+        kw = self._hook_kwargs
+        self.callbacks.call("on_begin", self.config, self.state, **kw())
+        self.callbacks.call("on_train_begin", self.config, self.state, **kw())
+        self._run_started = time.perf_counter()
+        self._loop()
         self.callbacks.call("on_train_end", self.config, self.state, **kw())
         self.callbacks.call("on_end", self.config, self.state, **kw())
         summary = self.summary()
         if self.ctx.rank == 0:
             logger.info(format_summary(summary))
-            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if self.stop_reason and self.stop_reason.startswith("diverged"):
-            raise TrainingStopped(self.stop_reason[len("diverged: ") :])
+            write_text_atomic(self.output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
     def _resume_or_start(self) -> None:
