@@ -44,14 +44,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmforge.errors import CheckpointError
 from lmforge.train.rng import capture_rng_state, restore_rng_state
+from lmforge.train.safe_load import TensorRef as _TensorRef
 from lmforge.train.safe_load import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
     decode_skeleton,
     encode_skeleton,
+    load_dcp,
     read_dcp_metadata,
 )
-from lmforge.train.safe_load import TensorRef as _TensorRef
 from lmforge.train.state import TrainState
 from lmforge.utils.atomic import check_output_dir, recover_dir, replace_dir
 from lmforge.utils.logging import get_logger
@@ -266,26 +265,27 @@ class CheckpointManager:
             partial_dir.mkdir(parents=True)
         self._barrier()
         state_dict, common = self._build_state_dict(target, step)
-        if self.rank == 0:
-            _write_json(partial_dir / COMMON_FILE, common)
-            if self.config_dict is not None:
-                _write_yaml(partial_dir / CONFIG_FILE, self.config_dict)
-            for src in self.files_to_copy:
-                if src.is_file():
-                    shutil.copyfile(src, partial_dir / src.name)
-        writer = _PrefixedWriter(partial_dir, self.prefix)
-        if self.async_save:
-            with _quiet_single_process():
-                future = dcp.async_save(
-                    state_dict, storage_writer=writer, process_group=self._pg, no_dist=not _distributed()
-                )
-            self._pending = _PendingSave(step, partial_dir, final_dir, future, t0)
-            logger.info("Checkpoint save of step %d started in the background -> %s", step, final_dir)
-        else:
-            with _quiet_single_process():
-                dcp.save(state_dict, storage_writer=writer, no_dist=not _distributed())
-            self._pending = _PendingSave(step, partial_dir, final_dir, None, t0)
-            self.wait()
+        with self._save_errors(step, partial_dir):
+            if self.rank == 0:
+                _write_json(partial_dir / COMMON_FILE, common)
+                if self.config_dict is not None:
+                    _write_yaml(partial_dir / CONFIG_FILE, self.config_dict)
+                for src in self.files_to_copy:
+                    if src.is_file():
+                        shutil.copyfile(src, partial_dir / src.name)
+            writer = _PrefixedWriter(partial_dir, self.prefix)
+            if self.async_save:
+                with _quiet_single_process():
+                    future = dcp.async_save(
+                        state_dict, storage_writer=writer, process_group=self._pg, no_dist=not _distributed()
+                    )
+                self._pending = _PendingSave(step, partial_dir, final_dir, future, t0)
+                logger.info("Checkpoint save of step %d started in the background -> %s", step, final_dir)
+            else:
+                with _quiet_single_process():
+                    dcp.save(state_dict, storage_writer=writer, no_dist=not _distributed())
+                self._pending = _PendingSave(step, partial_dir, final_dir, None, t0)
+        self.wait()
         self.last_save_seconds = time.perf_counter() - t0
         return True
 
@@ -299,11 +299,12 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        if pending.future is not None:
-            pending.future.result()  # re-raises a failure of the background save
-            self._barrier(self._pg)
-        if self.rank == 0:
-            self._publish(pending)
+        with self._save_errors(pending.step, pending.partial_dir):
+            if pending.future is not None:
+                pending.future.result()  # re-raises a failure of the background save
+                self._barrier(self._pg)
+            if self.rank == 0:
+                self._publish(pending)
         self._barrier(self._pg if pending.future is not None else None)
 
     def close(self) -> None:
@@ -367,6 +368,25 @@ class CheckpointManager:
             self.saved_this_run.remove(final_dir)
         self.saved_this_run.append(final_dir)
         self._rotate()
+
+    @contextlib.contextmanager
+    def _save_errors(self, step: int, partial_dir: Path):
+        """A failed write (disk full, read-only, ...) is a clear error; the previous checkpoint is kept."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from lmforge.train.safe_load import first_failure
+
+        try:
+            yield
+        except (CheckpointException, OSError) as exc:
+            inner = first_failure(exc)
+            if self.rank == 0:
+                shutil.rmtree(partial_dir, ignore_errors=True)
+            raise CheckpointError(
+                f"Saving the checkpoint of step {step} under {self.save_path} failed: {type(inner).__name__}: "
+                f"{inner}. The save did not complete; the previous checkpoint (iteration {self.latest_iteration()}) "
+                "is intact and still the latest. Free space or fix the permissions of checkpoint.save_path, then resume."
+            ) from None
 
     def _rotate(self) -> None:
         # save_max < 1 would make the original delete the checkpoint it just wrote; here it keeps all.
@@ -619,7 +639,6 @@ def load_checkpoint(
         raise CheckpointError(NO_OPTIMIZER_MESSAGE.format(dir=header.path))
     metadata = _read_metadata(header.path)
     keys = metadata.state_dict_metadata
-    reader = SafeFileSystemReader(str(header.path))
     rank = dist.get_rank() if _distributed() else 0
     model_sd = _model_state_dict(target.model)
     missing = [k for k in model_sd if f"model.{k}" not in keys]
@@ -652,7 +671,7 @@ def load_checkpoint(
             sd["dataloader"] = {own_loader: _allocate_encoded(metadata, f"dataloader.{own_loader}")}
 
     with _quiet_single_process():
-        dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not _distributed())
+        load_dcp(sd, header.path, no_dist=not _distributed())
 
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from lmforge.errors import CheckpointError
+from lmforge.errors import CheckpointError, LmforgeError
 
 SKELETON_MAGIC = b"lmforge-json/1\n"
 
@@ -130,6 +130,41 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+def first_failure(exc: BaseException) -> BaseException:
+    """The underlying exception of DCP's ``CheckpointException`` (which wraps every rank's failure)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        return inner[0] if isinstance(inner, tuple) else inner
+    return exc
+
+
+def load_dcp(state_dict: dict[str, Any], path: str | Path, *, no_dist: bool) -> None:
+    """``dcp.load`` through the safe reader and planner, with a missing, truncated or hostile file
+    reported as a :class:`~lmforge.errors.CheckpointError` naming the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(
+            state_dict,
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=SafeLoadPlanner(),
+            no_dist=no_dist,
+        )
+    except (CheckpointException, Exception) as exc:
+        if isinstance(exc, LmforgeError):
+            raise
+        inner = first_failure(exc)
+        if isinstance(inner, LmforgeError):
+            raise inner from None
+        raise CheckpointError(
+            f"Cannot read checkpoint {path}: {type(inner).__name__}: {str(inner).strip().splitlines()[-1] if str(inner).strip() else ''}. "
+            "A shard file is missing, truncated or corrupt; use another iteration of the save_path, or "
+            "re-create the checkpoint."
+        ) from None
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, reading non-tensor items with ``torch.load(weights_only=True)``."""
 
@@ -137,9 +172,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
+            reason = [line for line in str(exc).splitlines() if "WeightsUnpickler error" in line]
             raise UnsafeFileError(
                 f"Checkpoint item {read_item.dest_index.fqn!r} holds Python objects outside the checkpoint format "
-                f"({exc}); lmforge refuses to load it because unpickling it could run code."
+                f"({(reason or [str(exc)])[0].strip()}); lmforge refuses to load it because unpickling it could "
+                "run code. Use checkpoints from a source you trust."
             ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
