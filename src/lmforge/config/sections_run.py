@@ -28,6 +28,9 @@ class CheckpointConfig(Section):
     load_worker_number: int = 1
     save_global_layout_cache: bool = True
     reshard_worker_num: int = 1
+    # lmforge: load a checkpoint whose parameters differ from the model's (e.g. fewer layers); the
+    # parameters skipped either way are listed in the log. Needs no_load_optim: true.
+    partial_load: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> CheckpointConfig:
