@@ -26,6 +26,7 @@ BASE_CONFIG: dict[str, Any] = {
         "architectures": "Qwen3ForCausalLM",
         "num_hidden_layers": 4,
         "hidden_size": 64,
+        "seq_length": 32,  # the data's: `lmforge train` and `check` refuse a mismatch
     },
 }
 

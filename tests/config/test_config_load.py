@@ -163,7 +163,12 @@ def test_unknown_keys_pass_through_open_sections(base_config: dict[str, Any]) ->
     assert cfg.callbacks[0].log_interval == 10
     assert cfg.eval_dataset.anything == [1, 2]
     assert cfg.to_dict()["eval_dataset"] == {"anything": [1, 2]}
-    assert cfg.model.extras() == {"num_hidden_layers": 4, "hidden_size": 64, "n_routed_experts": 8}
+    assert cfg.model.extras() == {
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "seq_length": 32,
+        "n_routed_experts": 8,
+    }
 
 
 def test_defaults_match_the_spec(base_config: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ an exit status). To add a subcommand, write the module and add its name to ``SUB
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -20,6 +21,19 @@ from lmforge.errors import LmforgeError
 SUBCOMMANDS: list[str] = ["check", "data", "lr", "convert", "eval", "train", "generate", "checkpoint"]
 
 EXIT_USER_ERROR = 2
+
+# Failures of the machine or the paths given, not of lmforge: a message, not a traceback.
+USER_ERRNOS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "the file system is read-only",
+    errno.ENOENT: "no such file or directory",
+    errno.ENOTDIR: "a path component is a file, not a directory",
+    errno.EISDIR: "a directory was given where a file is needed",
+    errno.ENAMETOOLONG: "a file name is too long",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"lmforge {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except OSError as exc:
+        if exc.errno not in USER_ERRNOS:
+            raise
+        if debug:
+            traceback.print_exc()
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(
+            f"lmforge {args.command}: error: {USER_ERRNOS[exc.errno]}{where}: {exc.strerror or exc}. Outputs are "
+            "written aside and published only when complete, so what existed before is unchanged; fix the "
+            "cause (free space, permissions, the path) and run the command again.",
+            file=sys.stderr,
+        )
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"lmforge {args.command}: interrupted", file=sys.stderr)

@@ -32,8 +32,19 @@ BUILDER_CHECKS: list[tuple[str, str, str, Callable[[Any], dict[str, Any]]]] = [
         "lr_scheduler",
         lambda cfg: {"total_steps": cfg.training.steps},
     ),
-    ("lmforge.data", "validate_dataset_section", "train_dataset", lambda cfg: {}),
+    # The model's vocabulary and sequence length, as `lmforge train` checks them (eod < vocab_size, ...).
+    ("lmforge.data", "validate_dataset_section", "train_dataset", lambda cfg: _model_limits(cfg)),
 ]
+
+
+def _model_limits(cfg: Any) -> dict[str, Any]:
+    from lmforge.models import build_model_config
+
+    try:
+        model = build_model_config(cfg.model)
+    except LmforgeError:
+        return {}  # the model section's own check reports it
+    return {"vocab_size": model.vocab_size, "seq_length": model.seq_length}
 
 
 def _bool_flag(text: str) -> bool:

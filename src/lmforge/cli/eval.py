@@ -62,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
     steps = args.eval_steps if args.eval_steps is not None else settings.steps
     if steps is not None and steps <= 0:
         raise ConfigError(f"--eval-steps must be a positive number of batches, got {steps}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from lmforge.utils.device import parse_device
+
+    device = torch.device(parse_device(args.device) or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = _load_model(Path(args.checkpoint), config.model, device)
     loader = build_eval_loader(config)
     result = evaluate(model, loader, max_batches=steps, device=device)

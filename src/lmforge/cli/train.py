@@ -34,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
 
     from lmforge.config import load_config
     from lmforge.train.builder import build_trainer
+    from lmforge.utils.device import parse_device
 
+    parse_device(args.device)
     config = load_config(args.config, args.overrides)
     try:
         trainer = build_trainer(config, output_dir=args.output_dir, device=args.device)

@@ -616,6 +616,7 @@ def load_checkpoint(
     *,
     no_load_optim: bool,
     hf_loader: Callable[[nn.Module, Path], None] | None = None,
+    partial_load: bool = False,
 ) -> None:
     """Restore ``target`` from ``header``.
 
@@ -641,12 +642,7 @@ def load_checkpoint(
     keys = metadata.state_dict_metadata
     rank = dist.get_rank() if _distributed() else 0
     model_sd = _model_state_dict(target.model)
-    missing = [k for k in model_sd if f"model.{k}" not in keys]
-    if missing:
-        raise CheckpointError(
-            f"Checkpoint {header.path} does not match the model: {len(missing)} parameter(s) are missing, e.g. "
-            f"{', '.join(missing[:5])}. Check that the model section is the one the checkpoint was trained with."
-        )
+    model_sd = _matching_parameters(header.path, model_sd, keys, partial_load, no_load_optim)
     _check_shapes(header.path, model_sd, keys)
     # Weights with an fp32 master load straight into the master (no bf16 rounding on the way).
     masters = {k: m for k, m in _masters_by_key(target.model, target.optimizer).items() if k in model_sd}
@@ -728,6 +724,49 @@ def load_model_weights(path: str | os.PathLike, model: nn.Module) -> CheckpointH
         raise CheckpointError(f"{header.path} is a Hugging Face model directory, not an lmforge checkpoint.")
     load_checkpoint(header, Checkpointable(model=model), no_load_optim=True)
     return header
+
+
+def _matching_parameters(
+    path: Path, model_sd: dict[str, Any], keys: Any, partial_load: bool, no_load_optim: bool
+) -> dict[str, Any]:
+    """The model's parameters to load; a checkpoint with other parameters is refused unless
+    ``checkpoint.partial_load`` says to load the common ones (and the others are listed)."""
+    missing = [k for k in model_sd if f"model.{k}" not in keys]
+    unexpected = sorted(
+        k[len("model.") :] for k in keys if k.startswith("model.") and k[len("model.") :] not in model_sd
+    )
+    if not missing and not unexpected:
+        return model_sd
+    if not partial_load:
+        parts = []
+        if missing:
+            parts.append(
+                f"{len(missing)} parameter(s) of the model are missing from it, e.g. {', '.join(missing[:5])}"
+            )
+        if unexpected:
+            parts.append(
+                f"it holds {len(unexpected)} parameter(s) the model does not have, e.g. {', '.join(unexpected[:5])}"
+            )
+        raise CheckpointError(
+            f"Checkpoint {path} does not match the model: {'; '.join(parts)}. Check that the model section is the "
+            "one the checkpoint was trained with (e.g. num_hidden_layers), or set checkpoint.partial_load: true "
+            "(with no_load_optim: true) to load only the parameters both have."
+        )
+    if not no_load_optim:
+        raise CheckpointError(
+            "checkpoint.partial_load: true loads model weights only; set checkpoint.no_load_optim: true as well "
+            "(the optimizer state of a different set of parameters cannot be resumed)."
+        )
+    logger.warning(
+        "checkpoint.partial_load: loading %d of the model's %d parameters from %s. Not in the checkpoint (keep "
+        "their initial values): %s. In the checkpoint but not in the model (skipped): %s.",
+        len(model_sd) - len(missing),
+        len(model_sd),
+        path,
+        ", ".join(missing) or "none",
+        ", ".join(unexpected) or "none",
+    )
+    return {k: v for k, v in model_sd.items() if k not in missing}
 
 
 def _check_shapes(path: Path, model_sd: dict[str, Any], keys: dict[str, Any]) -> None:

@@ -8,7 +8,6 @@ done here: replicas all-reduce (sum) their gradients after the backward passes.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -39,9 +38,15 @@ class ParallelContext:
 
 def distributed_env(device: str | None = None) -> ParallelContext:
     """Initialise torch.distributed from torchrun's environment (if launched that way)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    from lmforge.utils.device import env_int
+
+    world = env_int("WORLD_SIZE", 1, minimum=1)
+    rank = env_int("RANK", 0)
+    local_rank = env_int("LOCAL_RANK", 0)
+    if rank >= world:
+        from lmforge.errors import ConfigError
+
+        raise ConfigError(f"The environment variable RANK={rank} must be below WORLD_SIZE={world}.")
     use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
     if use_cuda:
         torch.cuda.set_device(local_rank)

@@ -260,7 +260,11 @@ class Trainer:
         self.dataloader = self.dataloader_factory(consumed)
         if header is not None:
             load_checkpoint(
-                header, self.checkpointable(), no_load_optim=no_load_optim, hf_loader=self.hf_loader
+                header,
+                self.checkpointable(),
+                no_load_optim=no_load_optim,
+                hf_loader=self.hf_loader,
+                partial_load=bool(self.checkpoint_cfg.get("partial_load", False)),
             )
             self._resumed_from = str(header.path)
             if header.kind == "dcp" and not no_load_optim:
