@@ -45,8 +45,10 @@ def _load_model(checkpoint: Path, model_section: Any, device: torch.device) -> t
         from lmforge.models import load_hf_pretrained
 
         return load_hf_pretrained(checkpoint, device=device)
-    from lmforge.models import build_model
+    from lmforge.models import build_model, build_model_config
+    from lmforge.utils.model_size import check_model_fits
 
+    check_model_fits(build_model_config(model_section), device)
     model = build_model(model_section, device=device)
     load_model_weights(checkpoint, model)
     return model

@@ -79,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{header.path} has no {CONFIG_FILE}; pass the run's train.yaml with --config FILE."
             )
         cfg = load_config(config_file)
+        from lmforge.models import build_model_config
+        from lmforge.utils.model_size import check_model_fits
+
+        check_model_fits(build_model_config(cfg.model), device)
         model = build_model(cfg.model, device=device)
         load_model_weights(header.path, model)
         context = getattr(model.config, "seq_length", None)

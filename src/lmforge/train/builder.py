@@ -99,12 +99,18 @@ def build_trainer(
     ctx = distributed_env(device)
     run_dir = Path(output_dir or getattr(cfg, "output_dir", None) or "./output")
     if ctx.rank == 0:
+        from lmforge.utils.atomic import check_output_dir
+
+        check_output_dir(run_dir, "output_dir")
         run_dir.mkdir(parents=True, exist_ok=True)
     # Logging first, so that model / optimizer construction messages reach train.log too.
     setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)
     training = cfg.training
     seed_everything(int(training.seed), bool(training.deterministic))
     model_cfg = build_model_config(cfg.model)
+    from lmforge.utils.model_size import check_model_fits
+
+    check_model_fits(model_cfg, ctx.device, ctx.world_size)  # before allocating anything
     dims = ParallelDims.from_section(cfg.parallelism, ctx.world_size)
     batch = int(training.global_batch_size) // max(int(training.local_batch_size) * dims.dp, 1)
     hook = _activation_hook(cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp)
