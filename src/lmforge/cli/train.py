@@ -38,10 +38,56 @@ def run(args: argparse.Namespace) -> int:
 
     parse_device(args.device)
     config = load_config(args.config, args.overrides)
+    # SIGTERM while the model and data are being built (before the trainer handles signals) must not
+    # kill the run either: it is remembered, and the run stops after its first step, saved.
+    early: list[str] = []
+    previous = _remember_signals(early)
+    locks = _lock_outputs(config, args.output_dir)
     try:
         trainer = build_trainer(config, output_dir=args.output_dir, device=args.device)
+        _restore(previous)
+        if early:
+            trainer.request_stop(f"received {early[0]} during start-up")
         trainer.fit()
     finally:
+        for lock in reversed(locks):
+            lock.release()
+        _restore(previous)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _lock_outputs(config: Any, output_dir: str | None) -> list[Any]:
+    """Lock the run's directories before anything is written to them (rank 0; see utils/run_lock.py)."""
+    from lmforge.utils.device import env_int
+    from lmforge.utils.run_lock import lock_dirs, run_dirs
+    from lmforge.utils.sections import section_to_dict
+
+    if env_int("RANK", 0) != 0:
+        return []
+    out = output_dir or getattr(config, "output_dir", None) or "./output"
+    from lmforge.utils.atomic import check_output_dir
+
+    check_output_dir(out, "output_dir")
+    return lock_dirs(run_dirs(out, section_to_dict(config.checkpoint)))
+
+
+def _remember_signals(received: list[str]) -> dict[int, Any]:
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM,)}
+    for sig in previous:
+        signal.signal(sig, lambda signum, frame: received.append(signal.Signals(signum).name))
+    return previous
+
+
+def _restore(previous: dict[int, Any]) -> None:
+    import signal
+
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    previous.clear()

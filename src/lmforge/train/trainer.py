@@ -218,22 +218,11 @@ class Trainer:
         return summary
 
     def _lock_run_dirs(self) -> list[Any]:
-        from lmforge.utils.run_lock import RunLock
+        from lmforge.utils.run_lock import lock_dirs, run_dirs
 
         if self.ctx.rank != 0:
             return []
-        dirs = {self.output_dir.resolve(): "output_dir"}
-        if self.checkpoint_cfg.get("enable_save", True) and self.checkpoint_cfg.get("save_path"):
-            dirs.setdefault(Path(self.checkpoint_cfg["save_path"]).resolve(), "checkpoint.save_path")
-        locks: list[Any] = []
-        try:
-            for path, what in dirs.items():
-                locks.append(RunLock(path, what).acquire())
-        except BaseException:
-            for lock in locks:
-                lock.release()
-            raise
-        return locks
+        return lock_dirs(run_dirs(self.output_dir, self.checkpoint_cfg))
 
     def _fit(self) -> dict[str, Any]:
         self._resume_or_start()

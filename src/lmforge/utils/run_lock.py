@@ -27,6 +27,10 @@ logger = get_logger("lmforge.utils.run_lock")
 
 LOCK_FILE = ".lmforge.lock"
 
+# Locks this process holds, by directory: taking one again (the CLI locks before building the
+# trainer, the trainer when it runs) nests instead of conflicting with itself.
+_HELD: dict[Path, list[RunLock]] = {}
+
 
 class RunLockedError(LmforgeError):
     """Another lmforge process is using the directory."""
@@ -73,6 +77,15 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         self.directory.mkdir(parents=True, exist_ok=True)
+        key = self.directory.resolve()
+        if key in _HELD:
+            _HELD[key].append(self)
+            return self
+        self._acquire()
+        _HELD[key] = [self]
+        return self
+
+    def _acquire(self) -> None:
         for _attempt in range(10):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -92,9 +105,9 @@ class RunLock:
             os.close(fd)
         else:
             raise self._refuse(self._read())
-        return self._take(fd)
+        self._take(fd)
 
-    def _take(self, fd: int) -> RunLock:
+    def _take(self, fd: int) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -122,13 +135,21 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         self._fd = fd
-        return self
 
     @staticmethod
     def _stale(info: dict[str, Any]) -> bool:
         return info.get("host") == socket.gethostname() and not _pid_alive(int(info.get("pid", -1)))
 
     def release(self) -> None:
+        key = self.directory.resolve()
+        holders = _HELD.get(key, [])
+        if self in holders:
+            holders.remove(self)
+        if holders:  # an outer holder keeps the lock (and its file descriptor)
+            if self._fd is not None:
+                holders[0]._fd, self._fd = self._fd, None
+            return
+        _HELD.pop(key, None)
         if self._fd is None:
             return
         with contextlib.suppress(OSError):
@@ -143,3 +164,24 @@ class RunLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def lock_dirs(dirs: dict[Path, str]) -> list[RunLock]:
+    """Lock every directory (path -> the key that names it), all or none."""
+    locks: list[RunLock] = []
+    try:
+        for path, what in dirs.items():
+            locks.append(RunLock(path, what).acquire())
+    except BaseException:
+        for lock in reversed(locks):
+            lock.release()
+        raise
+    return locks
+
+
+def run_dirs(output_dir: Any, checkpoint: dict[str, Any]) -> dict[Path, str]:
+    """The directories a training run writes: its output_dir and its checkpoint.save_path."""
+    dirs = {Path(output_dir).resolve(): "output_dir"}
+    if checkpoint.get("enable_save", True) and checkpoint.get("save_path"):
+        dirs.setdefault(Path(checkpoint["save_path"]).resolve(), "checkpoint.save_path")
+    return dirs
