@@ -228,6 +228,14 @@ class IndexedDataset:
         total = int(self.sequence_lengths[first:last].sum(dtype=np.int64))
         return np.frombuffer(self._bin_buffer, dtype=self.dtype, count=total, offset=start)
 
+    def min_token(self, chunk_tokens: int = 1 << 24) -> int:
+        """Smallest token id in ``.bin`` (0 when empty; only signed dtypes can go below)."""
+        n = self.num_tokens
+        if n == 0 or self.dtype.kind == "u":
+            return 0
+        data = np.frombuffer(self._bin_buffer, dtype=self.dtype, count=n)
+        return int(min(int(data[s : s + chunk_tokens].min()) for s in range(0, n, chunk_tokens)))
+
     def max_token(self, chunk_tokens: int = 1 << 24) -> int:
         """Largest token id in ``.bin`` (-1 when empty), read in chunks so memory stays flat."""
         n = self.num_tokens

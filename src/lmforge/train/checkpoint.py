@@ -417,9 +417,12 @@ def read_tracker(save_path: str | os.PathLike) -> int | None:
     tracker = Path(save_path) / TRACKER_FILE
     if not tracker.is_file():
         return None
-    text = tracker.read_text().strip()
+    text = tracker.read_text(encoding="utf-8", errors="replace").strip()[:100]
     try:
-        return int(text)
+        step = int(text)
+        if step < 0:
+            raise ValueError
+        return step
     except ValueError:
         raise CheckpointError(
             f"The checkpoint tracker {tracker} should hold one iteration number, but it holds {text!r}. "
@@ -556,13 +559,35 @@ def resolve_checkpoint(load_path: str | os.PathLike) -> CheckpointHeader | None:
             f"{TRACKER_FILE}, an iteration_XXXXXXXX directory (with a DCP .metadata file), or a Hugging Face "
             f"model directory (model.safetensors or *model.safetensors.index.json).{hint}"
         )
-    common_file = path / COMMON_FILE
-    common = json.loads(common_file.read_text()) if common_file.is_file() else {}
+    common = _read_common(path / COMMON_FILE)
     if "has_optimizer" not in common:
         common["has_optimizer"] = any(
             k.startswith("optimizer.") for k in _read_metadata(path).state_dict_metadata
         )
     return CheckpointHeader("dcp", path, common)
+
+
+def _read_common(common_file: Path) -> dict[str, Any]:
+    if not common_file.is_file():
+        return {}
+    try:
+        common = json.loads(common_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        common = exc
+    if not isinstance(common, dict):
+        raise CheckpointError(
+            f"{common_file} is not the JSON object lmforge writes ({common if isinstance(common, Exception) else type(common).__name__}); "
+            "the checkpoint is corrupt or truncated. Use another iteration of the save_path."
+        )
+    for key in ("global_step", "consumed_samples", "world_size", "global_batch_size"):
+        if key in common and (
+            isinstance(common[key], bool) or not isinstance(common[key], int) or common[key] < 0
+        ):
+            raise CheckpointError(
+                f"{common_file}: {key} must be a non-negative integer, found {common[key]!r}; the checkpoint is "
+                "corrupt. Use another iteration of the save_path."
+            )
+    return common
 
 
 def _recovered_iteration(it: Path) -> Path:
