@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lmforge.cli import main
+from lmforge.utils.logging import setup_logging
 from train.test_train_cli import ADAMW, write_config
 
 
@@ -57,6 +58,7 @@ class Cli:
 
     def __call__(self, *argv: str) -> tuple[int, str, str]:
         self.capsys.readouterr()
+        setup_logging()  # log to this capture, not to a stream or train.log of an earlier case
         try:
             status = main([str(a) for a in argv])
         except SystemExit as exc:  # argparse
