@@ -206,6 +206,13 @@ def test_debug_shows_the_traceback(cli, tmp_path):
     assert code == 2 and "Traceback" in err and "alias-expansion bomb" in err
 
 
+def test_demo_output_that_is_a_file(cli, tmp_path):
+    (tmp_path / "f").write_text("a file")
+    code, _, err = cli("data", "demo", "--output", tmp_path / "f")
+    _no_traceback(code, err)
+    assert "--output" in err and "is a file" in err and (tmp_path / "f").read_text() == "a file"
+
+
 def test_missing_preprocess_input(run_copy, cli, tmp_path):
     code, _, err = cli(
         "data",

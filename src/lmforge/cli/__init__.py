@@ -32,6 +32,7 @@ USER_ERRNOS = {
     errno.ENOENT: "no such file or directory",
     errno.ENOTDIR: "a path component is a file, not a directory",
     errno.EISDIR: "a directory was given where a file is needed",
+    errno.EEXIST: "a file is in the way of a directory to create",
     errno.ENAMETOOLONG: "a file name is too long",
 }
 

@@ -134,6 +134,9 @@ def is_complete(output: str) -> bool:
 def build_demo(output: str = DEFAULT_OUTPUT, *, force: bool = False, log=print) -> DemoSummary:
     """Write tokenizer.json, train.{bin,idx}, valid.{bin,idx} (and a README) into ``output``."""
     start = time.perf_counter()
+    from lmforge.utils.atomic import check_output_dir
+
+    check_output_dir(output, "--output")
     if not force and is_complete(output):
         with open(os.path.join(output, MANIFEST), encoding="utf-8") as f:
             info = json.load(f)
