@@ -757,8 +757,15 @@ def _matching_parameters(
     """The model's parameters to load; a checkpoint with other parameters is refused unless
     ``checkpoint.partial_load`` says to load the common ones (and the others are listed)."""
     missing = [k for k in model_sd if f"model.{k}" not in keys]
+    # Under pipeline parallelism a rank holds only its stage's layers: a checkpoint parameter is
+    # unexpected only if no rank's model has it (a collective: every rank loads).
+    known: set[str] = set(model_sd)
+    if _distributed():
+        names: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(names, sorted(model_sd))
+        known = {n for rank_names in names for n in rank_names}
     unexpected = sorted(
-        k[len("model.") :] for k in keys if k.startswith("model.") and k[len("model.") :] not in model_sd
+        k[len("model.") :] for k in keys if k.startswith("model.") and k[len("model.") :] not in known
     )
     if not missing and not unexpected:
         return model_sd
