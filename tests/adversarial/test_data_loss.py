@@ -371,3 +371,13 @@ def test_sigterm_while_the_model_is_built_exits_0_with_a_checkpoint(run_copy):
 
 def test_checkpointable_is_the_trainers(resumed):
     assert isinstance(resumed.checkpointable(), Checkpointable)
+
+
+def test_async_save_stays_in_the_background_and_publishes_on_wait(run_copy, resumed):
+    """The error handling around a save must not turn an asynchronous save into a blocking one."""
+    manager = CheckpointManager(run_copy / "ckpt", async_save=True)
+    assert manager.save(resumed.checkpointable(), 4)
+    assert manager._pending is not None and manager._pending.future is not None
+    manager.wait()
+    assert read_tracker(run_copy / "ckpt") == 4
+    assert resolve_checkpoint(run_copy / "ckpt").global_step == 4

@@ -285,7 +285,8 @@ class CheckpointManager:
                 with _quiet_single_process():
                     dcp.save(state_dict, storage_writer=writer, no_dist=not _distributed())
                 self._pending = _PendingSave(step, partial_dir, final_dir, None, t0)
-        self.wait()
+        if not self.async_save:
+            self.wait()  # publishes (an asynchronous save is published by poll()/wait() later)
         self.last_save_seconds = time.perf_counter() - t0
         return True
 
