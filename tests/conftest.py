@@ -26,7 +26,8 @@ BASE_CONFIG: dict[str, Any] = {
         "architectures": "Qwen3ForCausalLM",
         "num_hidden_layers": 4,
         "hidden_size": 64,
-        "seq_length": 32,  # the data's: `lmforge train` and `check` refuse a mismatch
+        # The data's sequence length: a run refuses a model.seq_length that differs from it.
+        "seq_length": 32,
     },
 }
 

@@ -248,7 +248,8 @@ def test_swap_with_pipeline_parallel_is_rejected():
         ({"mode": "select"}, "recompute.select_module is required"),
         ({"mode": "full", "full_recompute_layer": ["1-0"]}, "range start must be <= end"),
         ({"mode": "full", "full_recompute_layer": ["x"]}, "invalid layer spec"),
-        ({"mode": "select", "select_module": {"(": ["0"]}}, "not a valid regular expression"),
+        # Not a regular expression, not a glob, not a part: a pattern that matches nothing.
+        ({"mode": "select", "select_module": {"(": ["0"]}}, "matches no submodule"),
     ],
 )
 def test_recompute_validation(recompute, needle):
@@ -268,12 +269,17 @@ def test_recompute_comm_without_collectives_warns_and_changes_nothing():
     assert not any(getattr(m, "_lmforge_recompute", False) for m in other.modules())
     with pytest.raises(ConfigError, match="recompute_comm.select_module is required"):
         apply_activation_memory(other, None, {"enable": True}, None, NUM_LAYERS)
-    # the spec's example pattern names no lmforge module: a warning here, an error where it would apply
+    # The spec's example 'attention.qkv' names self_attention.linear_qkv (name patterns: parts with the
+    # original's aliases), so it applies where there are collectives.
     spec_example = {"enable": True, "select_module": {"attention.qkv": ["0-3"]}}
+    summary = apply_activation_memory(other, None, spec_example, None, NUM_LAYERS, has_comm_ops=True)
+    assert "collectives re-run in backward in" in summary and " 0 module" not in summary
+    # A pattern naming nothing: a warning here, an error where it would apply.
+    missing = {"enable": True, "select_module": {"attention.nothing": ["0-3"]}}
     with pytest.warns(UserWarning, match="matches no submodule"):
-        apply_activation_memory(other, None, spec_example, None, NUM_LAYERS)
+        apply_activation_memory(base, None, missing, None, NUM_LAYERS)
     with pytest.raises(ConfigError, match="matches no submodule"):
-        apply_activation_memory(other, None, spec_example, None, NUM_LAYERS, has_comm_ops=True)
+        apply_activation_memory(base, None, missing, None, NUM_LAYERS, has_comm_ops=True)
 
 
 def test_comm_recompute_policy_recomputes_only_collectives():

@@ -78,7 +78,7 @@ def test_inexact_division_warns_with_effective_batch(
     status, out, _ = _check(capsys, "--config", _write(tmp_path, base_config))
     assert status == 0
     assert "gradient accumulation steps: 3" in out
-    assert "the effective global batch is 6 samples per step" in out
+    assert "the effective global batch is 6 samples" in out
 
 
 def test_model_parallel_larger_than_world(tmp_path: Path, base_config: dict[str, Any], capsys: Any) -> None:

@@ -173,7 +173,10 @@ def test_unknown_keys_pass_through_open_sections(base_config: dict[str, Any]) ->
 
 def test_defaults_match_the_spec(base_config: dict[str, Any]) -> None:
     cfg = load_config(base_config)
-    assert cfg.checkpoint.enable_save is True and cfg.checkpoint.save_path == ""
+    # An omitted checkpoint section trains without saving (the spec: omitted section = feature off).
+    assert cfg.checkpoint.enable_save is False and cfg.checkpoint.save_path == ""
+    given = load_config({**base_config, "checkpoint": {"save_path": "ck"}})
+    assert given.checkpoint.enable_save is True and given.checkpoint.save_path == "ck"
     assert cfg.checkpoint.save_max == 5 and cfg.checkpoint.save_interleaved_steps == 1000
     assert cfg.checkpoint.prefix == "checkpoint" and cfg.checkpoint.save_global_layout_cache is True
     assert cfg.parallelism.data_parallel_shard == -1
@@ -308,3 +311,16 @@ def test_union_type_errors_are_one_message(base_config: dict[str, Any]) -> None:
     message = str(info.value)
     assert "parallelism.pipeline_parallel_layers_per_stage must be a string or a list, got int (5)" in message
     assert "problems" not in message
+
+
+def test_checkpoint_section_without_save_path_is_refused_at_load(base_config: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match=r"checkpoint.save_path: save_path must be provided"):
+        load_config({**base_config, "checkpoint": {"save_max": 2}})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("eval_interval", -1), ("eval_interval", "5"), ("eval_steps", 0), ("eval_steps", 1.5)]
+)
+def test_eval_keys_are_typed(base_config: dict[str, Any], key: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=key):
+        load_config({**base_config, key: value})

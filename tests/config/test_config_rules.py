@@ -141,9 +141,11 @@ RULES: dict[str, tuple[dict[str, Any], list[str]]] = {
         {"recompute.mode": "select", "recompute.select_module": {"mlp": ["7"]}},
         ["recompute.select_module['mlp'][0]", "out of range"],
     ),
-    "select module regex": (
-        {"recompute.mode": "select", "recompute.select_module": {"(": ["0"]}},
-        ["recompute.select_module", "regular expression"],
+    # Any non-empty string is a name pattern (exact, parts, glob or regex); one that matches no module
+    # is refused by the run plan (tests/config/test_run_plan.py).
+    "select module empty pattern": (
+        {"recompute.mode": "select", "recompute.select_module": {"": ["0"]}},
+        ["recompute.select_module", "non-empty module name pattern"],
     ),
     "select module is a mapping": (
         {"recompute.mode": "select", "recompute.select_module": ["mlp"]},

@@ -83,7 +83,9 @@ def test_sample_index_matches_megatron_helpers(sizes, seq_length, extra, epochs,
         np.arange(len(sizes), dtype=np.int32), epochs, np.random.RandomState(seed), False
     )
     ours = I.build_sample_index(sizes, doc_index, seq_length, epochs, tokens, drop_last, extra)
-    theirs = helpers.build_sample_idx(sizes, doc_index, seq_length, epochs, tokens, drop_last, bool(extra))
+    # The C++ kernel itself: megatron's Python wrapper adds a sanity assert whose bound is too tight for
+    # index sets with empty documents (sizes=[0, 2], seq 2, extra 1, 2 epochs trips it).
+    theirs = helpers.build_sample_idx_int32(sizes, doc_index, seq_length, epochs, tokens, drop_last, extra)
     assert ours.dtype == theirs.dtype
     np.testing.assert_array_equal(ours, theirs)
 

@@ -137,6 +137,9 @@ def _worker(rank: int, initfile: str) -> None:
                 )
         _check_qk_clip_reduces_across_ranks(rank)
         _check_qk_clip_on_sharded_masters(mesh)
+        # Both ranks finish their collectives before either tears gloo down (a rank destroying the group
+        # while its peer still sends aborted with 'terminate called without an active exception').
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

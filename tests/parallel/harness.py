@@ -188,16 +188,22 @@ def _clip(model, max_norm: float) -> float:
     return norm
 
 
-def _load_full_state(model, state: dict[str, torch.Tensor]) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+INIT_SEED = 1234  # every layout initialises from this seed; the reference model too
+
+
+def assert_init_matches(model, state: dict[str, torch.Tensor]) -> None:
+    """A fresh layout-invariant init on this layout equals the single-process init bit for bit."""
+    from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            full = state[name].to(p.dtype)
-            if isinstance(p, DTensor):
-                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
-            else:
-                p.copy_(full)
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            ref = state[name].to(full.dtype)
+            if not torch.equal(full, ref):
+                raise AssertionError(
+                    f"initial {name} differs from the single-process init: max |diff| "
+                    f"{(full.float() - ref.float()).abs().max():.3e}"
+                )
 
 
 def _worker(rank: int, world: int, init_file: str, spec: dict[str, Any]) -> None:
@@ -234,7 +240,7 @@ def build_parallel(rank: int, world: int, spec: dict[str, Any]):
     model = build_model(spec["model"], device="meta")
     model, info = parallelize(model, dims, mesh, par, num_microbatches=accum)
     model.to_empty(device="cpu")
-    model.init_weights() if hasattr(model, "init_weights") else None
+    model.init_weights(INIT_SEED)
     return model, info, accum
 
 
@@ -252,8 +258,8 @@ def _train_case(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model, info, accum = build_parallel(rank, world, spec)
-    state = torch.load(spec["state"], weights_only=True)
-    _load_full_state(model, state)
+    # No injected weights: the layout's own init must already be the reference's.
+    assert_init_matches(model, torch.load(spec["state"], weights_only=True))
     data = torch.load(spec["data"], weights_only=True)
     opt = make_optimizer(model, spec.get("optimizer"))
     ctx = ParallelContext(
@@ -295,7 +301,7 @@ def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, An
     else:
         from lmforge.models import build_model
 
-        model = build_model(spec["model"])
+        model = build_model(spec["model"], seed=INIT_SEED)
         dp_rank, dp_size, dp_group = 0, 1, None
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     state = TrainState()
@@ -306,7 +312,7 @@ def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, An
         load_checkpoint(header, target, no_load_optim=False)
         first = state.global_step
     else:
-        _load_full_state(model, torch.load(spec["state"], weights_only=True))
+        assert_init_matches(model, torch.load(spec["state"], weights_only=True))
     ctx = ParallelContext(
         rank=rank,
         world_size=world,

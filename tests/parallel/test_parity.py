@@ -16,7 +16,15 @@ import math
 import pytest
 import torch
 
-from .harness import make_data, reference_run, run_workers, tiny_deepseek, tiny_llama, tiny_qwen3_moe
+from .harness import (
+    INIT_SEED,
+    make_data,
+    reference_run,
+    run_workers,
+    tiny_deepseek,
+    tiny_llama,
+    tiny_qwen3_moe,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -42,7 +50,7 @@ def _run_cases(cases: list[dict], world: int, tmp_path) -> None:
     for name in {c["model_name"] for c in cases}:
         section = MODELS[name]()
         torch.manual_seed(0)
-        model = build_model(section)
+        model = build_model(section, seed=INIT_SEED)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         data = make_data(STEPS, GBS, SEQ, section["vocab_size"], documents=name.endswith("_docs"))
         for case in cases:

@@ -7,44 +7,16 @@ Missing data files are warnings here; the trainer refuses them.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from lmforge.cli.options import add_set_option
-from lmforge.config import derive, read_raw
+from lmforge.config import read_raw
 from lmforge.config.load import apply_overrides, split_key, validate_config
-from lmforge.errors import ConfigError, LmforgeError
-
-# Validation owned by the building blocks (which scheduler keys a scheduler takes, which model types
-# exist, Muon's rules...): (module, function, section attribute, extra keyword arguments from the
-# whole config). Each function takes the section and raises an LmforgeError; a module or function
-# that does not exist is skipped.
-BUILDER_CHECKS: list[tuple[str, str, str, Callable[[Any], dict[str, Any]]]] = [
-    ("lmforge.models", "validate_model_section", "model", lambda cfg: {}),
-    ("lmforge.optim", "validate_optimizer_section", "optimizer", lambda cfg: {}),
-    # The original injects total_steps = training.steps into every scheduler.
-    (
-        "lmforge.lr",
-        "validate_scheduler_section",
-        "lr_scheduler",
-        lambda cfg: {"total_steps": cfg.training.steps},
-    ),
-    # The model's vocabulary and sequence length, as `lmforge train` checks them (eod < vocab_size, ...).
-    ("lmforge.data", "validate_dataset_section", "train_dataset", lambda cfg: _model_limits(cfg)),
-]
-
-
-def _model_limits(cfg: Any) -> dict[str, Any]:
-    from lmforge.models import build_model_config
-
-    try:
-        model = build_model_config(cfg.model)
-    except LmforgeError:
-        return {}  # the model section's own check reports it
-    return {"vocab_size": model.vocab_size, "seq_length": model.seq_length}
+from lmforge.config.outputs import output_locations, with_output_dir
+from lmforge.errors import ConfigError
 
 
 def _bool_flag(text: str) -> bool:
@@ -74,6 +46,12 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="N",
         help="number of processes to derive the data-parallel degree for (default: $WORLD_SIZE or 1)",
+    )
+    parser.add_argument(
+        "--output-dir",
+        default=None,
+        metavar="DIR",
+        help="as for `lmforge train`: every output of the run moves to DIR (shown under 'Outputs')",
     )
     parser.add_argument(
         "--mode",
@@ -182,55 +160,6 @@ def _data_file_warnings(cfg: Any) -> list[str]:
     return warnings
 
 
-def _data_source_is_open(cfg: Any) -> bool:
-    """True when the file does not say (in a form lmforge reads) where the data is.
-
-    The original accepts such a file and fails only when the dataset is built; `lmforge check`
-    validates the configuration the same way (a warning), like a missing data file, and
-    `lmforge train` refuses it before any work starts.
-    """
-    loader = cfg.train_dataset.dataloader.to_dict()
-    return loader.get("type") != "BlendedMegatronDatasetDataLoader" or not isinstance(
-        loader.get("config"), Mapping
-    )
-
-
-def _builder_checks(cfg: Any) -> list[str]:
-    """Run the building blocks' own validation; returns warnings (data sources not readable yet)."""
-    warnings: list[str] = []
-    for module_name, function_name, attribute, kwargs in BUILDER_CHECKS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        check = getattr(module, function_name, None)
-        if not callable(check):
-            continue
-        try:
-            check(getattr(cfg, attribute), **kwargs(cfg))
-        except LmforgeError as exc:
-            if attribute != "train_dataset" or not _data_source_is_open(cfg):
-                raise
-            warnings.append(f"{exc} `lmforge train` will refuse to start until this is changed.")
-    return warnings
-
-
-def _schedule_lines(cfg: Any) -> list[str]:
-    """The schedule as the trainer will build it (warm-up and decay boundaries resolved by lmforge.lr)."""
-    from lmforge.lr import build_scheduler
-
-    schedule = build_scheduler(cfg.lr_scheduler, cfg.training.steps)
-    lines = [f"  learning rate: {schedule.description}"]
-    boundaries = schedule.boundaries()
-    warmup = boundaries.get("warm-up end")
-    lines.append(f"  warm-up steps: {warmup if warmup else 0}")
-    for name, step in boundaries.items():
-        if name != "warm-up end":
-            lines.append(f"  {name}: step {step}")
-    lines += [f"  warning: {note}" for note in schedule.warnings]
-    return lines
-
-
 def _parallel_plan_lines(cfg: Any, world: int) -> list[str]:
     """The mesh, each rank's share and a per-rank memory estimate (lmforge.parallel.report)."""
     from lmforge.parallel.report import parallel_plan
@@ -239,38 +168,29 @@ def _parallel_plan_lines(cfg: Any, world: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lmforge.train.preflight import preflight
+
     world = _world_size(args)
     file_raw, source = read_raw(args.config)
     merged = apply_overrides(file_raw, args.overrides)
     cfg = validate_config(merged, source, log_warnings=False)  # printed below with the others
-    data_warnings = _builder_checks(cfg)
-    derived = derive(cfg, world)
+    if args.output_dir is not None:
+        cfg = with_output_dir(cfg, args.output_dir)
+    try:
+        plan = preflight(cfg, world)  # exactly what `lmforge train` runs before building anything
+    except ConfigError as exc:
+        raise ConfigError(
+            str(exc).replace("Invalid configuration", f"Invalid configuration in {source}", 1)
+        ) from None
     set_keys = [item.split("=", 1)[0].strip() for item in args.overrides]
 
     lines = [f"{source}: valid configuration.", "", "Resolved configuration ([file] / [--set] / [default]):"]
     for key, value in _leaves(cfg.to_dict()):
         lines.append(f"  {key}: {_format_value(value)}  [{_source_of(key, value, file_raw, set_keys)}]")
-    lines += ["", f"Derived quantities (world size {world}):"]
-    lines.append(
-        f"  data parallel: {derived.data_parallel} (replicate {derived.data_parallel_replicate} x shard "
-        f"{derived.data_parallel_shard}); tensor {cfg.parallelism.tensor_parallel}, pipeline "
-        f"{cfg.parallelism.pipeline_parallel}, context {cfg.parallelism.context_parallel}, expert "
-        f"{cfg.parallelism.expert_parallel}; sequence parallel "
-        f"{'on' if cfg.parallelism.sequence_parallel else 'off'}"
-    )
-    lines.append(
-        f"  gradient accumulation steps: {derived.accumulation_steps} = global_batch_size "
-        f"{cfg.training.global_batch_size} // (local_batch_size {cfg.training.local_batch_size} x data "
-        f"parallel {derived.data_parallel})"
-    )
-    lines.append(f"  effective global batch: {derived.effective_global_batch_size} samples per step")
-    if derived.micro_batch_tokens is not None:
-        tokens = derived.effective_global_batch_size * cfg.model.seq_length
-        lines.append(f"  tokens per step: {tokens} (seq_length {cfg.model.seq_length})")
-    lines.append(f"  total steps: {derived.total_steps}")
-    lines += _schedule_lines(cfg)
+    lines += ["", "Outputs:"] + [f"  {what}: {where}" for what, where in output_locations(cfg)]
+    lines += ["", f"Run plan (world size {world}):", *plan.describe(cfg)]
     lines += ["", *_parallel_plan_lines(cfg, world)]
-    warnings = list(cfg.warnings) + derived.warnings + data_warnings + _data_file_warnings(cfg)
+    warnings = list(cfg.warnings) + list(plan.warnings) + _data_file_warnings(cfg)
     if warnings:
         lines += ["", "Warnings:"] + [f"  - {w}" for w in warnings]
     print("\n".join(lines))

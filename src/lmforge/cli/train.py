@@ -24,7 +24,13 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--config", required=True, metavar="FILE", help="the train.yaml")
     add_set_option(parser, "training.steps=20")
-    parser.add_argument("--output-dir", default=None, metavar="DIR", help="overrides the config's output_dir")
+    parser.add_argument(
+        "--output-dir",
+        default=None,
+        metavar="DIR",
+        help="moves every output of the run to DIR: output_dir, and the checkpoint, TensorBoard and profiler "
+        "paths the file places under its own output_dir",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.set_defaults(func=run)
 

@@ -6,7 +6,6 @@ the resolved configuration back to YAML. This package imports nothing else from 
 errors and logging.
 """
 
-from lmforge.config.derived import DerivedQuantities, derive
 from lmforge.config.layer_spec import expand_layer_specs, parse_layer_spec, parse_layer_specs
 from lmforge.config.load import (
     apply_overrides,
@@ -49,7 +48,6 @@ __all__ = [
     "ConfigNode",
     "ContextConfig",
     "DataloaderConfig",
-    "DerivedQuantities",
     "HealthCheckpointConfig",
     "LoraConfig",
     "LrSchedulerConfig",
@@ -69,7 +67,6 @@ __all__ = [
     "TrainingConfig",
     "apply_overrides",
     "config_warnings",
-    "derive",
     "dump_yaml",
     "expand_layer_specs",
     "load_config",

@@ -93,6 +93,10 @@ class TrainConfig(OpenSection):
     lora_config: LoraConfig | None = None
     # lmforge's own top-level key: where logs, TensorBoard events and plots go.
     output_dir: str = "./output"
+    # Validation during training (lmforge.train.evaluate): every eval_interval steps (0: never),
+    # eval_steps micro-batches per rank (null: the whole validation split).
+    eval_interval: int = 0
+    eval_steps: int | None = None
 
     # Warnings found while loading (inert fields, ...); see lmforge.config.config_warnings.
     _warnings: tuple[str, ...] = PrivateAttr(default=())
@@ -101,6 +105,29 @@ class TrainConfig(OpenSection):
     def warnings(self) -> tuple[str, ...]:
         """Warnings found while loading: fields accepted without effect, overridden settings."""
         return self._warnings
+
+    @model_validator(mode="before")
+    @classmethod
+    def _omitted_checkpoint_saves_nothing(cls, data: Any) -> Any:
+        # The spec: a section that is omitted turns its feature off. Without a checkpoint section the
+        # run trains without saving (the original stops with "save_path must be provided").
+        if isinstance(data, dict) and "checkpoint" not in data:
+            data = {**data, "checkpoint": {"enable_save": False}}
+        return data
+
+    @model_validator(mode="after")
+    def _check_eval(self) -> TrainConfig:
+        if self.eval_interval < 0:
+            raise ValueError(
+                f"eval_interval must be a non-negative int (evaluate every N optimizer steps; 0 = never), "
+                f"got {self.eval_interval}"
+            )
+        if self.eval_steps is not None and self.eval_steps <= 0:
+            raise ValueError(
+                "eval_steps must be a positive int (micro-batches per evaluation) or absent for the whole "
+                f"validation split, got {self.eval_steps}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_against_model(self) -> TrainConfig:

@@ -38,6 +38,12 @@ class CheckpointConfig(Section):
         # negative value would crash or delete every checkpoint, so they are refused here.
         for name in ("save_max", "save_interleaved_steps", "load_worker_number", "reshard_worker_num"):
             check_positive(getattr(self, name), f"checkpoint.{name}")
+        if self.enable_save and not self.save_path:
+            raise ValueError(
+                "checkpoint.save_path: save_path must be provided for CheckpointCallback. Set it to the "
+                "directory where iteration_XXXXXXXX/ checkpoints should be written, or set "
+                "checkpoint.enable_save: false (or omit the checkpoint section: no checkpoints are saved)."
+            )
         return self
 
 

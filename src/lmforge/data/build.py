@@ -166,8 +166,20 @@ def _parse_section(
 def validate_dataset_section(
     dataset_section: Any, *, vocab_size: int | None = None, seq_length: int | None = None
 ) -> None:
-    """Every check of ``build_dataloader`` that needs no data file (used by ``lmforge check``)."""
-    _parse_section(dataset_section, vocab_size=vocab_size, seq_length=seq_length)
+    """Every check of ``build_dataloader`` that needs no data file, and the warnings about settings that
+    change nothing (every unknown dataloader key at once). The run plan calls it before anything is
+    built, so ``build_dataset`` does not repeat the warnings."""
+    _, loader, _, _ = _parse_section(dataset_section, vocab_size=vocab_size, seq_length=seq_length)
+    unknown = sorted(set(loader) - _DATALOADER_KEYS)
+    if unknown:
+        log.warning(
+            "%s not used by BlendedMegatronDatasetDataLoader; ignored (valid keys: %s)",
+            ", ".join(f"train_dataset.dataloader.{k}" for k in unknown)
+            + (" is" if len(unknown) == 1 else " are"),
+            ", ".join(sorted(_DATALOADER_KEYS)),
+        )
+    for key in no_effect_keys(section_to_dict(loader["config"])):
+        log.warning("%s.%s has no effect in lmforge (see docs/data.md)", CONFIG_PATH, key)
 
 
 def build_dataset(
@@ -183,13 +195,6 @@ def build_dataset(
     section, loader, cfg, sizes = _parse_section(
         dataset_section, vocab_size=vocab_size, seq_length=seq_length
     )
-    unknown = sorted(set(loader) - _DATALOADER_KEYS)
-    if unknown:
-        log.warning(
-            "train_dataset.dataloader.%s is not used by BlendedMegatronDatasetDataLoader; ignored", unknown[0]
-        )
-    for key in no_effect_keys(section_to_dict(loader["config"])):
-        log.warning("%s.%s has no effect in lmforge (see docs/data.md)", CONFIG_PATH, key)
     if 0 <= cfg.pad == cfg.eod:
         # Megatron: a pad id equal to EOD would mask every EOD label; it is dropped with a warning.
         log.warning("%s.pad equals eod (%d); treating pad as unset (-1)", CONFIG_PATH, cfg.pad)

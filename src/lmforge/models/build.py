@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from lmforge.models.common.gpt import GPTModel
+from lmforge.models.common.init import draw_seed
 from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.models.registry import resolve
 from lmforge.utils.sections import section_to_dict
@@ -22,24 +23,31 @@ def build_model_config(section: Any) -> TransformerConfig:
     return cfg
 
 
-def build_model(section: Any, device: torch.device | str | None = None) -> GPTModel:
+def build_model(section: Any, device: torch.device | str | None = None, seed: int | None = None) -> GPTModel:
     """Build the model of a ``model`` section.
 
     Parameters are created in ``compute_dtype`` (routers in fp32). On a real device (default: CPU) the
-    weights are initialised from ``initializer_range`` with torch's global RNG. With ``device="meta"``
-    nothing is allocated: shard or place the model, then ``model.to_empty(device=...)`` and
-    ``model.init_weights()``.
+    weights are initialised from ``initializer_range`` and ``seed`` (default: one drawn from torch's
+    global RNG before anything else), layout-invariantly: ``model.init_weights(seed)`` after sharding
+    gives the same values. With ``device="meta"`` nothing is allocated: shard or place the model, then
+    ``model.to_empty(device=...)`` and ``model.init_weights(seed)``.
     """
     cfg, cls = resolve(section_to_dict(section))
-    return build_from_config(cfg, cls, device)
+    return build_from_config(cfg, cls, device, seed)
 
 
 def build_from_config(
-    cfg: TransformerConfig, cls: type[GPTModel], device: torch.device | str | None = None
+    cfg: TransformerConfig,
+    cls: type[GPTModel],
+    device: torch.device | str | None = None,
+    seed: int | None = None,
 ) -> GPTModel:
     device = torch.device(device) if device is not None else torch.device("cpu")
+    # Drawn before construction: building on a real device runs torch's default module initialisers,
+    # which consume the global RNG, while a meta build does not.
+    seed = draw_seed() if seed is None and device.type != "meta" else seed
     with torch.device(device):
         model = cls(cfg)
     if device.type != "meta":
-        model.init_weights()
+        model.init_weights(seed)
     return model.cast_to_compute_dtype()

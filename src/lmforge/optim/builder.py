@@ -15,7 +15,7 @@ from lmforge.optim.master_weights import MasterWeightOptimizer
 from lmforge.optim.matching import first_matching_glob
 from lmforge.optim.model_chunks import as_model
 from lmforge.optim.muon import Muon, is_muon_shape
-from lmforge.optim.options import parse_optimizer_section
+from lmforge.optim.options import OptimizerOptions, parse_optimizer_section
 from lmforge.optim.param_groups import build_param_groups
 
 
@@ -39,7 +39,8 @@ def build_optimizer(
     ``initial lr * lr_scale``. ``qk_clip_group`` is the data x context parallel group over which
     Muon's QK-Clip max logits are reduced (default: the world group when distributed).
     """
-    opts = parse_optimizer_section(section)
+    # The run plan passes the options it already validated; a section (tests, tools) is parsed here.
+    opts = section if isinstance(section, OptimizerOptions) else parse_optimizer_section(section)
     if model is None:
         key = "type"
         raise ConfigError(

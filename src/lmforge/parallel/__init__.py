@@ -2,18 +2,22 @@
 
 Entry points: :class:`ParallelDims` (degrees from the ``parallelism`` section and the world size),
 :meth:`ParallelDims.build_mesh`, :func:`parallelize` (apply everything to a model built on meta),
+:class:`RunPlan` (every pre-build check and the batch schedule, :mod:`lmforge.parallel.plan`),
 :func:`accumulation_steps`, and :func:`estimate_memory` for ``lmforge check --world-size N``.
 """
 
 from lmforge.parallel.api import ParallelInfo, parallelize, validate_options
-from lmforge.parallel.dims import ParallelDims, ParallelMesh, accumulation_steps, parallelism_options
+from lmforge.parallel.dims import ParallelDims, ParallelMesh, parallelism_options
 from lmforge.parallel.memory import MemoryEstimate, describe_ranks, estimate_memory
+from lmforge.parallel.plan import BatchSchedule, RunPlan, accumulation_steps
 
 __all__ = [
+    "BatchSchedule",
     "MemoryEstimate",
     "ParallelDims",
     "ParallelInfo",
     "ParallelMesh",
+    "RunPlan",
     "accumulation_steps",
     "describe_ranks",
     "estimate_memory",

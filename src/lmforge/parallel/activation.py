@@ -1,8 +1,9 @@
 """Activation memory: recompute (full / select / exclude_op), communication recompute and swap.
 
 The YAML sections ``recompute``, ``recompute_comm`` and ``swap`` name decoder layers by layer specs
-(``'0-3'``, ``'5'``) and submodules by regex patterns matched with ``re.fullmatch`` against the
-dotted path of every submodule of a decoder layer. Unlike the original (which only applies them when
+(``'0-3'``, ``'5'``) and submodules by name patterns (the one rule of
+:mod:`lmforge.utils.name_patterns`: exact, part with aliases, glob or regular expression) matched
+against the dotted path of every submodule of a decoder layer. Unlike the original (which only applies them when
 the world size is above one) they apply on one device too.
 
 * Recompute wraps a module's ``forward`` in non-reentrant ``torch.utils.checkpoint``; its
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,6 +42,7 @@ from torch.utils.checkpoint import (
 )
 
 from lmforge.errors import ConfigError
+from lmforge.utils.name_patterns import NamePattern
 from lmforge.utils.sections import section_to_dict
 
 # The spec's examples use MindSpore-Transformers graph-mode names ("attention"); lmforge models use
@@ -129,17 +130,16 @@ def _path_forms(layer: DecoderLayer, rel_path: str) -> list[str]:
     return forms + aliased
 
 
-def _compile_pattern(pattern: Any, label: str) -> re.Pattern[str]:
+def _compile_pattern(pattern: Any, label: str) -> NamePattern:
+    # One rule for every name pattern (lmforge.utils.name_patterns): exact, part (with aliases such as
+    # attention.qkv), glob or regular expression.
     if not isinstance(pattern, str) or not pattern:
-        raise ConfigError(f"{label}: a module pattern must be a non-empty string (a regex), got {pattern!r}")
-    try:
-        return re.compile(pattern)
-    except re.error as exc:
-        raise ConfigError(f"{label}: {pattern!r} is not a valid regular expression ({exc})") from None
+        raise ConfigError(f"{label}: a module pattern must be a non-empty string, got {pattern!r}")
+    return NamePattern(pattern)
 
 
 def _match_modules(
-    layer: DecoderLayer, regex: re.Pattern[str], skip_under: set[str] | None = None
+    layer: DecoderLayer, regex: NamePattern, skip_under: set[str] | None = None
 ) -> list[tuple[str, nn.Module]]:
     """Submodules of ``layer`` whose path matches; a child of a matched module is not listed again."""
     matched: list[tuple[str, nn.Module]] = []
@@ -159,10 +159,12 @@ def _no_match_error(label: str, pattern: str, layers: list[DecoderLayer]) -> Con
     paths = layer_module_paths(layers[0]) if layers else []
     shown = ", ".join(paths[:60]) + (", ..." if len(paths) > 60 else "")
     return ConfigError(
-        f"{label}: the pattern {pattern!r} matches no submodule of the selected decoder layers. Patterns are "
-        "regular expressions matched in full (re.fullmatch) against each submodule's dotted path, relative to "
-        "the layer (e.g. 'self_attention.linear_qkv'), to the decoder ('layers.0.self_attention') or to the "
-        f"model; 'attention' may stand for 'self_attention'. Available paths in layer "
+        f"{label}: the pattern {pattern!r} matches no submodule of the selected decoder layers. A pattern "
+        "matches a submodule's dotted path (relative to the layer, e.g. 'self_attention.linear_qkv', to the "
+        "decoder, 'layers.0.self_attention', or to the model) when it is the path or a part of it, when its "
+        "dotted parts are parts of the path ('attention' = 'self_attention', 'qkv' = 'linear_qkv', 'proj' = "
+        "'linear_proj', 'fc1'/'fc2' = 'linear_fc1'/'linear_fc2'), or as a shell glob or a regular expression "
+        f"matching the whole path (docs/config.md#name-patterns). Available paths in layer "
         f"{layers[0].layer_id if layers else '?'}: {shown or '(none)'}"
     )
 
@@ -772,7 +774,7 @@ def plan_activation_memory(
     return plan
 
 
-def _already_covered(targets: list[DecoderLayer], regex: re.Pattern[str], taken: dict[int, set[str]]) -> bool:
+def _already_covered(targets: list[DecoderLayer], regex: NamePattern, taken: dict[int, set[str]]) -> bool:
     """A pattern whose matches all sit inside modules another pattern already recomputes is fine."""
     for d in targets:
         for rel_path, _ in d.module.named_modules():

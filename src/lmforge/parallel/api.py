@@ -60,6 +60,12 @@ def warn_inert_fields(opts: dict[str, Any]) -> list[str]:
             logger.warning("parallelism.%s=%r has no effect in lmforge: %s.", key, opts[key], why)
     if opts.get("sequence_parallel") is False and opts.get("tensor_parallel", 1) > 1:
         logger.info("sequence parallel is always on with tensor parallel (the spec's behaviour).")
+    if opts.get("context_parallel_async") and opts.get("context_parallel", 1) == 1:
+        named.append("context_parallel_async")
+        logger.warning(
+            "parallelism.context_parallel_async: true has no effect with context_parallel 1 (there is no "
+            "context-parallel communication to overlap)."
+        )
     if opts.get("disable_gradient_division") is False:
         logger.warning(
             "parallelism.disable_gradient_division: false has no numerical effect: lmforge always sums gradients "

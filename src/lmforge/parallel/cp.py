@@ -31,7 +31,7 @@ from torch import nn
 from lmforge.errors import ConfigError, DataError
 from lmforge.parallel import comm
 
-CP_METHODS = ("colossal", "ulysses")
+CP_METHODS = ("colossal", "ulysses", "hybrid")  # hybrid: Ulysses groups of ulysses_degree_in_cp
 SEQUENCE_KEYS = ("input_ids", "labels", "loss_mask", "position_ids")
 
 
@@ -41,7 +41,8 @@ def validate_cp_options(opts: dict[str, Any], cp: int, ulysses: int) -> str:
     if method not in CP_METHODS:
         raise ConfigError(
             f"parallelism.context_parallel_method must be one of {list(CP_METHODS)} ('colossal': load-balanced "
-            f"all-gather-KV attention; 'ulysses': all-to-all over heads), got {method!r}."
+            f"all-gather-KV attention; 'ulysses': all-to-all over heads; 'hybrid': Ulysses in groups of "
+            f"ulysses_degree_in_cp, KV gathered across them), got {method!r}."
         )
     if opts["context_parallel_mask_type"] != "causal":
         raise ConfigError(

@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.errors import ConfigError
 from lmforge.utils.sections import section_to_dict
 
@@ -25,36 +26,9 @@ logger = logging.getLogger(__name__)
 # Outermost to innermost; TP innermost keeps its (most frequent) collectives between neighbours.
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
+# The typed section's defaults (config/sections_parallel.py): one place, not a copy.
 PARALLELISM_DEFAULTS: dict[str, Any] = {
-    "data_parallel_shard": -1,
-    "data_parallel_shard_strategy": "optim_grads_params",
-    "reshard_after_forward_policy": "default",
-    "cpu_offload": False,
-    "disable_gradient_division": True,
-    "dense_fsdp_shard_size": None,
-    "tensor_parallel": 1,
-    "context_parallel": 1,
-    "context_parallel_method": "colossal",
-    "context_parallel_async": False,
-    "ulysses_degree_in_cp": None,
-    "context_parallel_mask_type": "causal",
-    "pipeline_parallel": 1,
-    "pipeline_parallel_layers_per_stage": "auto",
-    "pipeline_parallel_schedule": "1f1b",
-    "pipeline_parallel_microbatch_size": 1,
-    "pipeline_parallel_interleave_num": 1,
-    "pipeline_parallel_overlap_p2p": False,
-    "pipeline_parallel_overlap_b_f": False,
-    "pipeline_parallel_enable_dxdw_split": False,
-    "pipeline_parallel_p2p_transport": "plain",
-    "sequence_parallel": False,
-    "enable_mc2": False,
-    "enable_loss_parallel": False,
-    "expert_parallel": 1,
-    "npu_nums_per_device": 8,
-    "moe_token_dispatcher_type": "alltoall",
-    "expert_parallel_async_d2h": False,
-    "expert_parallel_use_safe_tokens": True,
+    name: field.default for name, field in ParallelismConfig.model_fields.items()
 }
 
 
@@ -337,30 +311,3 @@ class ParallelMesh:
         if self.dims.dp_replicate > 1:
             return self.expert["dp_replicate", "edp_shard"]
         return self.expert["edp_shard"]
-
-
-def accumulation_steps(global_batch_size: int, local_batch_size: int, dp: int) -> int:
-    """Micro-batches per step: ``global_batch_size // (dp × local_batch_size)`` (the spec's floor division).
-
-    The spec keeps a non-dividing global batch size valid and floors the result (the effective global
-    batch is then smaller); we keep that meaning and warn, because it is almost always a mistake.
-    """
-    base = dp * local_batch_size
-    if base > global_batch_size:
-        raise ConfigError(
-            "The product of data_parallel and local_batch_size exceeds global_batch_size, please increase "
-            f"global_batch_size or decrease local_batch_size. (training.global_batch_size={global_batch_size}, "
-            f"training.local_batch_size={local_batch_size}, data-parallel degree {dp}.)"
-        )
-    steps = global_batch_size // base
-    if global_batch_size % base:
-        logger.warning(
-            "training.global_batch_size=%d is not a multiple of data-parallel degree %d × "
-            "training.local_batch_size=%d; %d accumulation steps make an effective global batch of %d samples.",
-            global_batch_size,
-            dp,
-            local_batch_size,
-            steps,
-            steps * base,
-        )
-    return steps

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmforge.errors import NotSupportedError
-from lmforge.parallel.dims import ParallelDims, accumulation_steps
+from lmforge.parallel.dims import ParallelDims
 from lmforge.parallel.memory import describe_ranks, estimate_memory, format_bytes
 from lmforge.utils.sections import section_to_dict
 
@@ -23,6 +23,7 @@ def parallel_plan(parallelism: Any, model: Any, training: Any, optimizer: Any, w
 
     from lmforge.models import build_model
     from lmforge.parallel.api import refuse_unsupported, validate_options, warn_inert_fields
+    from lmforge.parallel.plan import accumulation_steps
 
     dims = ParallelDims.from_section(parallelism, world_size)
     opts = validate_options(parallelism, dims)

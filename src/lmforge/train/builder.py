@@ -1,6 +1,6 @@
 """From a validated ``TrainConfig`` to a ready :class:`Trainer` (DESIGN §4).
 
-config ─ ParallelDims ─ build_model (meta when parallel) ─ parallelize ─ init weights
+config ─ preflight (RunPlan: every check, no process group) ─ build_model (meta when parallel) ─ parallelize ─ init weights
        ─ build_scheduler ─ build_optimizer ─ ScheduleLR ─ build_dataloader (at the resume position)
 """
 
@@ -86,18 +86,42 @@ def _is_number(text: str) -> bool:
         return False
 
 
+def _refuse_absurd_model(cfg: Any, device: str | None, world_size: int) -> None:
+    """Model dimensions whose weights cannot fit are refused before any model is built (also on meta)."""
+    from lmforge.errors import LmforgeError
+    from lmforge.models import build_model_config
+    from lmforge.utils.model_size import check_model_fits
+
+    try:
+        model_cfg = build_model_config(cfg.model)
+    except LmforgeError:
+        return  # preflight reports the model section's own problems
+    check_model_fits(model_cfg, device, world_size)
+
+
 def build_trainer(
     cfg: Any, *, output_dir: str | os.PathLike | None = None, device: str | None = None
 ) -> Trainer:
     """Build everything a run needs from ``cfg`` (one process or under torchrun)."""
+    from lmforge.config.outputs import with_output_dir
     from lmforge.data import build_dataloader
-    from lmforge.lr import ScheduleLR, build_scheduler
-    from lmforge.models import build_model, build_model_config, load_hf_weights
+    from lmforge.lr import ScheduleLR
+    from lmforge.models import load_hf_weights
+    from lmforge.models.build import build_from_config
     from lmforge.optim import build_optimizer
-    from lmforge.parallel import ParallelDims
+    from lmforge.train.preflight import preflight
 
+    if output_dir is not None:
+        # --output-dir moves every output, including the paths the file puts under its own output_dir.
+        cfg = with_output_dir(cfg, output_dir)
+    # Every configuration error is raised here, before a process group, model or dataset exists.
+    from lmforge.utils.device import env_int
+
+    world_size = env_int("WORLD_SIZE", 1, minimum=1)
+    _refuse_absurd_model(cfg, device, world_size)
+    plan = preflight(cfg, world_size)
     ctx = distributed_env(device)
-    run_dir = Path(output_dir or getattr(cfg, "output_dir", None) or "./output")
+    run_dir = Path(cfg.output_dir or "./output")
     if ctx.rank == 0:
         from lmforge.utils.atomic import check_output_dir
 
@@ -105,41 +129,34 @@ def build_trainer(
         run_dir.mkdir(parents=True, exist_ok=True)
     # Logging first, so that model / optimizer construction messages reach train.log too.
     setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)
+    for note in plan.warnings:
+        logger.warning("%s", note)
     training = cfg.training
     seed_everything(int(training.seed), bool(training.deterministic))
-    model_cfg = build_model_config(cfg.model)
-    from lmforge.utils.model_size import check_model_fits
-
-    check_model_fits(model_cfg, ctx.device, ctx.world_size)  # before allocating anything
-    dims = ParallelDims.from_section(cfg.parallelism, ctx.world_size)
-    batch = int(training.global_batch_size) // max(int(training.local_batch_size) * dims.dp, 1)
+    model_cfg = plan.model_config
+    dims = plan.dims
     hook = _activation_hook(cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp)
-    if dims.pp > 1 and training.rampup_batch_size:
-        raise ConfigError(
-            "training.rampup_batch_size cannot be combined with parallelism.pipeline_parallel > 1: the "
-            "pipeline schedule runs a fixed number of micro-batches per step."
-        )
     if not dims.is_parallel:
-        model = build_model(cfg.model, device=ctx.device)  # initialised now, from the seeded RNG
+        model = build_from_config(model_cfg, plan.model_class, device=ctx.device, seed=int(training.seed))
         if hook is not None:
             hook(model)
     else:
         from lmforge.parallel import parallelize
 
-        model = build_model(cfg.model, device="meta")
+        model = build_from_config(model_cfg, plan.model_class, device="meta")
         mesh = dims.build_mesh(ctx.device.type)
         model, info = parallelize(
             model,
             dims,
             mesh,
             cfg.parallelism,
-            num_microbatches=max(batch, 1),
+            num_microbatches=plan.accumulation_steps,
             apply_activation=hook,
             device=ctx.device,
         )
         model.to_empty(device=ctx.device)
         with torch.no_grad():
-            model.init_weights()
+            model.init_weights(int(training.seed))  # layout-invariant: the same weights as one process
         ctx = ParallelContext(
             rank=ctx.rank,
             world_size=ctx.world_size,
@@ -159,10 +176,10 @@ def build_trainer(
         getattr(model, "compute_dtype", next(model.parameters()).dtype),
         dims.describe(),
     )
-    schedule = build_scheduler(cfg.lr_scheduler, int(training.steps))
+    schedule = plan.schedule
     # QK-Clip reduces max logits over the ranks holding the same layers (not across pipeline stages).
     qk_group = info.qk_clip_group if dims.is_parallel else None
-    optimizer = build_optimizer(cfg.optimizer, model, schedule, qk_clip_group=qk_group)
+    optimizer = build_optimizer(plan.optimizer, model, schedule, qk_clip_group=qk_group)
     scheduler = ScheduleLR(optimizer, schedule)
 
     def dataloader_factory(consumed_samples: int) -> Any:
@@ -194,4 +211,5 @@ def build_trainer(
         output_dir=run_dir,
         hf_loader=load_hf_weights,
         files_to_copy=[tokenizer] if tokenizer else None,
+        batches=plan.batches,
     )

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.train.batching import BatchSchedule
+from lmforge.errors import ConfigError
+from lmforge.parallel.plan import BatchSchedule
 from lmforge.train.callbacks import (
     CallbackHandler,
     CheckpointCallback,
@@ -69,6 +70,7 @@ class Trainer:
         peak_flops: float | None = None,
         files_to_copy: list[str | Path] | None = None,
         log_to_file: bool = True,
+        batches: BatchSchedule | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -88,27 +90,21 @@ class Trainer:
 
         training = section_to_dict(config.training)
         self.max_norm = float(training["max_norm"])
-        rampup = training.get("rampup_batch_size")
-        self.batches = BatchSchedule(
-            global_batch_size=int(training["global_batch_size"]),
-            local_batch_size=int(training["local_batch_size"]),
-            data_parallel=self.ctx.dp_size,
-            rampup=tuple(rampup) if rampup else None,
-        )
-        self.batches.validate()
-        per_step = self.batches.samples_per_micro_step
-        if rampup is None and self.batches.global_batch_size % per_step:
-            acc = self.batches.accumulation_steps_at(0)
-            logger.warning(
-                "training.global_batch_size %d is not a multiple of data_parallel (%d) x local_batch_size (%d) = %d: "
-                "each step accumulates %d micro-batch(es), so the effective global batch is %d samples.",
-                self.batches.global_batch_size,
-                self.ctx.dp_size,
-                self.batches.local_batch_size,
-                per_step,
-                acc,
-                acc * per_step,
+        if batches is None:
+            # Without a run plan (a Trainer built by hand): the plan's schedule for this process's dp size.
+            rampup = training.get("rampup_batch_size")
+            batches = BatchSchedule(
+                global_batch_size=int(training["global_batch_size"]),
+                local_batch_size=int(training["local_batch_size"]),
+                data_parallel=self.ctx.dp_size,
+                rampup=tuple(rampup) if rampup else None,
             )
+            problems = batches.problems()
+            if problems:
+                raise ConfigError(problems[0])
+            for note in batches.warnings():
+                logger.warning("%s", note)
+        self.batches = batches
         self.state = TrainState(
             max_steps=int(training["steps"]),
             global_batch_size=self.batches.global_batch_at(0),

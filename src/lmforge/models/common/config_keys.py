@@ -164,10 +164,17 @@ class FamilyKeys:
         return ["model_type", "architectures", *self.hf, *self.mf_keys(), *HF_BOOKKEEPING_KEYS]
 
 
-def unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    return ConfigError(f"model.{key} is not a key of {where}.{hint} Valid keys: {', '.join(sorted(valid))}.")
+def unknown_key_error(key: str | list[str], valid: list[str], where: str) -> ConfigError:
+    """One error naming every unknown key (with the closest valid key of each)."""
+    keys = [key] if isinstance(key, str) else list(key)
+    valid_text = f"Valid keys: {', '.join(sorted(valid))}."
+    hints = {k: difflib.get_close_matches(k, valid, n=1) for k in keys}
+    if len(keys) == 1:
+        close = hints[keys[0]]
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        return ConfigError(f"model.{keys[0]} is not a key of {where}.{hint} {valid_text}")
+    named = ", ".join(f"model.{k}" + (f" (Did you mean '{hints[k][0]}'?)" if hints[k] else "") for k in keys)
+    return ConfigError(f"{named} are not keys of {where}. {valid_text}")
 
 
 def _check_type(key: str, value: Any, default: Any) -> None:
@@ -192,9 +199,9 @@ def _check_type(key: str, value: Any, default: Any) -> None:
 def resolve_section(raw: dict[str, Any], family: FamilyKeys) -> dict[str, Any]:
     """Validated values for every key of the family (defaults filled, aliases folded into canonical keys)."""
     valid = family.valid_keys()
-    for key in raw:
-        if key not in valid:
-            raise unknown_key_error(key, valid, f"model_type '{family.model_type}'")
+    unknown = [key for key in raw if key not in valid]
+    if unknown:
+        raise unknown_key_error(unknown, valid, f"model_type '{family.model_type}'")
     values: dict[str, Any] = {k: v for k, v in family.hf.items()}
     values.update({k: d for k, (d, _) in family.mf_keys().items()})
     for key, value in raw.items():
@@ -235,6 +242,13 @@ def resolve_section(raw: dict[str, Any], family: FamilyKeys) -> dict[str, Any]:
     if inert:
         _log.warning(
             "model: %s accepted but have no effect in lmforge (see docs/models.md)", ", ".join(inert)
+        )
+    bookkeeping = [k for k in raw if k in HF_BOOKKEEPING_KEYS]
+    if bookkeeping:
+        _log.warning(
+            "model: %s accepted but have no effect in lmforge: Hugging Face config.json bookkeeping (the "
+            "data's eod/pad come from train_dataset, the dtype from model.compute_dtype).",
+            ", ".join(f"model.{k}" for k in bookkeeping),
         )
     return values
 

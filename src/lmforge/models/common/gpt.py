@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.models.common import init
 from lmforge.models.common.attention import CoreAttention, SelfAttention
+from lmforge.models.common.init import draw_seed
 from lmforge.models.common.masks import build_allowed_mask
 from lmforge.models.common.mla import MultiLatentAttention
 from lmforge.models.common.mlp import SwiGLUMLP
@@ -185,20 +187,23 @@ class GPTModel(nn.Module):
         return self
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, seed: int | None = None) -> None:
         """Initialise every parameter and buffer in place (after ``to_empty`` when built on meta).
 
         Matrices (linear, embedding, expert and router weights) ~ N(0, initializer_range²), biases 0,
-        norm gains 1, expert bias 0; RoPE frequencies are recomputed. Uses torch's global RNG.
+        norm gains 1, expert bias 0; RoPE frequencies are recomputed. The matrices are drawn layout-
+        invariantly (:mod:`lmforge.models.common.init`): the same ``seed`` gives the same values on one
+        process and on every sharded layout. Without ``seed``, one is drawn from torch's global RNG.
         """
+        seed = draw_seed() if seed is None else int(seed)
         std = self.config.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding, ExpertWeight)):
-                module.weight.normal_(0.0, std)
+        for prefix, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, ExpertWeight, TopKRouter)):
+                init.normal_(module.weight, f"{prefix}.weight", seed, std)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
-            elif isinstance(module, TopKRouter):
-                module.reset_parameters(std)
+                if getattr(module, "expert_bias", None) is not None:
+                    module.expert_bias.zero_()
             elif isinstance(module, (RMSNorm, RotaryEmbedding, CoreAttention)):
                 module.reset_parameters()
             elif isinstance(module, MoELayer):

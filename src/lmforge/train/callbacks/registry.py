@@ -25,10 +25,8 @@ def registered_callbacks() -> dict[str, type[TrainerCallback]]:
     return dict(_REGISTRY)
 
 
-def build_callback(item: Any, index: int) -> TrainerCallback:
-    """Build ``callbacks[index]`` of the config (a section or a mapping with ``type``)."""
-    kwargs = section_to_dict(item)
-    name = kwargs.pop("type", None)
+def callback_class(name: Any, index: int) -> type[TrainerCallback]:
+    """The class ``callbacks[index].type`` names (registered, built-in, import path or entry point)."""
     if name not in _REGISTRY:
         # lmforge's other built-ins, then an import path or an entry point (see plugins.py).
         from lmforge.train.callbacks.plugins import load_builtin_callbacks, resolve_callback
@@ -42,7 +40,30 @@ def build_callback(item: Any, index: int) -> TrainerCallback:
         raise ConfigError(
             f"callbacks[{index}].type: unknown callback {name!r}; registered callbacks: {known}."
         )
+    return _REGISTRY[name]
+
+
+def check_callback(item: Any, index: int) -> None:
+    """Refuse ``callbacks[index]`` the way :func:`build_callback` would, without constructing it."""
+    import inspect
+
+    kwargs = section_to_dict(item)
+    name = kwargs.pop("type", None)
+    cls = callback_class(name, index)
     try:
-        return _REGISTRY[name](**kwargs)
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"callbacks[{index}] ({name}): invalid arguments {sorted(kwargs)}: {exc}") from None
+    except ValueError:
+        pass  # no introspectable signature: the constructor decides
+
+
+def build_callback(item: Any, index: int) -> TrainerCallback:
+    """Build ``callbacks[index]`` of the config (a section or a mapping with ``type``)."""
+    kwargs = section_to_dict(item)
+    name = kwargs.pop("type", None)
+    cls = callback_class(name, index)
+    try:
+        return cls(**kwargs)
     except TypeError as exc:
         raise ConfigError(f"callbacks[{index}] ({name}): invalid arguments {sorted(kwargs)}: {exc}") from None

@@ -1,0 +1,80 @@
+"""Where a run writes: ``output_dir`` and the output paths placed under it, and ``--output-dir``.
+
+``--output-dir DIR`` moves every output of the run: ``output_dir`` becomes DIR and each output path
+that the file places under its own ``output_dir`` (``checkpoint.save_path``, ``checkpoint.load_path``
+when it resumes from there, ``monitor.tensorboard.output_dir``, ``profiler.output_path``) keeps its
+place relative to it. Paths elsewhere are the user's explicit choice and stay. Two runs of one file
+with different ``--output-dir`` therefore never mix their files.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import PurePath
+from typing import Any
+
+# (section, key) of every path a run writes (or resumes from) that may sit under output_dir.
+OUTPUT_PATHS: tuple[tuple[str, ...], ...] = (
+    ("checkpoint", "save_path"),
+    ("checkpoint", "load_path"),
+    ("monitor", "tensorboard", "output_dir"),
+    ("profiler", "output_path"),
+)
+DEFAULT_OUTPUT_DIR = "./output"
+
+
+def _under(path: str, root: str) -> str | None:
+    """``path`` relative to ``root`` when it lies under it (lexically), else None."""
+    p, r = os.path.normpath(path), os.path.normpath(root)
+    if p == r:
+        return "."
+    try:
+        rel = PurePath(p).relative_to(PurePath(r))
+    except ValueError:
+        return None
+    return str(rel)
+
+
+def _moved(value: Any, old: str, new: str) -> Any:
+    if not isinstance(value, str) or not value:
+        return value
+    rel = _under(value, old)
+    return value if rel is None else os.path.normpath(os.path.join(new, rel))
+
+
+def _set(node: Any, keys: tuple[str, ...], old: str, new: str) -> Any:
+    """A copy of the frozen section ``node`` with the path at ``keys`` moved from ``old`` to ``new``."""
+    child = getattr(node, keys[0])
+    if len(keys) == 1:
+        return node.model_copy(update={keys[0]: _moved(child, old, new)})
+    return node.model_copy(update={keys[0]: _set(child, keys[1:], old, new)})
+
+
+def with_output_dir(cfg: Any, new_dir: str | os.PathLike) -> Any:
+    """``cfg`` (a ``TrainConfig``) with every output moved to ``new_dir`` (see the module docstring)."""
+    old, new = cfg.output_dir or DEFAULT_OUTPUT_DIR, str(new_dir)
+    for keys in OUTPUT_PATHS:
+        cfg = _set(cfg, keys, old, new)
+    return cfg.model_copy(update={"output_dir": new})
+
+
+def output_locations(cfg: Any) -> list[tuple[str, str]]:
+    """(what, where) for every output of a run of ``cfg`` (what ``lmforge check`` prints)."""
+    run = cfg.output_dir
+    rows = [
+        ("log, metrics.jsonl, curves.png, summary.json", run),
+        (
+            "TensorBoard events",
+            cfg.monitor.tensorboard.output_dir or os.path.join(run, "tensorboard"),
+        ),
+    ]
+    if cfg.checkpoint.enable_save:
+        rows.append(("checkpoints", cfg.checkpoint.save_path))
+    else:
+        rows.append(("checkpoints", "none (checkpoint.enable_save is false or the section is omitted)"))
+    rows.append(
+        ("monitor JSON lines (monitor.train_state / moe_monitor, when on)", os.path.join(run, "monitor"))
+    )
+    if cfg.profiler.enable_profiling:
+        rows.append(("profiler traces", cfg.profiler.output_path or os.path.join(run, "profile")))
+    return rows

@@ -1,0 +1,405 @@
+"""The run plan: every check of a configuration that needs no process, and what the run will do.
+
+``RunPlan.from_config(cfg, world_size)`` is the second half of validation (``load_config`` is the
+first): it types the component sections through their building blocks (the model's
+``TransformerConfig``, the optimizer's options, the lr schedule, the data section), computes the
+parallel degrees, the data-parallel size, the batch schedule (ramp-up included) and the
+accumulation steps once, and runs the checks that need the model's structure (degrees against
+heads and layers, recompute/swap module patterns) on a model built on the meta device, so that no
+weight is allocated. Every problem is collected and raised as one :class:`ConfigError` before
+anything is built; warnings are collected in ``plan.warnings`` instead of being logged.
+
+``lmforge check`` prints the plan; ``lmforge train`` builds the model, loader, step and trainer
+from it. Nothing else computes degrees, accumulation steps or the batch schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings as py_warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmforge.errors import ConfigError, LmforgeError
+from lmforge.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """How many samples (and micro-batches per data-parallel rank) each step consumes.
+
+    Ramp-up ``[start, increment, rampup_samples]`` follows the original: the global batch after
+    ``consumed`` samples is ``min(start + floor(consumed / (rampup_samples / n)) * increment, gbs)``
+    with ``n = (gbs - start) // increment`` increments; past ``rampup_samples`` it is ``gbs``.
+    The spec's floor division: ``gbs // (dp * lbs)`` micro-batches per rank and step.
+    """
+
+    global_batch_size: int
+    local_batch_size: int
+    data_parallel: int
+    rampup: tuple[int, int, int] | None = None
+
+    @property
+    def samples_per_micro_step(self) -> int:
+        return self.local_batch_size * self.data_parallel
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        """The configured global batch size of the step that starts after ``consumed_samples``."""
+        if self.rampup is None:
+            return self.global_batch_size
+        start, inc, rampup_samples = self.rampup
+        increments = (self.global_batch_size - start) // inc
+        if increments <= 0 or rampup_samples == 0 or consumed_samples >= rampup_samples:
+            return self.global_batch_size
+        samples_per_increment = rampup_samples / increments
+        return min(start + int(consumed_samples // samples_per_increment) * inc, self.global_batch_size)
+
+    def accumulation_steps_at(self, consumed_samples: int) -> int:
+        return max(self.global_batch_at(consumed_samples) // self.samples_per_micro_step, 1)
+
+    def samples_of_step_at(self, consumed_samples: int) -> int:
+        """Samples the step actually consumes: accumulation steps x dp x local batch.
+
+        The original advances consumed_samples by the configured batch even when floor division
+        trains on fewer samples; lmforge counts what was trained on, so resuming lands on the next
+        unseen sample.
+        """
+        return self.accumulation_steps_at(consumed_samples) * self.samples_per_micro_step
+
+    def problems(self) -> list[str]:
+        """Why this schedule cannot run (empty when it can)."""
+        per_step = self.samples_per_micro_step
+        if self.rampup is None:
+            if per_step > self.global_batch_size:
+                return [
+                    "training.global_batch_size: The product of data_parallel and local_batch_size exceeds "
+                    "global_batch_size, please increase global_batch_size or decrease local_batch_size "
+                    f"(data_parallel {self.data_parallel} x local_batch_size {self.local_batch_size} = "
+                    f"{per_step} > global_batch_size {self.global_batch_size})."
+                ]
+            return []
+        start, inc, _ = self.rampup
+        for gbs in range(start, self.global_batch_size + 1, inc):
+            if gbs % per_step != 0:
+                return [
+                    f"training.rampup_batch_size: the global batch size {gbs} during ramp-up is not a "
+                    f"multiple of data_parallel x local_batch_size = {per_step}."
+                ]
+        return []
+
+    def warnings(self) -> list[str]:
+        per_step = self.samples_per_micro_step
+        if self.rampup is not None or self.global_batch_size % per_step == 0:
+            return []
+        acc = self.accumulation_steps_at(0)
+        return [
+            f"training.global_batch_size {self.global_batch_size} is not a multiple of data_parallel "
+            f"({self.data_parallel}) x local_batch_size ({self.local_batch_size}) = {per_step}: each step "
+            f"accumulates {acc} micro-batch(es), so the effective global batch is {acc * per_step} samples."
+        ]
+
+
+def accumulation_steps(global_batch_size: int, local_batch_size: int, dp: int) -> int:
+    """Micro-batches per step without ramp-up: ``global_batch_size // (dp × local_batch_size)`` (the
+    spec's floor division); a ConfigError when ``dp × local_batch_size`` exceeds the global batch."""
+    schedule = BatchSchedule(global_batch_size, local_batch_size, dp)
+    problems = schedule.problems()
+    if problems:
+        raise ConfigError(problems[0])
+    return schedule.accumulation_steps_at(0)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a configuration means for ``world_size`` processes; built only from valid configurations."""
+
+    world_size: int
+    dims: ParallelDims
+    parallel_options: dict[str, Any]
+    model_config: Any  # lmforge.models.TransformerConfig
+    model_class: type
+    optimizer: Any  # lmforge.optim.OptimizerOptions
+    schedule: Any  # lmforge.lr.Schedule
+    batches: BatchSchedule
+    total_steps: int
+    activation_summary: str | None = None
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    # ------------------------------------------------------------------ derived numbers
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per rank in the first step (the pipeline's micro-batch count)."""
+        return self.batches.accumulation_steps_at(0)
+
+    @property
+    def effective_global_batch_size(self) -> int:
+        return self.batches.samples_of_step_at(0)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.effective_global_batch_size * int(self.model_config.seq_length)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Any,
+        world_size: int,
+        *,
+        extra_checks: tuple[Callable[[Any], None], ...] = (),
+    ) -> RunPlan:
+        """Check ``cfg`` (a ``TrainConfig``) for ``world_size`` processes; one ConfigError lists every problem.
+
+        ``extra_checks`` are callables of the config raising :class:`LmforgeError` (the trainer adds
+        the callback list); their problems are reported with the others.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"the world size must be a positive integer, got {world_size!r}.")
+        problems: list[str] = []
+        notes: list[str] = []
+        with _collected_warnings(notes):
+            plan = _plan(cfg, world_size, problems)
+            for check in extra_checks:
+                _attempt(problems, lambda check=check: check(cfg))
+        if problems:
+            if len(problems) == 1:
+                raise ConfigError(f"Invalid configuration: {problems[0]}")
+            numbered = "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+            raise ConfigError(f"Invalid configuration, {len(problems)} problems: {numbered}")
+        assert plan is not None
+        ordered = list(dict.fromkeys([*plan.warnings, *notes]))
+        return _replace(plan, warnings=tuple(ordered))
+
+    # ------------------------------------------------------------------ printing
+    def describe(self, cfg: Any) -> list[str]:
+        """The lines ``lmforge check`` prints under "Run plan"."""
+        d, b, par = self.dims, self.batches, cfg.parallelism
+        lines = [
+            f"  world size {self.world_size}: {d.describe()}",
+            f"  data parallel: {d.dp} (replicate {d.dp_replicate} x shard {d.dp_shard}); tensor {d.tp}, "
+            f"pipeline {d.pp}, context {d.cp}, expert {d.ep}; sequence parallel "
+            f"{'on' if par.sequence_parallel else 'off'}",
+            f"  gradient accumulation steps: {self.accumulation_steps} = global_batch_size "
+            f"{b.global_batch_at(0)} // (local_batch_size {b.local_batch_size} x data parallel {d.dp})",
+            f"  effective global batch: {self.effective_global_batch_size} samples per step",
+            f"  tokens per step: {self.tokens_per_step} (seq_length {self.model_config.seq_length})",
+        ]
+        if b.rampup is not None:
+            start, inc, samples = b.rampup
+            lines.append(
+                f"  batch ramp-up: global batch {start} growing by {inc} up to {b.global_batch_size} over "
+                f"the first {samples} samples"
+            )
+        lines.append(f"  total steps: {self.total_steps}")
+        lines.append(f"  learning rate: {self.schedule.description}")
+        boundaries = self.schedule.boundaries()
+        lines.append(f"  warm-up steps: {boundaries.get('warm-up end') or 0}")
+        lines += [f"  {name}: step {step}" for name, step in boundaries.items() if name != "warm-up end"]
+        if self.activation_summary:
+            lines.append(f"  activation memory: {self.activation_summary}")
+        return lines
+
+
+def _replace(plan: RunPlan, **changes: Any) -> RunPlan:
+    import dataclasses
+
+    return dataclasses.replace(plan, **changes)
+
+
+def _attempt(problems: list[str], fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except LmforgeError as exc:
+        problems.append(_strip(str(exc)))
+        return None
+
+
+def _strip(text: str) -> str:
+    # A nested whole-configuration message keeps only its problem list.
+    for prefix in ("Invalid configuration: ",):
+        if text.startswith(prefix):
+            return text[len(prefix) :]
+    return text
+
+
+@contextlib.contextmanager
+def _collected_warnings(notes: list[str]) -> Iterator[None]:
+    """Collect the building blocks' warnings (log records and ``warnings.warn``) instead of printing them."""
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            notes.append(record.getMessage())
+
+    root = logging.getLogger("lmforge")
+    saved = (root.handlers[:], root.propagate, root.level)
+    root.handlers = [_Collect(level=logging.WARNING)]
+    root.propagate = False
+    if root.level == logging.NOTSET or root.level > logging.WARNING:
+        root.setLevel(logging.WARNING)
+    try:
+        with py_warnings.catch_warnings(record=True) as caught:
+            py_warnings.simplefilter("always")
+            yield
+        notes.extend(str(w.message) for w in caught)
+    finally:
+        root.handlers, root.propagate = saved[0], saved[1]
+        root.setLevel(saved[2])
+
+
+def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
+    from lmforge.data import validate_dataset_section
+    from lmforge.lr import build_scheduler
+    from lmforge.models.registry import resolve
+    from lmforge.optim import parse_optimizer_section
+    from lmforge.parallel.api import validate_options, warn_inert_fields
+
+    training = cfg.training
+    resolved = _attempt(problems, lambda: resolve(cfg.model.to_dict()))
+    model_config, model_class = resolved if resolved is not None else (None, None)
+    optimizer = _attempt(problems, lambda: parse_optimizer_section(cfg.optimizer))
+    schedule = _attempt(problems, lambda: build_scheduler(cfg.lr_scheduler, int(training.steps)))
+    _attempt(
+        problems,
+        lambda: validate_dataset_section(
+            cfg.train_dataset,
+            vocab_size=getattr(model_config, "vocab_size", None),
+            seq_length=getattr(model_config, "seq_length", None),
+        ),
+    )
+    dims = _attempt(problems, lambda: ParallelDims.from_section(cfg.parallelism, world_size))
+    opts = None
+    if dims is not None:
+        opts = _attempt(problems, lambda: validate_options(cfg.parallelism, dims))
+        if opts is not None:
+            warn_inert_fields(opts)
+    rampup = tuple(training.rampup_batch_size) if training.rampup_batch_size else None
+    batches = None
+    if dims is not None:
+        batches = BatchSchedule(
+            global_batch_size=int(training.global_batch_size),
+            local_batch_size=int(training.local_batch_size),
+            data_parallel=dims.dp,
+            rampup=rampup,  # type: ignore[arg-type]
+        )
+        problems += batches.problems()
+        if dims.pp > 1 and rampup is not None:
+            problems.append(
+                "training.rampup_batch_size cannot be combined with parallelism.pipeline_parallel > 1: the "
+                "pipeline schedule runs a fixed number of micro-batches per step."
+            )
+    summary = None
+    if dims is not None and opts is not None and model_config is not None:
+        summary = _check_model_structure(cfg, dims, opts, model_config, model_class, optimizer, problems)
+    if problems or batches is None:
+        return None
+    return RunPlan(
+        world_size=world_size,
+        dims=dims,
+        parallel_options=opts,
+        model_config=model_config,
+        model_class=model_class,
+        optimizer=optimizer,
+        schedule=schedule,
+        batches=batches,
+        total_steps=int(training.steps),
+        activation_summary=summary,
+        warnings=tuple(batches.warnings()),
+    )
+
+
+def activation_wanted(cfg: Any) -> bool:
+    """Whether recompute, recompute_comm or swap asks for anything."""
+    mode = cfg.recompute.mode
+    return (mode not in (None, "None")) or bool(cfg.recompute_comm.enable) or bool(cfg.swap.enable)
+
+
+def _check_model_structure(
+    cfg: Any,
+    dims: ParallelDims,
+    opts: dict[str, Any],
+    model_config: Any,
+    model_class: type,
+    optimizer: Any,
+    problems: list[str],
+) -> str | None:
+    """Degrees against the model, unsupported combinations, recompute/swap and parameter-name
+    patterns (on a model built on the meta device: no weights)."""
+    from lmforge.errors import NotSupportedError
+    from lmforge.models.build import build_from_config
+    from lmforge.parallel.api import refuse_unsupported
+    from lmforge.utils.name_patterns import unmatched
+
+    mc = model_config
+    _attempt(
+        problems,
+        lambda: dims.check_model(
+            num_layers=mc.num_layers,
+            num_heads=mc.num_attention_heads,
+            num_kv_heads=None if mc.multi_latent_attention else mc.num_key_value_heads,
+            num_experts=getattr(mc, "num_experts", None) or None,
+            seq_length=mc.seq_length,
+            interleave=opts["pipeline_parallel_interleave_num"],
+            layers_per_stage=opts["pipeline_parallel_layers_per_stage"],
+            vocab_size=mc.vocab_size,
+        ),
+    )
+    patterns = _parameter_patterns(cfg, optimizer)
+    if not (dims.is_parallel or activation_wanted(cfg) or patterns):
+        return None
+    model = build_from_config(mc, model_class, "meta")
+    if patterns:
+        names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        for key, pattern in patterns:
+            if not unmatched(names, [pattern]):
+                continue
+            hint = (
+                f" It is a substring of parameter names; for the original's substring rule write "
+                f"'*{pattern}*'."
+                if any(pattern in n for n in names)
+                else ""
+            )
+            logging.getLogger("lmforge.optim").warning(
+                "%s: the pattern %r matches no parameter of this model, so it changes nothing (parameter "
+                "names look like %s; docs/config.md#name-patterns).%s",
+                key,
+                pattern,
+                ", ".join(names[:4]),
+                hint,
+            )
+    if dims.is_parallel:
+        try:
+            refuse_unsupported(model, dims)
+        except NotSupportedError as exc:
+            problems.append(str(exc))
+    if not activation_wanted(cfg):
+        return None
+    from lmforge.parallel.activation import plan_activation_memory
+
+    plan = _attempt(
+        problems,
+        lambda: plan_activation_memory(
+            model,
+            cfg.recompute,
+            cfg.recompute_comm,
+            cfg.swap,
+            mc.num_layers,
+            pipeline_parallel=dims.pp,
+            has_comm_ops=dims.tp * dims.cp * dims.ep > 1,
+        ),
+    )
+    return None if plan is None else plan.summary()
+
+
+def _parameter_patterns(cfg: Any, optimizer: Any) -> list[tuple[str, str]]:
+    """(dotted key, pattern) of every parameter-name pattern the file writes in ``optimizer``."""
+    if optimizer is None:
+        return []
+    g = optimizer.grouping
+    found = [("optimizer.weight_decay_include", p) for p in g.weight_decay_include]
+    found += [("optimizer.weight_decay_exclude", p) for p in g.weight_decay_exclude]
+    found += [(f"optimizer.lr_scale[{p!r}]", p) for p, _ in g.lr_scale]
+    if optimizer.type == "Muon" and cfg.optimizer.get("adamw_include") is not None:
+        found += [("optimizer.adamw_include", p) for p in optimizer.hyper["adamw_include"]]
+    return found
