@@ -48,7 +48,6 @@ def run(args: argparse.Namespace) -> int:
     # kill the run either: it is remembered, and the run stops after its first step, saved.
     early: list[str] = []
     previous = _remember_signals(early)
-    locks = _lock_outputs(config, args.output_dir)
     try:
         trainer = build_trainer(config, output_dir=args.output_dir, device=args.device)
         _restore(previous)
@@ -56,27 +55,10 @@ def run(args: argparse.Namespace) -> int:
             trainer.request_stop(f"received {early[0]} during start-up")
         trainer.fit()
     finally:
-        for lock in reversed(locks):
-            lock.release()
         _restore(previous)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
-
-def _lock_outputs(config: Any, output_dir: str | None) -> list[Any]:
-    """Lock the run's directories before anything is written to them (rank 0; see utils/run_lock.py)."""
-    from lmforge.utils.device import env_int
-    from lmforge.utils.run_lock import lock_dirs, run_dirs
-    from lmforge.utils.sections import section_to_dict
-
-    if env_int("RANK", 0) != 0:
-        return []
-    out = output_dir or getattr(config, "output_dir", None) or "./output"
-    from lmforge.utils.atomic import check_output_dir
-
-    check_output_dir(out, "output_dir")
-    return lock_dirs(run_dirs(out, section_to_dict(config.checkpoint)))
 
 
 def _remember_signals(received: list[str]) -> dict[int, Any]:

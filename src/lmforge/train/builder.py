@@ -126,6 +126,12 @@ def build_trainer(
         from lmforge.utils.atomic import check_output_dir
 
         check_output_dir(run_dir, "output_dir")
+        from lmforge.utils.run_lock import lock_dirs, run_dirs
+
+        # Refuse now, before anything is written, if another run uses these directories (the
+        # trainer holds the locks while it runs).
+        for lock in lock_dirs(run_dirs(run_dir, section_to_dict(cfg.checkpoint))):
+            lock.release()
         run_dir.mkdir(parents=True, exist_ok=True)
     # Logging first, so that model / optimizer construction messages reach train.log too.
     setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)

@@ -27,8 +27,8 @@ logger = get_logger("lmforge.utils.run_lock")
 
 LOCK_FILE = ".lmforge.lock"
 
-# Locks this process holds, by directory: taking one again (the CLI locks before building the
-# trainer, the trainer when it runs) nests instead of conflicting with itself.
+# Locks this process holds, by directory: taking one again (e.g. a caller that locks around
+# Trainer.fit, which locks too) nests instead of conflicting with itself.
 _HELD: dict[Path, list[RunLock]] = {}
 
 
