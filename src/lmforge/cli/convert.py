@@ -6,8 +6,12 @@
   ``--format safetensors`` writes the model-only form instead (``model.safetensors`` +
   ``lmforge_model.json``, see ``lmforge.models.io``).
 * ``--to-hf DIR --from CKPT_DIR``: reads either form (a DCP save_path or iteration directory, whose
-  ``config.yaml`` has the model section, or ``--config train.yaml`` to give it) and writes
-  ``config.json`` + ``model.safetensors`` that transformers' ``from_pretrained`` loads.
+  ``config.yaml`` has the model section, or ``--config train.yaml`` to give it) and writes a directory
+  transformers' ``from_pretrained`` loads: ``config.json`` (rope settings in both the 4.x and 5.x
+  forms), ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` (``--max-shard-size``,
+  default 5GB), and the tokenizer files + ``generation_config.json``. The tokenizer is ``--tokenizer``,
+  else the ``tokenizer.json`` saved with the checkpoint, else the one of the run's data
+  (``--no-tokenizer`` exports weights only); ``--chat-template FILE`` sets its chat template.
 """
 
 from __future__ import annotations
@@ -44,6 +48,22 @@ def register(subparsers: Any) -> None:
         help="form of the lmforge checkpoint written by --to (default: dcp, the trainer's layout)",
     )
     parser.add_argument("--dtype", help="dtype of the imported weights (default: the checkpoint's)")
+    export = parser.add_argument_group("export (--to-hf)")
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest safetensors file written (e.g. 5GB, 500MB, 2GiB; default 5GB)",
+    )
+    export.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="tokenizer.json or a directory with one (default: the checkpoint's, else the run data's)",
+    )
+    export.add_argument("--no-tokenizer", action="store_true", help="export the weights without a tokenizer")
+    export.add_argument(
+        "--chat-template", metavar="FILE", help="Jinja chat template written into tokenizer_config.json"
+    )
     parser.set_defaults(func=run)
 
 
@@ -60,20 +80,24 @@ def run(args: argparse.Namespace) -> int:
         )
     if importing:
         return _import_hf(Path(args.from_hf), Path(args.to), args.format, args.dtype)
-    return _export_hf(Path(args.from_ckpt), Path(args.to_hf), args.config)
+    return _export_hf(Path(args.from_ckpt), Path(args.to_hf), args)
 
 
-# What a directory written by an earlier conversion of the same kind holds; only such a directory
-# (or an empty one) is replaced. Anything else, a training run's save_path above all, is refused.
+# What a directory written by an earlier conversion of the same kind holds (fnmatch patterns); only
+# such a directory (or an empty one) is replaced. Anything else, a training run's save_path above
+# all, is refused.
+_TOKENIZER_SIDE = ("tokenizer*", "special_tokens_map.json", "generation_config.json", "chat_template.*")
 _OWN_OUTPUT = {
-    "dcp": {"latest_checkpointed_iteration.txt", "iteration_00000000"},
-    "safetensors": {"model.safetensors", "lmforge_model.json"},
-    "hf": {"config.json", "model.safetensors"},
+    "dcp": ("latest_checkpointed_iteration.txt", "iteration_00000000"),
+    "safetensors": ("model.safetensors", "lmforge_model.json", *_TOKENIZER_SIDE),
+    "hf": ("config.json", "*.safetensors", "model.safetensors.index.json", *_TOKENIZER_SIDE),
 }
 
 
 def _check_destination(dst: Path, option: str, kind: str) -> None:
     """Refuse a destination whose contents this conversion would destroy (before any work)."""
+    from fnmatch import fnmatch
+
     from lmforge.train.checkpoint import TRACKER_FILE, read_tracker
     from lmforge.utils.atomic import check_output_dir
 
@@ -81,17 +105,17 @@ def _check_destination(dst: Path, option: str, kind: str) -> None:
     if not dst.is_dir():
         return
     names = {p.name for p in dst.iterdir()}
-    if TRACKER_FILE in names and (kind != "dcp" or read_tracker(dst) != 0 or not names <= _OWN_OUTPUT["dcp"]):
+    foreign = sorted(n for n in names if not any(fnmatch(n, pattern) for pattern in _OWN_OUTPUT[kind]))
+    if TRACKER_FILE in names and (kind != "dcp" or read_tracker(dst) != 0 or foreign):
         raise CheckpointError(
             f"{option} {str(dst)!r} is a training run's checkpoint directory (its {TRACKER_FILE} names iteration "
             f"{read_tracker(dst)}); converting into it would replace that tracker and the run could no longer "
             f"resume. Choose a new directory for {option}."
         )
-    if names and not names <= _OWN_OUTPUT[kind]:
-        shown = ", ".join(sorted(names)[:5])
+    if foreign:
         raise CheckpointError(
-            f"{option} {str(dst)!r} already holds other files ({shown}); lmforge convert replaces only an empty "
-            f"directory or the output of an earlier conversion of the same kind. Choose a new directory."
+            f"{option} {str(dst)!r} already holds other files ({', '.join(foreign[:5])}); lmforge convert replaces "
+            "only an empty directory or the output of an earlier conversion of the same kind. Choose a new directory."
         )
 
 
@@ -114,9 +138,21 @@ def _import_hf(src: Path, dst: Path, form: str, dtype: str | None) -> int:
             if not manager.save(Checkpointable(model=model), step=0):
                 raise CheckpointError(f"{src} holds non-finite weights; nothing was written to {dst}.")
             manager.close()
+        _copy_tokenizer_files(src, tmp if form == "safetensors" else tmp / "iteration_00000000")
     n = sum(p.numel() for p in model.parameters())
     print(f"converted {src} ({model.config.model_type}, {n:,} parameters) -> {dst}")
     return 0
+
+
+def _copy_tokenizer_files(src: Path, dst: Path) -> None:
+    """Keep the Hugging Face tokenizer with the converted weights (generate and --to-hf find it there)."""
+    import shutil
+
+    from lmforge.models.hf_tokenizer_files import TOKENIZER_FILES
+
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and dst.is_dir():
+            shutil.copyfile(src / name, dst / name)
 
 
 def _model_section_for(ckpt: Path, config: str | None) -> dict:
@@ -146,22 +182,71 @@ def _model_section_for(ckpt: Path, config: str | None) -> dict:
     return section
 
 
-def _export_hf(src: Path, dst: Path, config: str | None) -> int:
+def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
     from lmforge.models import build_model, load_model_checkpoint, save_hf_pretrained
+    from lmforge.models.hf_shards import parse_size
     from lmforge.models.io import SECTION_FILE
     from lmforge.utils.atomic import atomic_dir
 
+    parse_size(args.max_shard_size)  # a bad size is refused before anything is loaded
     _check_destination(dst, "--to-hf", "hf")
+    if not src.is_dir():
+        raise CheckpointError(f"--from {src}: no such checkpoint directory.")
+    chat_template = None
+    if args.chat_template:
+        if args.no_tokenizer:
+            raise ConfigError(
+                "--chat-template goes into the tokenizer files; it cannot go with --no-tokenizer."
+            )
+        try:
+            chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"--chat-template {args.chat_template}: cannot read it ({exc}).") from None
+    tokenizer = None if args.no_tokenizer else _tokenizer_for(src, args)  # found before any loading
     if (src / SECTION_FILE).is_file():
         model = load_model_checkpoint(src)
     else:
         from lmforge.train.checkpoint import load_model_weights
 
-        model = build_model(_model_section_for(src, config), device="meta")
+        model = build_model(_model_section_for(src, args.config), device="meta")
         model.to_empty(device="cpu")
         model.init_weights()
         load_model_weights(src, model)
-    with atomic_dir(dst) as tmp:
-        save_hf_pretrained(model, tmp)
-    print(f"converted {src} ({model.config.model_type}) -> {dst}")
+    with atomic_dir(dst) as tmp:  # a failure leaves what was at --to-hf untouched
+        files = save_hf_pretrained(
+            model, tmp, tokenizer=tokenizer, chat_template=chat_template, max_shard_size=args.max_shard_size
+        )
+    what = f"{len(files)} safetensors file(s)" + (
+        f", tokenizer from {tokenizer}" if tokenizer else ", no tokenizer"
+    )
+    print(f"converted {src} ({model.config.model_type}) -> {dst} ({what})")
     return 0
+
+
+def _tokenizer_for(src: Path, args: argparse.Namespace) -> Path:
+    """--tokenizer, else a tokenizer.json in the checkpoint, else the one of the run's data."""
+    from lmforge.errors import DataError
+
+    if args.tokenizer:
+        return Path(args.tokenizer)
+    from lmforge.train.checkpoint import CONFIG_FILE, resolve_checkpoint
+
+    header = None if (src / "tokenizer.json").is_file() else resolve_checkpoint(src)
+    where = header.path if header is not None else src
+    if (where / "tokenizer.json").is_file():
+        return where
+    config_file = Path(args.config) if args.config else where / CONFIG_FILE
+    if config_file.is_file():
+        from lmforge.config import load_config
+        from lmforge.train.builder import find_tokenizer
+
+        try:
+            found = find_tokenizer(load_config(config_file))
+        except ConfigError:
+            found = None  # a model-only config.yaml (written by --from-hf) names no data
+        if found is not None:
+            return found
+    raise DataError(
+        f"no tokenizer found for {src}: pass --tokenizer PATH (a tokenizer.json or a directory holding one), "
+        "or --no-tokenizer to export the weights alone (AutoTokenizer will then not load the directory)."
+    )

@@ -5,6 +5,12 @@ checkpoint: a save_path with its tracker file or one ``iteration_XXXXXXXX`` dire
 Face model directory); the data is the ``valid`` split of ``eval_dataset`` (or of ``train_dataset``),
 ``training.local_batch_size`` samples per batch, ``eval_steps`` batches (``--eval-steps``; default:
 the whole split). One process.
+
+``--tasks a,b,file.jsonl``: downstream tasks through lm-evaluation-harness instead (extra ``[eval]``),
+with lmforge's model as the harness model; see ``lmforge.train.harness``. The config is optional
+then (an lmforge checkpoint's own ``config.yaml`` is used); results go to ``lm_eval_results.json``
+in the checkpoint directory (or ``--output``) and into the run's trackers (``monitor.wandb`` /
+``monitor.mlflow``) at the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -30,11 +36,27 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint directory to evaluate")
-    parser.add_argument("--config", required=True, metavar="FILE", help="the run's train.yaml")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the run's train.yaml (optional with --tasks: the checkpoint's config.yaml is used)",
+    )
     add_set_option(parser, "eval_steps=50")
     parser.add_argument("--eval-steps", type=int, default=None, metavar="N", help="batches to evaluate")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    harness = parser.add_argument_group("downstream tasks (lm-evaluation-harness, extra [eval])")
+    harness.add_argument(
+        "--tasks",
+        metavar="LIST",
+        help="comma-separated harness task names and/or local .jsonl task files (docs/guide.md)",
+    )
+    harness.add_argument("--limit", type=int, default=None, metavar="N", help="at most N items per task")
+    harness.add_argument("--num-fewshot", type=int, default=None, metavar="K", help="few-shot examples")
+    harness.add_argument("--include-path", metavar="DIR", help="directory of extra harness task YAMLs")
+    harness.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a directory with one")
+    harness.add_argument("--batch-size", type=int, default=8, metavar="N", help="sequences per forward")
+    harness.add_argument("--output", metavar="FILE", help="results file (default: in the checkpoint dir)")
     parser.set_defaults(func=run)
 
 
@@ -57,6 +79,11 @@ def _load_model(checkpoint: Path, model_section: Any, device: torch.device) -> t
 def run(args: argparse.Namespace) -> int:
     from lmforge.config import load_config
     from lmforge.errors import ConfigError
+
+    if args.tasks:
+        return _run_tasks(args)
+    if not args.config:
+        raise ConfigError("lmforge eval needs --config FILE (the run's train.yaml) for the validation loss.")
     from lmforge.train.evaluate import build_eval_loader, eval_settings, evaluate
 
     config = load_config(args.config, args.overrides)
@@ -80,4 +107,93 @@ def run(args: argparse.Namespace) -> int:
             f"tokens: {result.tokens}\nbatches: {result.batches}",
             file=sys.stdout,
         )
+    return 0
+
+
+RESULTS_FILE = "lm_eval_results.json"
+
+
+def _run_tasks(args: argparse.Namespace) -> int:
+    from lmforge.config import load_config
+    from lmforge.data.tokenizer import find_eod_id, load_tokenizer
+    from lmforge.errors import CheckpointError, ConfigError, DataError
+    from lmforge.models import build_model, load_hf_pretrained
+    from lmforge.train.builder import find_tokenizer
+    from lmforge.train.checkpoint import CONFIG_FILE, load_model_weights, resolve_checkpoint
+    from lmforge.train.harness import evaluate_tasks, flat_results, require_lm_eval, split_tasks
+
+    require_lm_eval()
+    split_tasks(args.tasks)
+    for name, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name} must be a positive number, got {value}.")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    header = resolve_checkpoint(args.checkpoint)
+    if header is None:
+        raise CheckpointError(
+            f"--checkpoint {args.checkpoint}: no checkpoint there (missing or empty directory)."
+        )
+    cfg = None
+    if args.config:
+        cfg = load_config(args.config, args.overrides)
+    elif (header.path / CONFIG_FILE).is_file():
+        try:  # a training checkpoint's full config (output_dir and trackers come from it)
+            cfg = load_config(header.path / CONFIG_FILE, args.overrides)
+        except ConfigError:
+            cfg = None  # a model-only config.yaml, as `lmforge convert --from-hf` writes
+    tokenizer_path = Path(args.tokenizer) if args.tokenizer else None
+    if header.kind == "hf":
+        model = load_hf_pretrained(header.path, device=device)
+        tokenizer_path = tokenizer_path or header.path
+    else:
+        from lmforge.cli.convert import _model_section_for
+
+        section = cfg.model if cfg is not None else _model_section_for(header.path, None)
+        model = build_model(section, device=device)
+        load_model_weights(header.path, model)
+        if tokenizer_path is None:
+            saved = header.path / "tokenizer.json"
+            fallback = find_tokenizer(cfg) if cfg is not None else None
+            tokenizer_path = saved if saved.is_file() else fallback
+    if tokenizer_path is None:
+        raise DataError(
+            f"no tokenizer found for {header.path}: pass --tokenizer PATH (a tokenizer.json or a directory)."
+        )
+    tokenizer = load_tokenizer(tokenizer_path)
+    mc = model.config
+    results = evaluate_tasks(
+        model,
+        tokenizer,
+        args.tasks,
+        eot_id=find_eod_id(tokenizer, tokenizer_path),
+        max_length=int(getattr(mc, "seq_length", None) or mc.max_position_embeddings),
+        limit=args.limit,
+        num_fewshot=args.num_fewshot,
+        include_path=args.include_path,
+        batch_size=args.batch_size,
+    )
+    step = header.global_step
+    record = {
+        "checkpoint": str(header.path),
+        "step": step,
+        "tasks": split_tasks(args.tasks),
+        "results": results,
+    }
+    output = Path(args.output) if args.output else header.path / RESULTS_FILE
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(record, indent=2) + "\n")
+    logged = []
+    if cfg is not None:
+        from lmforge.train.callbacks.trackers import log_to_run_trackers
+
+        logged = log_to_run_trackers(cfg, cfg.output_dir, flat_results(results), step)
+    if args.json:
+        print(json.dumps({**record, "output": str(output), "trackers": logged}))
+    else:
+        for task, metrics in results.items():
+            print(
+                f"{task}: "
+                + ", ".join(f"{k.removesuffix(',none')} {v:.4f}" for k, v in sorted(metrics.items()))
+            )
+        print(f"results: {output}" + (f" (logged to {', '.join(logged)})" if logged else ""))
     return 0

@@ -2,9 +2,9 @@
 
 ``--output-dir DIR`` moves every output of the run: ``output_dir`` becomes DIR and each output path
 that the file places under its own ``output_dir`` (``checkpoint.save_path``, ``checkpoint.load_path``
-when it resumes from there, ``monitor.tensorboard.output_dir``, ``profiler.output_path``) keeps its
-place relative to it. Paths elsewhere are the user's explicit choice and stay. Two runs of one file
-with different ``--output-dir`` therefore never mix their files.
+when it resumes from there, ``monitor.tensorboard.output_dir``, ``monitor.wandb.dir``,
+``profiler.output_path``) keeps its place relative to it. Paths elsewhere are the user's explicit
+choice and stay. Two runs of one file with different ``--output-dir`` therefore never mix their files.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ OUTPUT_PATHS: tuple[tuple[str, ...], ...] = (
     ("checkpoint", "save_path"),
     ("checkpoint", "load_path"),
     ("monitor", "tensorboard", "output_dir"),
+    ("monitor", "wandb", "dir"),
     ("profiler", "output_path"),
 )
 DEFAULT_OUTPUT_DIR = "./output"
@@ -77,4 +78,10 @@ def output_locations(cfg: Any) -> list[tuple[str, str]]:
     )
     if cfg.profiler.enable_profiling:
         rows.append(("profiler traces", cfg.profiler.output_path or os.path.join(run, "profile")))
+    if cfg.monitor.wandb.enable:
+        rows.append(("W&B run files (monitor.wandb)", os.path.join(cfg.monitor.wandb.dir or run, "wandb")))
+    if cfg.monitor.mlflow.enable:
+        default = f"sqlite:///{os.path.join(run, 'mlflow.db')} (+ mlartifacts/)"
+        uri = cfg.monitor.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default
+        rows.append(("MLflow store (monitor.mlflow)", uri))
     return rows

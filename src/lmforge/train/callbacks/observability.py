@@ -2,7 +2,7 @@
 
 Always: per-step peak memory (into the log line's ``mem`` and the metrics) and TensorBoard.
 When configured: ``monitor.train_state``, ``monitor.moe_monitor``, ``profiler``, evaluation
-(``eval_interval``) and — as in the original, automatically when the model tracks its maximum
+(``eval_interval``), the trackers (``monitor.wandb`` / ``monitor.mlflow``) and — as in the original, automatically when the model tracks its maximum
 attention logits (QK-Clip) and the YAML lists no ``MaxLogitsMonitor`` — a ``MaxLogitsMonitor``.
 """
 
@@ -17,6 +17,7 @@ from lmforge.train.callbacks.max_logits import MaxLogitsMonitor
 from lmforge.train.callbacks.monitor import MemoryCallback, MoeMonitorCallback, TrainStateMonitorCallback
 from lmforge.train.callbacks.profiler import ProfilerCallback
 from lmforge.train.callbacks.tensorboard import TensorBoardCallback
+from lmforge.train.callbacks.trackers import tracker_callbacks
 from lmforge.train.monitor import norm_filters
 from lmforge.utils.sections import section_to_dict
 
@@ -56,6 +57,7 @@ def observability_callbacks(
     evaluation = EvaluationCallback.from_config(config)
     if evaluation is not None:
         callbacks.append(evaluation)
+    callbacks.extend(tracker_callbacks(monitor, output_dir))
     listed = [section_to_dict(c).get("type") for c in (_get(config, "callbacks") or [])]
     if getattr(model, "track_max_logits", False) and "MaxLogitsMonitor" not in listed:
         callbacks.append(MaxLogitsMonitor())

@@ -36,7 +36,7 @@ def imports_allowed() -> bool:
 
 
 # lmforge's registered callbacks that live outside the trainer's own modules.
-BUILTIN_MODULES = ("lmforge.train.callbacks.max_logits",)
+BUILTIN_MODULES = ("lmforge.train.callbacks.max_logits", "lmforge.train.callbacks.downstream")
 
 
 def load_builtin_callbacks() -> None:

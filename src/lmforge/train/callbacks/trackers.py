@@ -1,0 +1,269 @@
+"""Experiment trackers: Weights & Biases (``monitor.wandb``) and MLflow (``monitor.mlflow``).
+
+Each logs, from rank 0 only (the rank that writes metrics.jsonl): the resolved config once at the
+start, every numeric field of each step's metrics record (the record metrics.jsonl gets: loss, lr,
+grad_norm, step_time, tokens_per_s, ..., val_loss / val_ppl on evaluation steps) against the step
+every ``log_interval`` steps (evaluation steps always), and the run summary (``summary.json``'s
+fields) at the end. The run id is kept in ``<output_dir>/tracker_runs.json``; a run that resumes
+from a checkpoint (global step > 0 at the start) continues the same tracker run. The packages are
+optional extras: a missing one is a ConfigError naming the extra, raised when the trainer is built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from lmforge.errors import ConfigError
+from lmforge.train.callbacks.base import TrainerCallback, logger
+from lmforge.utils.sections import section_to_dict
+
+RUNS_FILE = "tracker_runs.json"
+
+
+def require_package(module: str, extra: str, key: str) -> None:
+    """A ConfigError naming the extra to install when ``module`` cannot be imported."""
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"{key} is true but the '{module}' package is not installed; install it with "
+            f"pip install 'lmforge[{extra}]' (or set {key}: false)."
+        )
+
+
+def step_scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numeric, finite fields of a metrics record (``step`` is the x axis, not a scalar)."""
+    out = {}
+    for key, value in metrics.items():
+        if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if math.isfinite(value):
+            out[key] = float(value)
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def _tag_list(tags: list | dict) -> list[str]:
+    return list(tags) if isinstance(tags, list) else [f"{k}:{v}" for k, v in tags.items()]
+
+
+def _tag_dict(tags: list | dict) -> dict[str, str]:
+    return {t: "true" for t in tags} if isinstance(tags, list) else {k: str(v) for k, v in tags.items()}
+
+
+class TrackerCallback(TrainerCallback):
+    """The shared part: rank 0, run-id bookkeeping, what is logged when. Subclasses talk to a library."""
+
+    order = 85  # after every callback that adds to the step's metrics; before metrics.jsonl (90)
+    name = ""  # the key under monitor and in tracker_runs.json
+    module = ""  # the package to import
+
+    def __init__(self, section: Any, output_dir: str | os.PathLike) -> None:
+        self.cfg = section_to_dict(section)
+        require_package(self.module, self.name, f"monitor.{self.name}.enable")
+        self.output_dir = Path(output_dir)
+        self.log_interval = int(self.cfg.get("log_interval") or 1)
+        self.run_name = self.cfg.get("run_name") or self.output_dir.resolve().name
+        self.active = False
+        self.run_id: str | None = None
+
+    # -- what subclasses provide
+    def start(self, resume_id: str | None, config: dict[str, Any], step: int) -> str: ...
+    def log(self, scalars: dict[str, float], step: int) -> None: ...
+    def finish(self, summary: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+    # -- hooks
+    def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        trainer = kwargs.get("trainer")
+        if trainer is not None and trainer.ctx.rank != 0:
+            return
+        runs_file = self.output_dir / RUNS_FILE
+        runs = json.loads(runs_file.read_text()) if runs_file.is_file() else {}
+        step = int(getattr(state, "global_step", 0))
+        resume_id = runs.get(self.name) if step > 0 else None
+        config = args.to_dict() if hasattr(args, "to_dict") else dict(args or {})
+        self.run_id = self.start(resume_id, _jsonable(config), step)
+        runs[self.name] = self.run_id
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        runs_file.write_text(json.dumps(runs, indent=2) + "\n")
+        self.active = True
+        logger.info("%s: %s run %s", self.name, "resumed" if resume_id else "started", self.run_id)
+
+    def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        if not self.active:
+            return
+        metrics = kwargs.get("metrics") or {}
+        step = int(state.global_step)
+        evaluated = "val_loss" in metrics or any(k.startswith("lm_eval/") for k in metrics)
+        if step % self.log_interval != 0 and not evaluated:
+            return
+        scalars = step_scalars(metrics)
+        if step % self.log_interval != 0:  # an evaluation between logged steps: only its results
+            scalars = {k: v for k, v in scalars.items() if k.startswith(("val_", "lm_eval/"))}
+        if scalars:
+            self.log(scalars, step)
+
+    def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        if not self.active:
+            return
+        trainer = kwargs.get("trainer")
+        summary = trainer.summary() if trainer is not None and hasattr(trainer, "summary") else {}
+        self.finish(_jsonable(summary))
+        self.active = False
+
+
+class WandbCallback(TrackerCallback):
+    name, module = "wandb", "wandb"
+
+    def start(self, resume_id: str | None, config: dict[str, Any], step: int) -> str:
+        import wandb
+
+        try:
+            self.run = self._init(wandb, resume_id, config)
+        except Exception as exc:  # W&B's own errors (no API key, no network) as one clear message
+            raise ConfigError(
+                f"monitor.wandb: W&B could not start a run: {str(exc).rstrip('.')}. Log in first (wandb login, or "
+                "WANDB_API_KEY), or set monitor.wandb.offline: true and upload later with wandb sync."
+            ) from None
+        if resume_id:
+            self.run.config.update(config, allow_val_change=True)  # the restart's settings win
+        return self.run.id
+
+    def _init(self, wandb: Any, resume_id: str | None, config: dict[str, Any]) -> Any:
+        return wandb.init(
+            project=self.cfg.get("project") or "lmforge",
+            entity=self.cfg.get("entity") or None,
+            name=self.run_name,
+            tags=_tag_list(self.cfg.get("tags") or []),
+            config=config,
+            dir=str(self.cfg.get("dir") or self.output_dir),
+            mode="offline" if self.cfg.get("offline") else "online",
+            id=resume_id,
+            resume="allow" if resume_id else None,
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self.run.summary.update({f"run/{k}": v for k, v in summary.items()})
+        self.run.finish()
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowCallback(TrackerCallback):
+    name, module = "mlflow", "mlflow"
+    _BATCH = 100  # MLflow's limit of params per log_batch call
+
+    def __init__(self, section: Any, output_dir: str | os.PathLike) -> None:
+        super().__init__(section, output_dir)
+        require_package("sqlalchemy", "mlflow", "monitor.mlflow.enable")
+
+    def tracking_uri(self) -> str:
+        uri = self.cfg.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+        # MLflow's recommended local store (its file store is in maintenance mode).
+        return uri or f"sqlite:///{(self.output_dir / 'mlflow.db').resolve()}"
+
+    def start(self, resume_id: str | None, config: dict[str, Any], step: int) -> str:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=self.tracking_uri())
+        if resume_id:
+            self.client.update_run(resume_id, status="RUNNING")
+            run_id = resume_id
+            known = self.client.get_run(run_id).data.params
+        else:
+            project = self.cfg.get("project") or "lmforge"
+            exp = self.client.get_experiment_by_name(project)
+            exp_id = (
+                exp.experiment_id
+                if exp is not None
+                else self.client.create_experiment(
+                    project, artifact_location=(self.output_dir / "mlartifacts").resolve().as_uri()
+                )
+            )
+            run = self.client.create_run(
+                exp_id, run_name=self.run_name, tags=_tag_dict(self.cfg.get("tags") or [])
+            )
+            run_id, known = run.info.run_id, {}
+        # Parameters are immutable in MLflow: a resumed run adds the keys it did not have; the whole
+        # resolved config of each start is an artifact (config.json, config-step-N.json on resume).
+        params = [Param(k, v) for k, v in _flatten(config).items() if k not in known]
+        for i in range(0, len(params), self._BATCH):
+            self.client.log_batch(run_id, params=params[i : i + self._BATCH])
+        self.client.log_dict(run_id, config, f"config-step-{step}.json" if resume_id else "config.json")
+        return run_id
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self.client.log_dict(self.run_id, summary, "summary.json")
+        status = str(summary.get("status", "completed"))
+        self.client.set_tag(self.run_id, "lmforge.status", status)
+        self.client.set_terminated(self.run_id, status="FINISHED" if status == "completed" else "KILLED")
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id, status="FINISHED")
+
+
+def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = json.dumps(value)[:6000]  # MLflow's limit on a parameter value
+    return out
+
+
+def log_to_run_trackers(
+    config: Any, output_dir: str | os.PathLike, scalars: dict[str, float], step: int
+) -> list[str]:
+    """Log ``scalars`` at ``step`` into the tracker runs of a finished (or running) training run, as
+    ``lmforge eval --tasks`` does: the run ids of ``<output_dir>/tracker_runs.json``, else new runs.
+    Returns the names of the trackers logged to."""
+    monitor = section_to_dict(
+        config.get("monitor") if isinstance(config, dict) else getattr(config, "monitor", None)
+    )
+    done = []
+    for cb in tracker_callbacks(monitor, output_dir):
+        runs_file = Path(output_dir) / RUNS_FILE
+        runs = json.loads(runs_file.read_text()) if runs_file.is_file() else {}
+        plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        cb.run_id = cb.start(runs.get(cb.name), _jsonable(plain), step)
+        if cb.name not in runs:
+            runs[cb.name] = cb.run_id
+            runs_file.parent.mkdir(parents=True, exist_ok=True)
+            runs_file.write_text(json.dumps(runs, indent=2) + "\n")
+        cb.log(scalars, step)
+        cb.close()
+        done.append(cb.name)
+    return done
+
+
+def tracker_callbacks(monitor: dict[str, Any], output_dir: str | os.PathLike) -> list[TrackerCallback]:
+    """The enabled trackers of ``monitor`` (a ConfigError here if a package is missing)."""
+    out: list[TrackerCallback] = []
+    for cls in (WandbCallback, MlflowCallback):
+        section = section_to_dict(monitor.get(cls.name))
+        if section.get("enable"):
+            out.append(cls(section, output_dir))
+    return out
