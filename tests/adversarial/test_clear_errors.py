@@ -139,7 +139,7 @@ def test_os_error_outside_lmforge_code_is_a_message(run_copy, cli, monkeypatch, 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "hf" / "model.safetensors"))
 
-    monkeypatch.setattr(hf_io, "save_file", read_only)
+    monkeypatch.setattr(hf_io, "write_sharded", read_only)
     code, _, err = cli("convert", "--from", run_copy / "ckpt", "--to-hf", tmp_path / "hf")
     _no_traceback(code, err)
     assert "read-only" in err and "model.safetensors" in err and not (tmp_path / "hf").exists()

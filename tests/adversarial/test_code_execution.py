@@ -183,7 +183,8 @@ def _hf_dir(run, tmp_path, cli):
 def test_hf_directory_with_pickled_weights_only_is_refused(run_copy, tmp_path, cli):
     marker = tmp_path / "pwned"
     hf = _hf_dir(run_copy, tmp_path, cli)
-    (hf / "model.safetensors").unlink()
+    for f in [*hf.glob("*.safetensors"), *hf.glob("*.safetensors.index.json")]:
+        f.unlink()
     (hf / "pytorch_model.bin").write_bytes(payload_pickle(marker))
     before = snapshot(hf)
     code, _, err = cli(

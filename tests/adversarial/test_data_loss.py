@@ -124,7 +124,7 @@ def test_convert_failing_mid_write_keeps_the_previous_output(run_copy, cli, hf_d
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(hf_dir / "model.safetensors"))
 
-    monkeypatch.setattr(hf_io, "save_file", disk_full)
+    monkeypatch.setattr(hf_io, "write_sharded", disk_full)
     code, _, err = cli("convert", "--from", run_copy / "ckpt", "--to-hf", hf_dir)
     assert code == 2 and "the disk is full" in err and "Traceback" not in err
     assert snapshot(hf_dir) == before
