@@ -16,7 +16,13 @@ One DCP state dict holds ``model``, ``optimizer`` (unless no_save_optim), ``sche
 
 Atomicity: a save is written into the hidden sibling ``.iteration_{step:08d}.partial``, its files
 fsynced, then renamed into place; the tracker is replaced last through a temporary file and
-``os.replace``. A crash at any point leaves the previous checkpoint and tracker intact.
+``os.replace``. A crash at any point leaves the previous checkpoint and tracker intact; a re-save of
+an existing iteration moves the old copy to ``.iteration_X.old`` first, and :func:`resolve_checkpoint`
+puts it back if a crash hit between the two renames. A failed save (disk full, ...) is a
+``CheckpointError`` that names the intact previous checkpoint.
+
+Reading never runs code from the files (``train/safe_load.py``): ``.metadata`` and non-tensor items go
+through allowlisting unpicklers, and the state skeletons are JSON.
 """
 
 from __future__ import annotations
