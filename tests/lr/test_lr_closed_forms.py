@@ -73,15 +73,31 @@ def test_cosine_warmup_with_lr_end_and_cycles():
     assert lr(sec, T + 30) == approx(end)
 
 
-def test_cosine_decay_steps_is_a_hard_cut_and_decay_ratio_wins():
-    base = 1e-3
-    sec = {"type": "CosineWithWarmUpLR", "learning_rate": base, "decay_steps": 90, "lr_end": 1e-6}
-    # The cosine is still measured over total - warmup = 100 steps; from 90 on it is lr_end.
-    assert lr(sec, 89) == approx(1e-6 + (base - 1e-6) * 0.5 * (1 + math.cos(math.pi * 89 / 100)))
-    assert lr(sec, 90) == approx(1e-6)
-    ratio = {**sec, "decay_ratio": 0.5}
-    assert lr(ratio, 49) == approx(1e-6 + (base - 1e-6) * 0.5 * (1 + math.cos(math.pi * 49 / 100)))
-    assert lr(ratio, 50) == approx(1e-6)
+def test_cosine_ends_at_decay_steps_and_decay_ratio_wins():
+    # lmforge's fix of the original (which measured the cosine over total - warmup = 100 steps and
+    # cut it at decay_steps): the cosine spans warm-up end .. decay_steps, then lr_end is held.
+    base, end = 1e-3, 1e-6
+    sec = {"type": "CosineWithWarmUpLR", "learning_rate": base, "decay_steps": 90, "lr_end": end}
+    assert lr(sec, 0) == approx(base)
+    assert lr(sec, 45) == approx(end + (base - end) * 0.5)  # the midpoint of the 90-step cosine
+    assert lr(sec, 89) == approx(end + (base - end) * 0.5 * (1 + math.cos(math.pi * 89 / 90)))
+    assert lr(sec, 90) == approx(end)
+    assert lr(sec, T) == approx(end)
+    # No jump at decay_steps: the last cosine step is already within 0.04 % of lr_end's distance.
+    assert lr(sec, 89) - end < 4e-4 * (base - end)
+    ratio = {**sec, "decay_ratio": 0.5, "warmup_steps": 10}
+    assert lr(ratio, 30) == approx(end + (base - end) * 0.5)  # midpoint of warm-up end 10 .. 50
+    assert lr(ratio, 49) == approx(end + (base - end) * 0.5 * (1 + math.cos(math.pi * 39 / 40)))
+    assert lr(ratio, 50) == approx(end)
+
+
+def test_cosine_warmup_longer_than_decay_steps_warns():
+    sec = {"type": "CosineWithWarmUpLR", "learning_rate": 1e-3, "warmup_steps": 60, "decay_steps": 50}
+    schedule = build_scheduler(sec, T)
+    assert any("longer than the decay (50 steps" in w for w in schedule.warnings)
+    assert schedule.lr_at(49) < 1e-3 and schedule.lr_at(50) == 0.0
+    fine = build_scheduler({**sec, "warmup_steps": 10}, T)
+    assert not any("longer than the decay" in w for w in fine.warnings)
 
 
 def test_cosine_with_restarts():

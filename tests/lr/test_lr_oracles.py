@@ -53,6 +53,22 @@ def test_cosine_matches_transformers(total, warmup, cycles):
     assert _ours(section, total, steps) == pytest.approx(_hf_lrs(hf, steps), rel=1e-12, abs=1e-20)
 
 
+@pytest.mark.parametrize("total, decay, warmup", [(100, 60, 10), (80, 33, 0)])
+def test_cosine_with_decay_steps_matches_transformers_over_decay_steps(total, decay, warmup):
+    # transformers' cosine over `decay` training steps, then lmforge holds lr_end (0 here).
+    hf = transformers_optimization.get_cosine_schedule_with_warmup(_optimizer(), warmup, decay)
+    section = {
+        "type": "CosineWithWarmUpLR",
+        "learning_rate": BASE,
+        "warmup_steps": warmup,
+        "decay_steps": decay,
+    }
+    assert _ours(section, total, range(decay)) == pytest.approx(
+        _hf_lrs(hf, range(decay)), rel=1e-12, abs=1e-20
+    )
+    assert _ours(section, total, range(decay, total + 3)) == [0.0] * (total + 3 - decay)
+
+
 @pytest.mark.parametrize("total, warmup, cycles", [(100, 10, 3.0), (81, 0, 1.0)])
 def test_restarts_match_transformers(total, warmup, cycles):
     hf = transformers_optimization.get_cosine_with_hard_restarts_schedule_with_warmup(

@@ -107,6 +107,8 @@ def test_any_settings_are_refused_or_give_a_finite_non_negative_lr(data, type_na
 )
 def test_valid_settings_build_and_stay_within_their_lrs(data, type_name, total):
     section = data.draw(sections(type_name, VALID_VALUE, frozenset(REQUIRED.get(type_name, ()))))
+    if type_name == "CosineWithRestartsAndWarmUpLR" and "num_cycles" in section:
+        section["num_cycles"] = 1.0 + section["num_cycles"]  # the spec: at least one cycle
     base = section.get("learning_rate", 1e-5)
     if type_name in ("PolynomialWithWarmUpLR", "WarmUpStableDecayLR"):
         assume(base > section.get("lr_end", 1e-7))

@@ -196,3 +196,11 @@ def test_pydantic_section_with_a_nested_mapping_builds():
     schedule = build_scheduler(section, 10)
     assert schedule.lr_at(0) == pytest.approx(0.5e-3)
     assert schedule.lr_at(10) == pytest.approx(0.5 * 1e-7)
+
+
+@pytest.mark.parametrize("cycles", [0.5, 0.0, 0.999])
+def test_restarts_need_at_least_one_cycle(cycles):
+    # The spec: num_cycles (the number of restarts) >= 1.
+    message = refused({"type": "CosineWithRestartsAndWarmUpLR", "num_cycles": cycles})
+    assert "lr_scheduler.num_cycles" in message and ">= 1" in message
+    build_scheduler({"type": "CosineWithRestartsAndWarmUpLR", "num_cycles": 1}, 100)

@@ -127,3 +127,52 @@ def test_pipeline_chunks_share_one_optimizer_and_the_same_rules():
         out = chunk.output_layer.weight
         assert next(g for g in opt.param_groups if any(p is proj for p in g["params"]))["weight_decay"] == 0.0
         assert next(g for g in opt.param_groups if any(p is out for p in g["params"]))["lr_scale"] == 0.5
+
+
+def test_weight_decay_values_per_pattern_apply_only_to_decaying_parameters():
+    # The article's groups: embedding 0.02, transformer layers 0.01; norms and biases keep 0.
+    model = TinyLM()
+    opt = build_optimizer(
+        {
+            "weight_decay": 0.1,
+            "weight_decay_include": ["*word_embeddings*"],  # TinyLM declares the embedding no-decay
+            "weight_decay_values": {"*word_embeddings*": 0.02, "decoder.layers": 0.01},
+        },
+        model,
+        1e-3,
+    )
+    wd = {n: grp["weight_decay"] for n, grp in _groups_by_name(opt).items()}
+    assert wd["embedding.word_embeddings.weight"] == 0.02
+    assert wd["decoder.layers.0.mlp.linear_fc1.weight"] == 0.01
+    assert wd["decoder.layers.0.self_attention.linear_proj.weight"] == 0.01
+    assert wd["decoder.layers.0.input_layernorm.weight"] == 0.0  # 1-D: no decay despite the rule
+    assert wd["decoder.layers.0.self_attention.linear_qkv.bias"] == 0.0
+    assert wd["output_layer.weight"] == 0.1  # no rule: the section's weight_decay
+    names = {g["name"] for g in opt.param_groups}
+    assert {"decay_0.02", "decay_0.01", "decay", "no_decay"} <= names
+
+    # The decay each group applies is its own: one AdamW step with zero gradients against torch.
+    emb = model.embedding.word_embeddings.weight
+    before = emb.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    ref = torch.nn.Parameter(before.clone())
+    ref.grad = torch.zeros_like(ref)
+    torch_opt = torch.optim.AdamW([ref], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.02)
+    torch_opt.step()
+    torch.testing.assert_close(emb.detach(), ref.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "value, needle",
+    [
+        ([0.1], "optimizer.weight_decay_values: expected a mapping"),
+        ({"*emb*": -0.1}, "optimizer.weight_decay_values.*emb*: Invalid weight_decay value"),
+        ({"*emb*": "x"}, "optimizer.weight_decay_values.*emb*: expected a number"),
+    ],
+)
+def test_weight_decay_values_validation(value, needle):
+    with pytest.raises(ConfigError) as info:
+        build_optimizer({"weight_decay_values": value}, TinyLM(), 1e-3)
+    assert needle in str(info.value)

@@ -271,7 +271,12 @@ def _train_case(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         grad_reduce_is_mean=False,
         dp_group=info.dp_group,
     )
-    step = TrainStep(model, opt, None, max_norm=MAX_NORM, ctx=ctx)
+    scaler = None
+    if spec["model"].get("compute_dtype") == "float16":
+        from lmforge.train.loss_scale import LossScaler
+
+        scaler = LossScaler()  # as the trainer does for fp16 compute
+    step = TrainStep(model, opt, None, max_norm=MAX_NORM, ctx=ctx, loss_scaler=scaler)
     per_rank = spec["gbs"] // info.dp_size
     rows = list(range(info.dp_rank * per_rank, (info.dp_rank + 1) * per_rank))
     losses, norms = [], []

@@ -131,3 +131,26 @@ def test_epoch_hooks_follow_the_loaders_epoch_length(make_config):
     # epoch begins with the next micro-batch fetched (4: step 2; 7: step 4).
     assert rec.events == [("begin", 0, 0), ("end", 0, 1), ("begin", 1, 1), ("end", 1, 2), ("begin", 2, 3)]
     assert trainer.state.epoch == 2
+
+
+def test_spike_skipping_is_opt_in_and_non_finite_steps_are_always_skipped(make_config):
+    from lmforge.train.step import SkipPolicy
+
+    # The spec: an omitted section turns its feature off; the step then clips and applies.
+    off = SkipPolicy.from_monitor(make_config().monitor)
+    assert off.grad_norm_threshold == off.embedding_norm_threshold == float("inf")
+    assert not off.spike_skipping and off.max_consecutive == 10
+    other_monitor = SkipPolicy.from_monitor(make_config(monitor={"tensorboard": {"log_interval": 2}}).monitor)
+    assert other_monitor == off
+    on = SkipPolicy.from_monitor(make_config(monitor={"health_checkpoint": {}}).monitor)
+    assert (on.grad_norm_threshold, on.embedding_norm_threshold, on.max_consecutive) == (100.0, 100.0, 10)
+
+    tiny = {"health_checkpoint": {"global_norm_skip_threshold": 1e-6, "global_norm_skip_time": 0}}
+    spiky = tiny_trainer(make_config(training={"steps": 3}, monitor=tiny))
+    spiky.fit()
+    records = read_metrics(spiky.output_dir / "metrics.jsonl")
+    assert all(r.get("skipped") and "global_norm_skip_threshold" in r["skip_reason"] for r in records)
+    plain = tiny_trainer(make_config(training={"steps": 3}), callbacks=[PoisonSteps({2})])
+    plain.fit()
+    records = read_metrics(plain.output_dir / "metrics.jsonl")
+    assert [r.get("skipped", False) for r in records] == [False, True, False]

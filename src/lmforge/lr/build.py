@@ -111,13 +111,21 @@ def _linear_warmup(keys, total, notes):
 
 
 def _cosine_warmup(keys, total, notes):
+    warmup = _warmup(keys, total, notes)
+    decay_steps = _decay_steps(keys, total, max(1, total), notes, with_ratio=True)
+    if warmup["warmup_steps"] > decay_steps:
+        notes.append(
+            f"the warm-up ({warmup['warmup_steps']} steps) is longer than the decay ({decay_steps} steps, "
+            f"{keys.dotted('decay_steps')} / {keys.dotted('decay_ratio')}): from step {decay_steps} on the lr is "
+            f"lr_end, so it never reaches {keys.dotted('learning_rate')} (the loss may not decrease)."
+        )
     return s.CosineWithWarmUpLR(
         base_lr=_base_lr(keys),
         total_steps=total,
-        **_warmup(keys, total, notes),
+        **warmup,
         num_cycles=keys.number("num_cycles", 0.5, what="a number of cycles"),
         lr_end=keys.number("lr_end", 0.0, what=_LR),
-        decay_steps=_decay_steps(keys, total, max(1, total), notes, with_ratio=True),
+        decay_steps=decay_steps,
     )
 
 
@@ -126,7 +134,8 @@ def _cosine_restarts(keys, total, notes):
         base_lr=_base_lr(keys),
         total_steps=total,
         **_warmup(keys, total, notes),
-        num_cycles=keys.number("num_cycles", 1.0, what="a number of cycles"),
+        # The spec: at least one whole cycle (below 1 the "restarts" schedule never restarts).
+        num_cycles=keys.number("num_cycles", 1.0, minimum=1.0, what="a number of cycles"),
         lr_end=keys.number("lr_end", 0.0, what=_LR),
         decay_steps=_decay_steps(keys, total, max(1, total), notes, with_ratio=False),
     )

@@ -7,8 +7,9 @@ nothing else, so a resumed run gets exactly the same value.
 
 The per-step formulas follow the original, except where it is wrong (see docs/lr.md,
 "Compatibility notes"): WSD gives the base lr before its decay (no 0/0 at step 0), polynomial
-and WSD stay at lr_end past their end, restarts past the end give lr_end instead of 0, and the
-warm-restart cycle is found with integer arithmetic instead of a floating-point logarithm.
+and WSD stay at lr_end past their end, restarts past the end give lr_end instead of 0, the
+warm-restart cycle is found with integer arithmetic instead of a floating-point logarithm, and
+CosineWithWarmUpLR's cosine ends at ``decay_steps`` instead of being cut there.
 """
 
 from __future__ import annotations
@@ -112,22 +113,28 @@ class LinearWithWarmUpLR(_WithWarmUp):
 
 @dataclass(frozen=True, kw_only=True)
 class CosineWithWarmUpLR(_WithWarmUp):
-    """Cosine from base_lr to lr_end; lr_end from ``decay_steps`` on.
+    """Cosine from base_lr at the end of warm-up to lr_end at ``decay_steps``; lr_end from there on.
 
-    As in the original, the cosine's period is measured over ``total_steps - warmup_steps``;
-    ``decay_steps`` only says where the lr is cut to lr_end.
+    The original measures the cosine over ``total_steps - warmup_steps`` whatever ``decay_steps``
+    says, so ``decay_steps < total_steps`` cut the lr from mid-curve to lr_end in one step. Here the
+    cosine spans warm-up end .. ``decay_steps`` (identical when ``decay_steps`` is the default,
+    ``total_steps``).
     """
 
     num_cycles: float = 0.5
     lr_end: float = 0.0
     decay_steps: int
 
+    @property
+    def cosine_steps(self) -> int:
+        return max(1, self.decay_steps - self.warmup_steps)
+
     def _lr(self, t: int) -> float:
         if t >= self.decay_steps:
             return self.lr_end
         if self._in_warmup(t):
             return self._warmup_lr(t)
-        progress = (t - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        progress = (t - self.warmup_steps) / self.cosine_steps
         return self.lr_end + (self.base_lr - self.lr_end) * _half_cosine(2.0 * self.num_cycles * progress)
 
     def boundaries(self) -> dict[str, int]:
@@ -136,7 +143,7 @@ class CosineWithWarmUpLR(_WithWarmUp):
     def _shape(self) -> str:
         return (
             f"{self._warmup_text()}cosine {self.base_lr:g} -> {self.lr_end:g} (num_cycles {self.num_cycles:g} "
-            f"over {max(1, self.total_steps - self.warmup_steps)} steps), lr_end from step {self.decay_steps}"
+            f"over {self.cosine_steps} steps), lr_end from step {self.decay_steps}"
         )
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lmforge.optim.master_weights import MasterWeightOptimizer, local
+from lmforge.optim.moment_dtype import narrow_, widen
 
 
 def init_adam_state(opt: MasterWeightOptimizer, p: torch.Tensor, state: dict, amsgrad: bool = False) -> None:
@@ -36,11 +37,12 @@ def adam_update(
     maximize: bool = False,
 ) -> None:
     """One AdamW step for ``params`` (their masters); parameters without a gradient are skipped."""
-    masters, grads, m, v, vmax, steps = [], [], [], [], [], []
+    masters, grads, m, v, vmax, steps, ids = [], [], [], [], [], [], []
     for p in params:
         g = opt._fp32_grad(p)
         if g is None:
             continue
+        ids.append(opt.param_index(p))
         st = opt.state[p]
         masters.append(local(opt.master(p)))
         grads.append(local(g))
@@ -52,12 +54,14 @@ def adam_update(
     if not masters:
         return
     torch._foreach_add_(steps, 1)
+    # Compressed (bf16) moments: the update runs on fp32 copies, stored back stochastically rounded.
+    m32, v32, vmax32 = widen(m), widen(v), widen(vmax)
     torch._fused_adamw_(
         masters,
         grads,
-        m,
-        v,
-        vmax,
+        m32,
+        v32,
+        vmax32,
         steps,
         lr=lr,
         beta1=betas[0],
@@ -67,6 +71,11 @@ def adam_update(
         amsgrad=amsgrad,
         maximize=maximize,
     )
+    if opt.moment_dtype != torch.float32:
+        step = int(steps[0].item())
+        narrow_(m, m32, step, [3 * i for i in ids])
+        narrow_(v, v32, step, [3 * i + 1 for i in ids])
+        narrow_(vmax, vmax32, step, [3 * i + 2 for i in ids])
 
 
 class AdamW(MasterWeightOptimizer):
@@ -83,6 +92,7 @@ class AdamW(MasterWeightOptimizer):
         model: nn.Module | None = None,
         offload_states: bool = False,
         accumulate_grads_in_fp32: bool = True,
+        moment_dtype: torch.dtype = torch.float32,
     ) -> None:
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
@@ -93,6 +103,7 @@ class AdamW(MasterWeightOptimizer):
             model=model,
             offload_states=offload_states,
             accumulate_grads_in_fp32=accumulate_grads_in_fp32,
+            moment_dtype=moment_dtype,
         )
 
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:

@@ -14,6 +14,7 @@ from lmforge.optim.lion import Lion
 from lmforge.optim.master_weights import MasterWeightOptimizer
 from lmforge.optim.matching import first_matching_glob
 from lmforge.optim.model_chunks import as_model
+from lmforge.optim.moment_dtype import MOMENT_DTYPES
 from lmforge.optim.muon import Muon, is_muon_shape
 from lmforge.optim.options import OptimizerOptions, parse_optimizer_section
 from lmforge.optim.param_groups import build_param_groups
@@ -80,6 +81,7 @@ def build_optimizer(
             maximize=h["maximize"],
             model=model,
             offload_states=h["offload_states"],
+            moment_dtype=MOMENT_DTYPES[h["moment_dtype"]],
         )
     if opts.type == "Lion":
         return Lion(
@@ -117,4 +119,5 @@ def build_optimizer(
         ns_dtype=h["ns_dtype"],
         model=model,
         qk_clip_group=qk_clip_group,
+        moment_dtype=MOMENT_DTYPES[h["moment_dtype"]],
     )

@@ -82,7 +82,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         model: nn.Module | None = None,
         offload_states: bool = False,
         accumulate_grads_in_fp32: bool = True,
+        moment_dtype: torch.dtype = torch.float32,
     ) -> None:
+        self.moment_dtype = moment_dtype  # bf16: compressed moments (lmforge.optim.moment_dtype)
         groups = list(params)
         if groups and isinstance(groups[0], dict):
             # Materialise each group's params once (a generator would be consumed by the check).
@@ -99,6 +101,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             g.setdefault("lr_scale", 1.0)
         all_params = [p for g in self.param_groups for p in g["params"]]
+        self._index = {id(p): i for i, p in enumerate(all_params)}
         self._grad_hooks = attach_fp32_grad_accumulation(all_params) if accumulate_grads_in_fp32 else []
         n_master = 0
         for g in self.param_groups:
@@ -121,6 +124,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def _state_device(self, p: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.offload_states else p.device
 
+    def param_index(self, p: torch.Tensor) -> int:
+        """The position of ``p`` among all parameters of all groups (stable for a given model)."""
+        return self._index[id(p)]
+
     def master(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 tensor the update runs on (the parameter itself when it is fp32 and not offloaded)."""
         m = self.state[p].get("master")
@@ -130,7 +137,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _zeros_like_master(self, p: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(self.master(p), dtype=torch.float32, memory_format=torch.preserve_format)
+        """A zero moment shaped like the master, in ``moment_dtype`` (fp32 unless compressed)."""
+        return torch.zeros_like(self.master(p), dtype=self.moment_dtype, memory_format=torch.preserve_format)
 
     # -- the step -----------------------------------------------------------------------------------
     def _fp32_grad(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -208,4 +216,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         for pid, p in zip(saved_ids, params):
             for key, value in saved_state.get(pid, {}).items():
                 if torch.is_tensor(value) and key != "step":
-                    self.state[p][key] = value.to(self._state_device(p), value.dtype, copy=True)
+                    # Masters fp32; moments in this run's moment_dtype (a checkpoint may differ).
+                    dtype = value.dtype
+                    if value.is_floating_point():
+                        dtype = torch.float32 if key == "master" else self.moment_dtype
+                    self.state[p][key] = value.to(self._state_device(p), dtype, copy=True)

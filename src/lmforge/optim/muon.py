@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.optim.adamw import adam_update, init_adam_state
 from lmforge.optim.master_weights import MasterWeightOptimizer, local
+from lmforge.optim.moment_dtype import narrow_
 from lmforge.optim.muon_comm import MuonWork, compute_updates
 from lmforge.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, Schedule
 from lmforge.optim.qk_clip import apply_qk_clip
@@ -86,6 +87,7 @@ class Muon(MasterWeightOptimizer):
         split_schema: dict[str, tuple[int, list[int]]] | None = None,
         qk_clip_group: dist.ProcessGroup | None = None,
         accumulate_grads_in_fp32: bool = True,
+        moment_dtype: torch.dtype = torch.float32,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -105,7 +107,11 @@ class Muon(MasterWeightOptimizer):
         self.qk_clip_group = qk_clip_group
         self.model = model
         super().__init__(
-            _split_by_route(params), defaults, model=model, accumulate_grads_in_fp32=accumulate_grads_in_fp32
+            _split_by_route(params),
+            defaults,
+            model=model,
+            accumulate_grads_in_fp32=accumulate_grads_in_fp32,
+            moment_dtype=moment_dtype,
         )
 
         self._names: dict[int, str] = {}
@@ -139,6 +145,9 @@ class Muon(MasterWeightOptimizer):
             if not is_muon_shape(p):
                 raise ValueError(f"Muon takes 2-D and 3-D weights only; got shape {tuple(p.shape)}")
             state["momentum_buffer"] = self._zeros_like_master(p)
+            if self.moment_dtype != torch.float32:
+                # Compressed momentum: a step count (checkpointed) picks the stochastic-rounding stream.
+                state["step"] = torch.tensor(0.0, dtype=torch.float32, device=self._state_device(p))
         else:
             init_adam_state(self, p, state)
 
@@ -217,10 +226,15 @@ class Muon(MasterWeightOptimizer):
                         continue
                     # Sharded: every rank must take part in the same collectives, so a missing grad is zero.
                     g = torch.zeros_like(master)
-                m = local(self.state[p]["momentum_buffer"])
+                stored = local(self.state[p]["momentum_buffer"])
+                m = stored.float() if stored.dtype != torch.float32 else stored  # compressed: fp32 math
                 g = local(g)
                 m.mul_(mu).add_(g)
                 u = g.add(m, alpha=mu) if group["nesterov"] else m
+                if m is not stored:
+                    counter = self.state[p]["step"]
+                    counter.add_(1)
+                    narrow_([stored], [m], int(counter.item()), [3 * self.param_index(p)])
                 works.append(
                     MuonWork(
                         u=u,

@@ -32,6 +32,7 @@ _COMMON_KEYS = {
     "weight_decay",
     "weight_decay_include",
     "weight_decay_exclude",
+    "weight_decay_values",
     "lr_scale",
     "accumulate_allreduce_grads_in_fp32",
 }
@@ -46,6 +47,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "amsgrad": False,
         "maximize": False,
         "offload_states": False,
+        "moment_dtype": "float32",
     },
     "Muon": {
         "weight_decay": 0.1,
@@ -63,6 +65,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "use_fused_adamw": False,
         "adamw_include": None,
         "ns_dtype": "bfloat16",
+        "moment_dtype": "float32",
     },
     # Lion (Chen et al. 2023): sign of an interpolated momentum; decay as in AdamW.
     "Lion": {"betas": (0.9, 0.99), "weight_decay": 0.01, "offload_states": False},
@@ -79,6 +82,8 @@ class GroupingOptions:
     weight_decay_include: list[str] = field(default_factory=list)
     weight_decay_exclude: list[str] = field(default_factory=list)
     lr_scale: list[tuple[str, float]] = field(default_factory=list)  # (rule, multiplier), first match wins
+    # (rule, weight decay) replacing ``weight_decay`` for the parameters that decay; first match wins
+    weight_decay_values: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -186,6 +191,27 @@ def _lr_scale(value: Any) -> list[tuple[str, float]]:
     return rules
 
 
+def _weight_decay_values(value: Any) -> list[tuple[str, float]]:
+    """``weight_decay_values: {"*word_embeddings*": 0.02, ...}``: per-name-pattern decay values."""
+    if value is None:
+        return []
+    if not isinstance(value, Mapping):
+        raise _err(
+            "weight_decay_values",
+            "expected a mapping from parameter-name rule (exact name, substring or glob) to a weight "
+            f'decay >= 0, e.g. {{"*word_embeddings*": 0.02, "decoder.layers": 0.01}}; got {type(value).__name__}.',
+        )
+    rules = []
+    for rule, wd in value.items():
+        if not isinstance(rule, str):
+            raise _err("weight_decay_values", f"rule {rule!r} must be a string.")
+        v = _as_float(f"weight_decay_values.{rule}", wd)
+        if v < 0:
+            raise _err(f"weight_decay_values.{rule}", f"Invalid weight_decay value: {v}, should be >= 0.")
+        rules.append((rule, v))
+    return rules
+
+
 def _adamw_include(value: Any) -> list[str]:
     if value is None:
         return list(DEFAULT_ADAMW_INCLUDE)
@@ -202,6 +228,16 @@ def _ns_dtype(value: Any) -> str:
     return value
 
 
+def _moment_dtype(value: Any) -> str:
+    if value not in ("float32", "bfloat16"):
+        raise _err(
+            "moment_dtype",
+            f"expected 'float32' (default) or 'bfloat16' (moments stored in bf16, updated in fp32 with "
+            f"stochastic rounding), got {value!r}.",
+        )
+    return value
+
+
 def _validate_adamw_like(kind: str, raw: dict[str, Any], hyper: dict[str, Any]) -> None:
     hyper["betas"] = _betas("betas", raw["betas"])
     if "eps" in hyper:
@@ -210,6 +246,8 @@ def _validate_adamw_like(kind: str, raw: dict[str, Any], hyper: dict[str, Any]) 
         hyper["amsgrad"] = _as_bool("amsgrad", raw["amsgrad"])
         hyper["maximize"] = _as_bool("maximize", raw["maximize"])
     hyper["offload_states"] = _as_bool("offload_states", raw["offload_states"])
+    if kind == "AdamW":
+        hyper["moment_dtype"] = _moment_dtype(raw["moment_dtype"])
 
 
 def _validate_muon(raw: dict[str, Any], hyper: dict[str, Any]) -> None:
@@ -250,6 +288,7 @@ def _validate_muon(raw: dict[str, Any], hyper: dict[str, Any]) -> None:
     hyper["use_fused_adamw"] = _as_bool("use_fused_adamw", raw["use_fused_adamw"])
     hyper["adamw_include"] = _adamw_include(raw["adamw_include"])
     hyper["ns_dtype"] = _ns_dtype(raw["ns_dtype"])
+    hyper["moment_dtype"] = _moment_dtype(raw["moment_dtype"])
 
 
 def parse_optimizer_section(section: Any) -> OptimizerOptions:
@@ -277,12 +316,19 @@ def parse_optimizer_section(section: Any) -> OptimizerOptions:
         _validate_muon(raw, hyper)
     else:
         _validate_adamw_like(kind, raw, hyper)
+        if kind != "AdamW" and "moment_dtype" in given and raw["moment_dtype"] != "float32":
+            raise _err(
+                "moment_dtype",
+                f"compressed (bf16) moments are implemented for AdamW and Muon, not {kind}; remove the key "
+                "or use type: AdamW / Muon.",
+            )
 
     grouping = GroupingOptions(
         weight_decay=_weight_decay(raw["weight_decay"]),
         weight_decay_include=_rule_list("weight_decay_include", raw.get("weight_decay_include")),
         weight_decay_exclude=_rule_list("weight_decay_exclude", raw.get("weight_decay_exclude")),
         lr_scale=_lr_scale(raw.get("lr_scale")),
+        weight_decay_values=_weight_decay_values(raw.get("weight_decay_values")),
     )
 
     if "accumulate_allreduce_grads_in_fp32" in given and raw["accumulate_allreduce_grads_in_fp32"] is False:
@@ -290,7 +336,7 @@ def parse_optimizer_section(section: Any) -> OptimizerOptions:
             "optimizer.accumulate_allreduce_grads_in_fp32: false has no effect; gradients of bf16/fp16 "
             "parameters always accumulate and reduce in fp32 (as in the original since it removed the switch)."
         )
-    known = _COMMON_KEYS | set(defaults) | {"enable_cpu_offload", "swap"}
+    known = _COMMON_KEYS | set(defaults) | {"enable_cpu_offload", "swap", "moment_dtype"}
     if kind == "AdamW":
         known |= _ADAM_KERNEL_KEYS
     # Kernel choices of the original: lmforge always steps its masters with torch's fused AdamW kernel.

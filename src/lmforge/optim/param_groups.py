@@ -2,7 +2,9 @@
 
 Weight-decay priority (the original's ``get_param_groups``): ``weight_decay_include`` forces decay,
 then ``weight_decay_exclude`` forces none, then the defaults give none to 1-D parameters, names
-ending in ``.bias`` and the model's declared no-decay names. Rules match by exact name, substring or
+ending in ``.bias`` and the model's declared no-decay names. A parameter that decays takes its value
+from the first ``weight_decay_values`` rule that matches it, else ``weight_decay`` (so a broad rule
+like ``decoder.layers`` never puts decay on norms or biases). Rules match by exact name, substring or
 glob. A parameter reachable under several names (tied embeddings) is one parameter: it gets one
 group and one optimizer state, and a rule matching any of its names applies to it.
 """
@@ -80,13 +82,24 @@ def _decay_decision(
     return opts.weight_decay, "default"
 
 
+def _decay_value(names: list[str], opts: GroupingOptions, wd: float, reason: str) -> tuple[float, str]:
+    """The per-pattern value of a decaying parameter (``weight_decay_values``), else ``wd``."""
+    decays = reason == "default" or reason.startswith("custom_include:")
+    if not decays:
+        return wd, reason
+    rule = first_matching_rule(names, [r for r, _ in opts.weight_decay_values])
+    if rule is None:
+        return wd, reason
+    return dict(opts.weight_decay_values)[rule], f"{reason}+value:{rule}"
+
+
 def classify_parameters(
     model: nn.Module, opts: GroupingOptions, route: Callable[[torch.Tensor, list[str]], str] | None = None
 ) -> list[ParamInfo]:
     no_decay, keywords = model_no_decay_names(model)
     infos = []
     for p, names in trainable_parameters(model):
-        wd, reason = _decay_decision(p, names, opts, no_decay, keywords)
+        wd, reason = _decay_value(names, opts, *_decay_decision(p, names, opts, no_decay, keywords))
         lr_rule = first_matching_rule(names, [r for r, _ in opts.lr_scale])
         lr_scale = dict(opts.lr_scale)[lr_rule] if lr_rule is not None else 1.0
         infos.append(ParamInfo(p, names, wd, reason, lr_scale, route(p, names) if route else "default"))
@@ -116,6 +129,8 @@ def build_param_groups(
         if key not in groups:
             parts = [] if info.route == "default" else [info.route]
             parts.append("decay" if info.weight_decay > 0 else "no_decay")
+            if info.weight_decay > 0 and info.weight_decay != opts.weight_decay:
+                parts[-1] += f"_{info.weight_decay:g}"
             if info.lr_scale != 1.0:
                 parts.append(f"lr_x{info.lr_scale:g}")
             groups[key] = {

@@ -44,6 +44,7 @@ class MemoryEstimate:
     activations_recompute: int
     local_parameter_count: int
     notes: list[str] = field(default_factory=list)
+    moment_bytes: int = 4  # per optimizer-moment element: 4 (fp32) or 2 (optimizer.moment_dtype: bfloat16)
 
     def total(self, recompute: bool = False) -> int:
         act = self.activations_recompute if recompute else self.activations
@@ -60,7 +61,7 @@ class MemoryEstimate:
         return [
             ("parameters", self.parameters),
             ("gradients (fp32)", self.gradients),
-            ("optimizer states (fp32)", self.optimizer_states),
+            (f"optimizer states ({'fp32' if self.moment_bytes == 4 else 'bf16'})", self.optimizer_states),
             ("fp32 master weights", self.master_weights),
             ("gathered layer parameters", self.gathered_parameters),
             ("activations", self.activations),
@@ -90,6 +91,7 @@ def estimate_memory(
     num_layers: int,
     vocab_size: int,
     accumulation_steps: int = 1,
+    moment_bytes: int = 4,
 ) -> MemoryEstimate:
     """Estimate what one rank holds when ``model`` (built on meta) is trained with ``dims``."""
     cbytes = _DTYPE_BYTES.get(compute_dtype, 4)
@@ -131,10 +133,10 @@ def estimate_memory(
     opt = optimizer_type.lower()
     if opt == "muon":
         states = int(
-            muon_local * 4 + (local - muon_local) * 8
+            muon_local * moment_bytes + (local - muon_local) * 2 * moment_bytes
         )  # momentum for Muon matrices, Adam moments else
     else:
-        states = int(local * 8)
+        states = int(local * 2 * moment_bytes)
     layers_here = -(-num_layers // dims.pp)
     tokens = seq_length * local_batch_size / dims.cp
     per_layer_act = 34 * tokens * hidden_size * (cbytes / 2) / dims.tp
@@ -155,6 +157,7 @@ def estimate_memory(
         activations_recompute=act_rc,
         local_parameter_count=int(local),
         notes=notes,
+        moment_bytes=moment_bytes,
     )
 
 

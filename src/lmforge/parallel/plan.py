@@ -400,6 +400,7 @@ def _parameter_patterns(cfg: Any, optimizer: Any) -> list[tuple[str, str]]:
     found = [("optimizer.weight_decay_include", p) for p in g.weight_decay_include]
     found += [("optimizer.weight_decay_exclude", p) for p in g.weight_decay_exclude]
     found += [(f"optimizer.lr_scale[{p!r}]", p) for p, _ in g.lr_scale]
+    found += [(f"optimizer.weight_decay_values[{p!r}]", p) for p, _ in g.weight_decay_values]
     if optimizer.type == "Muon" and cfg.optimizer.get("adamw_include") is not None:
         found += [("optimizer.adamw_include", p) for p in optimizer.hyper["adamw_include"]]
     return found

@@ -164,6 +164,7 @@ class PipelineRunner:
         self.n_micro = num_microbatches
         self.device = device
         self.compute_dtype = compute_dtype
+        self.loss_scale = 1.0  # fp16 dynamic loss scale of the step in progress (set by TrainStep)
         self.modules = [StageModule(model, ids, s == 0, s == n_stages - 1) for s, ids in stage_specs]
         self.has_first = any(m.first for m in self.modules)
         self.has_last = any(m.last for m in self.modules)
@@ -216,10 +217,11 @@ class PipelineRunner:
             counts += _valid_tokens(b).to(torch.float64)
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(counts, group=self.dp_group)
-        self.inv_tokens = 1.0 / max(float(counts), 1.0)
+        # The backward runs inside the schedule, so the step's fp16 loss scale is applied here.
+        self.inv_tokens = self.loss_scale / max(float(counts), 1.0)
         for m in self.modules:
             m.side.extras.clear()
-            m.aux_scale = aux_scale
+            m.aux_scale = aux_scale * self.loss_scale
             for b in micro_batches:
                 ids = b["input_ids"]
                 s = ids.shape[1]

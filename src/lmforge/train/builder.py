@@ -53,6 +53,29 @@ def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int):
     return apply
 
 
+def check_cpu_offload_on_one_process(section: Any, device: torch.device) -> None:
+    """``parallelism.cpu_offload`` is FSDP2's CPUOffloadPolicy, applied only when the run is parallel.
+
+    On one process there is nothing to shard: on a CPU the parameters, gradients and optimizer states
+    already live in host memory (a no-op, said so); on an accelerator it would do nothing, so it is
+    refused before anything is built, pointing at what does work on one device.
+    """
+    if not section_to_dict(section).get("cpu_offload", False):
+        return
+    if device.type == "cpu":
+        logger.warning(
+            "parallelism.cpu_offload: true has no effect on this run: it is one process on a CPU, where "
+            "parameters, gradients and optimizer states are already in host memory."
+        )
+        return
+    raise ConfigError(
+        f"parallelism.cpu_offload: true is FSDP2's CPU offload and needs a parallel run (torchrun with more "
+        f"than one process); on one {device.type} device it would leave everything on the accelerator. Set "
+        "it to false and use optimizer.offload_states: true to keep the fp32 masters and optimizer states "
+        "in host memory, or run under torchrun with --nproc_per_node >= 2."
+    )
+
+
 def find_tokenizer(cfg: Any) -> Path | None:
     """The tokenizer.json of the run's data: ``train_dataset.dataloader.tokenizer`` if it is a local
     path, else a tokenizer.json next to the first training data prefix (as ``lmforge data demo`` lays out)."""
@@ -143,6 +166,7 @@ def build_trainer(
     dims = plan.dims
     hook = _activation_hook(cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp)
     if not dims.is_parallel:
+        check_cpu_offload_on_one_process(cfg.parallelism, ctx.device)
         model = build_from_config(model_cfg, plan.model_class, device=ctx.device, seed=int(training.seed))
         if hook is not None:
             hook(model)

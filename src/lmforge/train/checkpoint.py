@@ -346,7 +346,7 @@ class CheckpointManager:
             "epoch_num": int(state.epoch) or 1,
             "step_num": int(state.max_steps),
             "global_step": int(step),
-            "loss_scale": 1.0,
+            "loss_scale": float(state.loss_scaler.get("scale", 1.0)),  # fp16 only; 1.0 otherwise
             "global_batch_size": int(state.global_batch_size),
             "consumed_samples": int(state.consumed_samples),
             "ckpt_status": None,

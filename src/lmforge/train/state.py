@@ -20,6 +20,7 @@ class TrainState:
     tokens_seen: int = 0  # valid (loss-bearing) tokens over the whole run
     best_loss: float = math.inf
     last_loss: float = math.nan
+    loss_scaler: dict[str, Any] = field(default_factory=dict)  # fp16 dynamic loss scale (empty: none)
     extra: dict[str, Any] = field(default_factory=dict)  # room for callbacks (e.g. last saved step)
 
     def to_dict(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.errors import LmforgeError
+from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext, sync_gradients
 
 CLIP_EPS = 1e-6  # coef = max_norm / (norm + eps), as the original
@@ -32,15 +33,37 @@ class TrainingStopped(LmforgeError):
 class SkipPolicy:
     """When to skip an update (``monitor.health_checkpoint``) and when to give up.
 
-    A non-finite loss or gradient norm always skips. A finite global gradient norm above
-    ``grad_norm_threshold``, or an embedding gradient norm above ``embedding_norm_threshold``, skips
-    too (the original declares these thresholds but never reads them). After ``max_consecutive``
-    consecutive skips training stops (0: never stop).
+    A non-finite loss or gradient norm always skips. When the file enables
+    ``monitor.health_checkpoint``, a finite global gradient norm above ``grad_norm_threshold``, or
+    an embedding gradient norm above ``embedding_norm_threshold``, skips too (the original declares
+    these thresholds but never reads them). After ``max_consecutive`` consecutive skips training
+    stops (0: never stop).
     """
 
     grad_norm_threshold: float = math.inf
     embedding_norm_threshold: float = math.inf
     max_consecutive: int = 10
+    spike_skipping: bool = False  # whether monitor.health_checkpoint was written (for messages)
+
+    @classmethod
+    def from_monitor(cls, monitor: Any) -> SkipPolicy:
+        """The policy the ``monitor`` section asks for.
+
+        Spike skipping is opt-in: the spec turns a feature off when its section is omitted, and
+        without it the step clips and applies. Only a written ``monitor.health_checkpoint`` (even
+        an empty one, which takes the defaults 100 / 100 / 10) enables the thresholds; non-finite
+        steps are skipped either way, and 10 of them in a row stop the run.
+        """
+        written = getattr(monitor, "model_fields_set", None)
+        if monitor is None or written is None or "health_checkpoint" not in written:
+            return cls()
+        health = monitor.health_checkpoint
+        return cls(
+            grad_norm_threshold=float(health.global_norm_skip_threshold),
+            embedding_norm_threshold=float(health.embedding_local_norm_threshold),
+            max_consecutive=int(health.global_norm_skip_time),
+            spike_skipping=True,
+        )
 
 
 @dataclass
@@ -55,6 +78,8 @@ class StepResult:
     embedding_grad_norm: float | None = None
     skipped: bool = False
     skip_reason: str | None = None
+    loss_scale: float | None = None  # the fp16 loss scale this step used (None: no scaling)
+    overflow: bool = False  # skipped because the scaled fp16 gradients overflowed
 
 
 def count_loss_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -124,6 +149,7 @@ class TrainStep:
         max_norm: float,
         ctx: ParallelContext,
         skip_policy: SkipPolicy | None = None,
+        loss_scaler: LossScaler | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -131,6 +157,7 @@ class TrainStep:
         self.max_norm = float(max_norm)
         self.ctx = ctx
         self.skip_policy = skip_policy or SkipPolicy()
+        self.loss_scaler = loss_scaler
         named = list(model.named_parameters())
         self.params = [p for _, p in named if p.requires_grad]
         self.embedding_params = [p for n, p in named if p.requires_grad and "word_embeddings" in n]
@@ -157,8 +184,13 @@ class TrainStep:
         n_global, input_tokens, samples = (float(x) for x in local_stats.tolist())
         # Scale so that the reduced gradient is the gradient of the global-batch token mean.
         reduce_scale = ctx.dp_size if (ctx.wrapper_reduces_grads and ctx.grad_reduce_is_mean) else 1
-        inv_tokens = reduce_scale / max(n_global, 1.0)
-        aux_scale = reduce_scale / (accum * ctx.dp_size)
+        # fp16: backpropagate loss x scale (gradients divided by it again before clipping).
+        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        runner = getattr(self.model, "pipeline_runner", None)
+        if runner is not None:  # pipeline parallel: the schedule runs backward with its own objective
+            runner.loss_scale = loss_scale
+        inv_tokens = loss_scale * reduce_scale / max(n_global, 1.0)
+        aux_scale = loss_scale * reduce_scale / (accum * ctx.dp_size)
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         model_tokens = torch.zeros((), dtype=torch.float64, device=device)
@@ -192,10 +224,10 @@ class TrainStep:
         loss = float(reduced[0]) / max(n_global, 1.0)
         aux_losses = {k: float(v) / ctx.dp_size for k, v in zip(aux_totals, reduced[1:].tolist())}
 
-        grad_norm = float(global_grad_norm(self.params, ctx))
+        grad_norm = float(global_grad_norm(self.params, ctx)) / loss_scale
         # Every rank joins the reduction (under pipeline parallel only the first stage holds the embedding).
         emb_norm = (
-            float(global_grad_norm(self.embedding_params, ctx))
+            float(global_grad_norm(self.embedding_params, ctx)) / loss_scale
             if (self.embedding_params or ctx.distributed)
             else None
         )
@@ -209,8 +241,17 @@ class TrainStep:
             samples=int(samples),
             aux_losses=aux_losses,
             embedding_grad_norm=emb_norm,
+            loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else None,
         )
         reason = self._skip_reason(result)
+        if self.loss_scaler is not None:
+            # Overflow: the loss is finite but the scaled gradients are not (NaN/inf in backward).
+            result.overflow = math.isfinite(loss) and not math.isfinite(grad_norm)
+            if result.overflow:
+                old = self.loss_scaler.scale
+                reason = f"float16 gradient overflow at loss scale {old:g} (lowered to {old * self.loss_scaler.backoff_factor:g})"
+            if reason is None or result.overflow:
+                self.loss_scaler.update(result.overflow)
         if reason is not None:
             # Nothing is applied: gradients are dropped; the lr schedule and the optimizer's step
             # counter stay where they are, so the next update gets the lr this one would have had.
@@ -219,8 +260,9 @@ class TrainStep:
             result.skipped, result.skip_reason = True, reason
             return result
 
-        coef = self.max_norm / (grad_norm + CLIP_EPS)
-        if coef < 1.0:
+        # One pass over the gradients: clipping and, under fp16, unscaling.
+        coef = min(1.0, self.max_norm / (grad_norm + CLIP_EPS)) / loss_scale
+        if coef != 1.0:
             grads = [g for g in (grad_of(p) for p in self.params) if g is not None]
             torch._foreach_mul_(grads, coef)
         self.optimizer.step()

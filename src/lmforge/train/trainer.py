@@ -34,6 +34,7 @@ from lmforge.train.checkpoint import (
     read_tracker,
     resolve_checkpoint,
 )
+from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext
 from lmforge.train.perf import device_memory_gib, matmul_peak_flops
 from lmforge.train.state import TrainState
@@ -110,18 +111,14 @@ class Trainer:
             global_batch_size=self.batches.global_batch_at(0),
             num_accumulation_steps=self.batches.accumulation_steps_at(0),
         )
-        health = section_to_dict(getattr(getattr(config, "monitor", None), "health_checkpoint", None))
         self.step_fn = TrainStep(
             model,
             optimizer,
             scheduler,
             max_norm=self.max_norm,
             ctx=self.ctx,
-            skip_policy=SkipPolicy(
-                grad_norm_threshold=float(health.get("global_norm_skip_threshold", math.inf)),
-                embedding_norm_threshold=float(health.get("embedding_local_norm_threshold", math.inf)),
-                max_consecutive=int(health.get("global_norm_skip_time", 10)),
-            ),
+            skip_policy=SkipPolicy.from_monitor(getattr(config, "monitor", None)),
+            loss_scaler=_loss_scaler_for(model),
         )
         self.checkpoint_cfg = section_to_dict(config.checkpoint)
         self.callbacks = CallbackHandler()
@@ -265,6 +262,19 @@ class Trainer:
                         self.state.global_step,
                     )
         self.state.max_steps = int(section_to_dict(self.config.training)["steps"])
+        scaler = self.step_fn.loss_scaler
+        if scaler is not None:
+            if self.state.loss_scaler:
+                scaler.load_state_dict(self.state.loss_scaler)  # resume: the scale of the checkpoint
+            self.state.loss_scaler = scaler.state_dict()
+            logger.info(
+                "model.compute_dtype float16: dynamic loss scaling from %g (x%g after %d clean updates, x%g "
+                "on overflow)",
+                scaler.scale,
+                scaler.growth_factor,
+                scaler.growth_interval,
+                scaler.backoff_factor,
+            )
         self._data_iter: Iterator | None = None
         self._epoch_open = False
         # Micro-batches this rank has consumed (the data position in loader steps).
@@ -323,6 +333,8 @@ class Trainer:
             state.num_accumulation_steps = self.batches.accumulation_steps_at(state.consumed_samples)
             micro = [self._next_micro_batch() for _ in range(state.num_accumulation_steps)]
             result = self.step_fn(micro)
+            if self.step_fn.loss_scaler is not None:
+                state.loss_scaler = self.step_fn.loss_scaler.state_dict()
             if self.ctx.device.type == "cuda":
                 torch.cuda.synchronize(self.ctx.device)
             step_time = time.perf_counter() - t0
@@ -340,13 +352,18 @@ class Trainer:
                 metrics=metrics,
                 **kw(),
             )
-            limit = self.step_fn.skip_policy.max_consecutive
+            policy = self.step_fn.skip_policy
+            limit = policy.max_consecutive
             if limit > 0 and state.consecutive_skips >= limit:
+                why = (
+                    f"monitor.health_checkpoint.global_norm_skip_time = {limit}"
+                    if policy.spike_skipping
+                    else f"{limit} consecutive non-finite steps; monitor.health_checkpoint.global_norm_skip_time sets it"
+                )
                 self.stop_reason = (
                     f"diverged: {state.consecutive_skips} consecutive steps were skipped (last: {result.skip_reason}) "
-                    f"at step {state.global_step}. Training stops (monitor.health_checkpoint.global_norm_skip_time "
-                    f"= {limit}). Lower lr_scheduler.learning_rate, check the data, or resume from the last "
-                    f"checkpoint with different settings."
+                    f"at step {state.global_step}. Training stops ({why}). Lower lr_scheduler.learning_rate, check "
+                    f"the data, or resume from the last checkpoint with different settings."
                 )
                 logger.error(self.stop_reason[len("diverged: ") :])
                 break
@@ -357,7 +374,10 @@ class Trainer:
         self._run_tokens += r.input_tokens
         if r.skipped:
             s.skipped_steps += 1
-            s.consecutive_skips += 1
+            # An fp16 overflow lowers the loss scale and is expected now and then; it counts towards
+            # divergence only once the scale is below 1 (the gradients overflow unscaled).
+            if not r.overflow or (r.loss_scale or 0.0) <= 1.0:
+                s.consecutive_skips += 1
             return
         s.consecutive_skips = 0
         s.last_loss = r.loss
@@ -388,6 +408,8 @@ class Trainer:
         if r.aux_losses:
             m["aux_losses"] = dict(r.aux_losses)
             m.update(r.aux_losses)
+        if r.loss_scale is not None:
+            m["loss_scale"] = r.loss_scale
         if r.skipped:
             m["skipped"] = True
             m["skip_reason"] = r.skip_reason
@@ -483,6 +505,11 @@ class Trainer:
             if key in self.artifacts:
                 out[key] = self.artifacts[key]
         return out
+
+
+def _loss_scaler_for(model: nn.Module) -> LossScaler | None:
+    """fp16 compute needs dynamic loss scaling; bf16 and fp32 do not (fp32's exponent range)."""
+    return LossScaler() if getattr(model, "compute_dtype", None) == torch.float16 else None
 
 
 def _fmt_seconds(seconds: float) -> str:

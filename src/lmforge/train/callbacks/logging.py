@@ -26,6 +26,7 @@ def format_step_line(m: dict[str, Any], max_steps: int) -> str:
     parts += [
         f"lr: {m['lr']:.6e}",
         f"grad_norm: {_num(m['grad_norm'], '10.6f')}",
+        *([f"loss_scale: {m['loss_scale']:g}"] if m.get("loss_scale") is not None else []),
         f"per_step_time: {m['step_time'] * 1000:>7.0f}ms",
         f"throughput: {m['tflops_per_device']:6.2f}T",
         f"tokens/s: {m['tokens_per_s']:>9.0f}",

@@ -32,6 +32,7 @@ _TRAINER_TAGS = {
     "tflops_per_device": "throughput",
     "mfu": "mfu",
     "global_batch_size": "batch-size",
+    "loss_scale": "loss-scale",  # the original's tag; only fp16 runs have a loss scale
 }
 
 # metrics keys other callbacks add to the step's metrics, and their tags
