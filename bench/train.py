@@ -20,17 +20,29 @@ Checkpoints: the lmforge 100M-model training state (weights, fp32 masters, AdamW
 saved with ``CheckpointManager`` (sync: until published; async: time the step is blocked), loaded
 with ``load_checkpoint``, against ``torch.save`` / ``torch.load`` of the same tensors to the same disk.
 
-Writes the "## Training throughput" and "## Checkpoint save/load" sections of docs/benchmarks.md.
+Compiled (``--compile``): lmforge with ``compile: {enable: true}`` (each block compiled) against the
+HF loop with ``torch.compile`` applied to the whole model, as extra rows; compile time is excluded
+(two warm-up steps), and both compile in the same process.
+
+Memory (``--only memory``): ``bench/step_memory.py`` in a fresh process per variant, at seq 2048 and
+a 151,936-token vocabulary (Qwen3-0.6B-shaped, cut to 2 layers): the loss alone (plain vs chunked) and
+a whole step's peak beyond parameters, gradients and optimizer states (lmforge plain / chunked vs the
+HF loop).
+
+Writes the "## Training throughput", "## Checkpoint save/load" and "## Loss and step memory" sections
+of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -83,21 +95,28 @@ ADAMW = {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0
 LR = 1.0e-4
 
 
-def lmforge_runner(section: dict, batch: dict):
+def lmforge_runner(section: dict, batch: dict, compiled: bool = False):
     torch.manual_seed(0)
     model = build_model({k: v for k, v in section.items() if k != "batch"})
+    if compiled:
+        from lmforge.config.sections_speed import CompileConfig
+        from lmforge.parallel.compile import compile_blocks
+
+        compile_blocks(model, CompileConfig(enable=True))
     opt = build_optimizer(ADAMW, model, LR)
     step = TrainStep(model, opt, None, max_norm=1.0, ctx=ParallelContext())
     return model, opt, (lambda: step([batch]))
 
 
-def hf_runner(lmforge_model, batch: dict, workdir: Path):
+def hf_runner(lmforge_model, batch: dict, workdir: Path, compiled: bool = False):
     import transformers
 
     path = workdir / "hf"
     save_hf_pretrained(lmforge_model, path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
+    if compiled:
+        model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     ids = batch["full"]  # transformers shifts the labels itself
 
@@ -122,14 +141,14 @@ def timed(fn, steps: int) -> list[float]:
     return out
 
 
-def bench_throughput(name: str, steps: int, rounds: int, workdir: Path) -> dict:
+def bench_throughput(name: str, steps: int, rounds: int, workdir: Path, compiled: bool = False) -> dict:
     section = MODELS[name]
     b, s = section["batch"], section["seq_length"]
     g = torch.Generator().manual_seed(0)
     full = torch.randint(0, section["vocab_size"], (b, s + 1), generator=g)
     batch = {"input_ids": full[:, :-1], "labels": full[:, 1:].clone(), "full": full[:, :-1]}
-    lf_model, _, lf_step = lmforge_runner(section, {k: v for k, v in batch.items() if k != "full"})
-    hf_model, hf_step = hf_runner(lf_model, batch, workdir)
+    lf_model, _, lf_step = lmforge_runner(section, {k: v for k, v in batch.items() if k != "full"}, compiled)
+    hf_model, hf_step = hf_runner(lf_model, batch, workdir, compiled)
     params = sum(p.numel() for p in lf_model.parameters())
     flops_per_token = lf_model.flops_per_token(s)
     lf_times, hf_times = [], []
@@ -139,6 +158,8 @@ def bench_throughput(name: str, steps: int, rounds: int, workdir: Path) -> dict:
         raise RuntimeError(
             f"{name}: first-step losses differ: lmforge {lf_loss:.5f}, transformers {hf_loss:.5f}"
         )
+    if compiled:  # a second warm-up step: the backward graphs and any recompile land here, not in the timing
+        lf_step(), hf_step()
     for _ in range(rounds):
         lf_times += timed(lf_step, steps)
         hf_times += timed(hf_step, steps)
@@ -147,7 +168,7 @@ def bench_throughput(name: str, steps: int, rounds: int, workdir: Path) -> dict:
     lf_tps, hf_tps = tokens / statistics.median(lf_times), tokens / statistics.median(hf_times)
     del hf_model
     return {
-        "name": name,
+        "name": name + (" (compiled)" if compiled else ""),
         "params": params,
         "batch": b,
         "seq": s,
@@ -209,6 +230,77 @@ def bench_checkpoint(name: str, workdir: Path, repeats: int = 3) -> dict:
         "raw_save": med(raw_save_s),
         "raw_load": med(raw_load_s),
     }
+
+
+MEMORY_VARIANTS = [
+    ("loss", "plain", ["loss_plain"]),
+    ("loss", "chunked 1024", ["loss_chunked", "--chunk", "1024"]),
+    ("loss", "chunked 256", ["loss_chunked", "--chunk", "256"]),
+    ("step", "lmforge, plain loss", ["step_lmforge", "--chunk", "0"]),
+    ("step", "lmforge, loss_chunk_size 1024", ["step_lmforge", "--chunk", "1024"]),
+    ("step", "lmforge, loss_chunk_size 256", ["step_lmforge", "--chunk", "256"]),
+    ("step", "HF loop", ["step_hf"]),
+]
+
+
+def bench_memory() -> list[dict]:
+    rows = []
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for kind, label, argv in MEMORY_VARIANTS:
+        out = subprocess.run(
+            [sys.executable, str(REPO / "bench" / "step_memory.py"), *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        rows.append({"kind": kind, "label": label, **r})
+        print(f"memory {kind} {label}: {r['extra_bytes'] / 2**30:.2f} GiB beyond inputs/states", flush=True)
+    return rows
+
+
+def memory_section(rows: list[dict], load: float) -> str:
+    def gib(n: float) -> str:
+        return f"{n / 2**30:.2f} GiB"
+
+    plain_loss = next(r for r in rows if r["kind"] == "loss" and r["label"] == "plain")
+    hf_step = next(r for r in rows if r["kind"] == "step" and r["label"] == "HF loop")
+    lines = [
+        "## Loss and step memory",
+        "",
+        f"`bench/train.py --only memory` (commit {commit()}). Machine: {machine()}. Load average at start: "
+        f"{load:.1f}. Linux peak RSS (VmHWM) above the process's RSS before the measured work, one fresh "
+        "process per row (`bench/step_memory.py`). Seq 2048, vocabulary 151,936, hidden 1024 (Qwen3-0.6B).",
+        "",
+        "The output projection + cross-entropy alone (bf16, forward and backward; the input gradients "
+        "are subtracted):",
+        "",
+        "| loss | peak beyond inputs | vs plain |",
+        "|---|---:|---:|",
+    ]
+    for r in rows:
+        if r["kind"] == "loss":
+            lines.append(
+                f"| {r['label']} | {gib(r['extra_bytes'])} | {r['extra_bytes'] / plain_loss['extra_bytes']:.2f}x |"
+            )
+    lines += [
+        "",
+        "A training step (second step, batch 1 x 2048) of a Qwen3-0.6B-shaped model cut to 2 layers "
+        "(189M parameters, 155M of them the tied embedding): the peak minus parameters, fp32 gradients "
+        "and optimizer states (lmforge: fp32 masters + AdamW moments; HF loop: fp32 parameters, torch "
+        "AdamW moments, autocast bf16):",
+        "",
+        "| step | peak | params | grads | optimizer states | beyond those | vs HF loop |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r["kind"] == "step":
+            lines.append(
+                f"| {r['label']} | {gib(r['peak_bytes'])} | {gib(r['params_bytes'])} | {gib(r['grads_bytes'])} | "
+                f"{gib(r['states_bytes'])} | {gib(r['extra_bytes'])} | {r['extra_bytes'] / hf_step['extra_bytes']:.2f}x |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def machine() -> str:
@@ -297,15 +389,20 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-write", action="store_true")
     p.add_argument(
-        "--only", choices=["throughput", "checkpoint"], default=None, help="run (and rewrite) one part"
+        "--only",
+        choices=["throughput", "checkpoint", "memory"],
+        default=None,
+        help="run (and rewrite) one part",
     )
+    p.add_argument("--compile", action="store_true", help="also time both loops compiled (extra rows)")
     args = p.parse_args()
     load = os.getloadavg()[0]
     names = [n for n in args.models.split(",") if n]
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
-        for n in names if args.only != "checkpoint" else []:
-            r = bench_throughput(n, args.steps, args.rounds, Path(tmp))
+        variants = [(n, c) for n in names for c in ([False, True] if args.compile else [False])]
+        for n, compiled in variants if args.only in (None, "throughput") else []:
+            r = bench_throughput(n, args.steps, args.rounds, Path(tmp), compiled)
             print(
                 f"{n}: lmforge {r['lf_tps']:,.0f} tok/s (MFU {100 * r['lf_mfu']:.1f}%), HF {r['hf_tps']:,.0f} tok/s "
                 f"(MFU {100 * r['hf_mfu']:.1f}%), ratio {r['lf_tps'] / r['hf_tps']:.2f}x; first-step loss "
@@ -313,7 +410,8 @@ def main() -> int:
                 flush=True,
             )
             rows.append(r)
-        ck = [bench_checkpoint(n, Path(tmp)) for n in names] if args.only != "throughput" else []
+        ck = [bench_checkpoint(n, Path(tmp)) for n in names] if args.only in (None, "checkpoint") else []
+        mem = bench_memory() if args.only in (None, "memory") else []
         for r in ck:
             print(
                 f"{r['name']} checkpoint {r['bytes'] / 2**20:.0f} MiB: save {r['sync']:.2f}s (torch.save {r['raw_save']:.2f}s), "
@@ -328,6 +426,8 @@ def main() -> int:
             )
         if ck:
             text = replace_section(text, "## Checkpoint save/load", checkpoint_section(ck, load))
+        if mem:
+            text = replace_section(text, "## Loss and step memory", memory_section(mem, load))
         DOC.write_text(text)
         print(f"updated {DOC}")
     return 0

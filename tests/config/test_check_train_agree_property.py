@@ -17,8 +17,14 @@ from lmforge.config import load_config
 from lmforge.errors import LmforgeError
 from lmforge.train.preflight import preflight
 
-SKELETON = Path(__file__).resolve().parents[1] / "fixtures" / "spec_yamls" / "004_skeleton.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+SKELETON = ROOT / "tests" / "fixtures" / "spec_yamls" / "004_skeleton.yaml"
 RAW = yaml.safe_load(SKELETON.read_text(encoding="utf-8"))
+# The spec's skeleton and two shipped configs (dense AdamW, DeepSeek-V3 with Muon).
+BASES = {
+    path.name: yaml.safe_load(path.read_text(encoding="utf-8"))
+    for path in (SKELETON, ROOT / "configs" / "demo.yaml", ROOT / "configs" / "muon_deepseek_v3.yaml")
+}
 RENAME = object()  # the corruption that misspells the key itself
 
 
@@ -29,12 +35,14 @@ def _leaves(node: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
 
 
 LEAVES = _leaves(RAW)
-CORRUPTIONS = st.sampled_from([RENAME, None, "x", -1, 0, True, 1.5, 10**9, [], {}, ["x"]])
+CASES = [(name, leaf) for name, raw in BASES.items() for leaf in _leaves(raw)]
+# No huge numbers: a model of 10**9 layers is valid YAML but takes forever to lay out on meta.
+CORRUPTIONS = st.sampled_from([RENAME, None, "x", -1, 0, True, 1.5, 7, [], {}, ["x"]])
 
 
-def _corrupt(path: tuple[str, ...], bad: Any) -> tuple[dict[str, Any], list[str]]:
+def _corrupt(path: tuple[str, ...], bad: Any, base: dict[str, Any] = RAW) -> tuple[dict[str, Any], list[str]]:
     """The corrupted mapping and the dotted keys a refusal may name (a misspelt key: either name)."""
-    raw = copy.deepcopy(RAW)
+    raw = copy.deepcopy(base)
     node = raw
     for key in path[:-1]:
         node = node[key]
@@ -61,16 +69,17 @@ def test_the_skeleton_itself_is_accepted_by_both(capsys: Any) -> None:
 
 @pytest.mark.slow
 @settings(
-    max_examples=120,
+    max_examples=150,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(path=st.sampled_from(LEAVES), bad=CORRUPTIONS)
+@given(case=st.sampled_from(CASES), bad=CORRUPTIONS)
 def test_single_key_corruption_check_and_train_agree(
-    path: tuple[str, ...], bad: Any, tmp_path: Path, capsys: Any
+    case: tuple[str, tuple[str, ...]], bad: Any, tmp_path: Path, capsys: Any
 ) -> None:
-    raw, names = _corrupt(path, bad)
+    base, path = case
+    raw, names = _corrupt(path, bad, BASES[base])
     train_error = _train_prebuild(raw)
     file = tmp_path / "corrupt.yaml"
     file.write_text(yaml.safe_dump(raw), encoding="utf-8")

@@ -204,3 +204,30 @@ def test_bare_substring_pattern_is_reported_with_the_glob_to_write(base_config: 
     base_config["optimizer"] = {"weight_decay_exclude": ["norm"]}
     warnings = " | ".join(_plan(base_config).warnings)
     assert "'norm' matches no parameter" in warnings and "write '*norm*'" in warnings
+
+
+def test_found_by_exhaustive_corruption_of_the_shipped_configs(base_config: dict[str, Any]) -> None:
+    # A negative MLA query rank crashed inside the model constructor; a too-large local batch did not
+    # name training.local_batch_size.
+    text = _refused(base_config, training={"local_batch_size": 7, "global_batch_size": 2})
+    assert "training.local_batch_size 7" in text
+    from lmforge.models import build_model_config
+
+    ds3 = {"model_type": "deepseek_v3", "architectures": "DeepseekV3ForCausalLM", "q_lora_rank": -1}
+    with pytest.raises(ConfigError, match=r"model\.q_lora_rank = -1 must be a non-negative integer"):
+        build_model_config(ds3)
+    assert build_model_config({**ds3, "q_lora_rank": 0}).q_lora_rank is None
+    qwen = {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "hidden_size": 64}
+    for key, value in (
+        ("head_dim", -1),
+        ("num_key_value_heads", -2),
+        ("rms_norm_eps", 0),
+        ("initializer_range", -1),
+    ):
+        with pytest.raises(ConfigError, match=rf"model\.{key} = {value}"):
+            build_model_config({**qwen, key: value})
+
+
+def test_cpu_offload_on_one_process_is_announced_by_the_plan(base_config: dict[str, Any]) -> None:
+    warnings = " | ".join(_plan(base_config, parallelism={"cpu_offload": True}).warnings)
+    assert "parallelism.cpu_offload: true with one process" in warnings

@@ -47,3 +47,19 @@ def test_misspelled_scheduler_key_is_refused_before_any_construction(
     before_error = train.stderr.split("lr_scheduler.warmup_stpes")[0]
     assert "Model " not in before_error and "parameters" not in before_error
     assert not (tmp_path / "out").exists()
+
+
+def test_missing_training_data_is_refused_before_any_construction(
+    tmp_path: Path, base_config: dict[str, Any], capsys: Any, caplog: Any
+) -> None:
+    path = tmp_path / "train.yaml"
+    base_config["train_dataset"]["dataloader"]["config"]["data_path"] = [str(tmp_path / "absent")]
+    path.write_text(yaml.safe_dump(base_config), encoding="utf-8")
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(path), "--output-dir", str(out), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "train_dataset.dataloader.config.data_path" in err and "not found" in err
+    assert not out.exists() and not any("parameters" in r.getMessage() for r in caplog.records)
+    # check validates the file and only warns: the data is the machine's state, not the file's.
+    assert main(["check", "--config", str(path)]) == 0
+    assert "training will refuse to start until it does" in capsys.readouterr().out

@@ -197,7 +197,7 @@ def test_spec_skeleton_section_feeds_batches(tmp_path):
     assert build_dataloader(section, local_batch_size=2, phase="valid") is None
 
 
-@pytest.mark.parametrize("kind", ["HFDataLoader", "MindDataset", "OrderedIndexDataLoader", "Whatever"])
+@pytest.mark.parametrize("kind", ["MindDataset", "OrderedIndexDataLoader", "Whatever"])
 def test_unsupported_loader_types_are_refused(kind):
     section = {"dataloader": {"type": kind, "dataset_files": "x"}}
     with pytest.raises(
@@ -287,16 +287,6 @@ def test_batched_rows_equal_dataset_samples(prefix, tmp_path, config, extra_colu
                 np.testing.assert_array_equal(
                     batch[name][row].numpy(), want, err_msg=f"{name} step {step} row {row}"
                 )
-
-
-def test_global_batch_smaller_than_one_step(prefix, tmp_path):
-    with pytest.raises(
-        ConfigError, match="The product of data_parallel and local_batch_size exceeds global_batch_size"
-    ):
-        build_dataloader(section_for(prefix, tmp_path), local_batch_size=4, dp_size=2, global_batch_size=4)
-    assert build_dataloader(
-        section_for(prefix, tmp_path), local_batch_size=4, dp_size=2, global_batch_size=16
-    )
 
 
 def test_validate_section_needs_no_files(tmp_path):

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from lmforge.errors import ConfigError
-from lmforge.models import build_model, build_model_config, validate_model_section
+from lmforge.models import build_model, build_model_config
 
 # shared/ lies beside the checkout (here and in CI); /work/shared is the development layout.
 REFERENCE_YAMLS = next(
@@ -102,10 +102,11 @@ def test_alias_conflict_is_an_error():
     assert cfg.routed_scaling_factor == 1.5
 
 
-def test_validate_hook_for_lmforge_check():
-    assert validate_model_section(TINY_LLAMA) is None
+def test_model_config_validates_without_building():
+    # The run plan (lmforge check / train) types the model section this way, before anything is built.
+    assert build_model_config(TINY_LLAMA).vocab_size == TINY_LLAMA["vocab_size"]
     with pytest.raises(ConfigError):
-        validate_model_section({**TINY_LLAMA, "vocab_size": 0})
+        build_model_config({**TINY_LLAMA, "vocab_size": 0})
 
 
 def _tiny_ds3(**overrides):

@@ -1,14 +1,14 @@
-"""``lmforge check``: validate a train.yaml, print it resolved, and the quantities derived from it.
+"""``lmforge check``: the pre-build validation of ``lmforge train`` (``load_config`` + the run plan),
+then the resolved configuration, where every output goes, the run plan and the parallel mesh.
 
 Exit 0 when the configuration is valid, 2 (via the CLI's LmforgeError handling) when it is not.
-Missing data files are warnings here; the trainer refuses them.
+Missing data files are warnings here; the trainer refuses them (before it builds anything).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +16,7 @@ from lmforge.cli.options import add_set_option
 from lmforge.config import read_raw
 from lmforge.config.load import apply_overrides, split_key, validate_config
 from lmforge.config.outputs import output_locations, with_output_dir
+from lmforge.data.files import missing_data_files
 from lmforge.errors import ConfigError
 
 
@@ -33,9 +34,11 @@ def register(subparsers: Any) -> None:
         "check",
         help="validate a train.yaml and show the resolved configuration",
         description=(
-            "Validate a train.yaml without training: print every value with defaults filled in, marked "
-            "[file], [--set] or [default], then the derived quantities (data-parallel degree, "
-            "gradient-accumulation steps, warm-up steps). Exit 0 when valid, 2 when not."
+            "Validate a train.yaml exactly as `lmforge train` does before it builds anything, without "
+            "training: print every value with defaults filled in, marked [file], [--set] or [default], "
+            "where every output goes, then the run plan (data-parallel degree, gradient-accumulation "
+            "steps, batch ramp-up, lr schedule, recompute/swap) and the parallel mesh. Exit 0 when "
+            "valid, 2 when not (every problem named at once)."
         ),
     )
     parser.add_argument("--config", required=True, metavar="FILE", help="the train.yaml to check")
@@ -135,36 +138,14 @@ def _source_of(key: str, value: Any, file_raw: Mapping[str, Any], set_keys: list
     return "file, adjusted" if raw_value != value else "file"
 
 
-def _data_file_warnings(cfg: Any) -> list[str]:
-    loader = cfg.train_dataset.dataloader.to_dict()
-    inner = loader.get("config") if isinstance(loader.get("config"), Mapping) else {}
-    candidates: list[tuple[str, Any]] = []
-    for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        if key in inner:
-            candidates.append((f"train_dataset.dataloader.config.{key}", inner[key]))
-    for key in ("dataset_files", "dataset_dir", "data_path"):
-        if key in loader:
-            candidates.append((f"train_dataset.dataloader.{key}", loader[key]))
-    warnings = []
-    for label, value in candidates:
-        items = value if isinstance(value, list) else [value]
-        for item in items:
-            if not isinstance(item, str) or re.fullmatch(r"\s*[-+]?[\d.eE]+\s*", item):
-                continue  # blend weights ('1', 0.3) sit between the prefixes
-            if os.path.exists(item) or (os.path.exists(item + ".bin") and os.path.exists(item + ".idx")):
-                continue
-            warnings.append(
-                f"{label}: {item!r} not found (neither the path nor {item}.bin/.idx exists); training will "
-                "refuse to start until it does"
-            )
-    return warnings
-
-
 def _parallel_plan_lines(cfg: Any, world: int) -> list[str]:
     """The mesh, each rank's share and a per-rank memory estimate (lmforge.parallel.report)."""
+    from lmforge.parallel.plan import collected_warnings
     from lmforge.parallel.report import parallel_plan
 
-    return parallel_plan(cfg.parallelism, cfg.model, cfg.training, cfg.optimizer, world)
+    # The run plan has already collected these sections' warnings; do not print them twice.
+    with collected_warnings([]):
+        return parallel_plan(cfg.parallelism, cfg.model, cfg.training, cfg.optimizer, world)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,7 +171,11 @@ def run(args: argparse.Namespace) -> int:
     lines += ["", "Outputs:"] + [f"  {what}: {where}" for what, where in output_locations(cfg)]
     lines += ["", f"Run plan (world size {world}):", *plan.describe(cfg)]
     lines += ["", *_parallel_plan_lines(cfg, world)]
-    warnings = list(cfg.warnings) + list(plan.warnings) + _data_file_warnings(cfg)
+    warnings = (
+        list(cfg.warnings)
+        + plan.warnings_beyond(cfg.warnings)
+        + [f"{m}; training will refuse to start until it does" for m in missing_data_files(cfg.train_dataset)]
+    )
     if warnings:
         lines += ["", "Warnings:"] + [f"  - {w}" for w in warnings]
     print("\n".join(lines))

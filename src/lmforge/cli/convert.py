@@ -12,6 +12,8 @@
   default 5GB), and the tokenizer files + ``generation_config.json``. The tokenizer is ``--tokenizer``,
   else the ``tokenizer.json`` saved with the checkpoint, else the one of the run's data
   (``--no-tokenizer`` exports weights only); ``--chat-template FILE`` sets its chat template.
+  A LoRA run (``lora_config`` in that config) is written merged; with ``--peft ADAPTER_DIR`` DIR gets
+  the base model and ADAPTER_DIR the adapters in the PEFT format.
 """
 
 from __future__ import annotations
@@ -64,6 +66,12 @@ def register(subparsers: Any) -> None:
     export.add_argument(
         "--chat-template", metavar="FILE", help="Jinja chat template written into tokenizer_config.json"
     )
+    export.add_argument(
+        "--peft",
+        metavar="ADAPTER_DIR",
+        help="for a LoRA checkpoint (lora_config): write the base model to --to-hf and the adapters to "
+        "ADAPTER_DIR in the PEFT format (default without it: --to-hf gets the merged model)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -79,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
             "lmforge convert needs exactly one direction: --from-hf DIR --to CKPT_DIR, or --to-hf DIR --from CKPT_DIR."
         )
     if importing:
+        if args.peft:
+            raise ConfigError(
+                "lmforge convert --peft goes with --to-hf DIR --from CKPT_DIR (exporting a LoRA run)."
+            )
         return _import_hf(Path(args.from_hf), Path(args.to), args.format, args.dtype)
     return _export_hf(Path(args.from_ckpt), Path(args.to_hf), args)
 
@@ -155,7 +167,8 @@ def _copy_tokenizer_files(src: Path, dst: Path) -> None:
             shutil.copyfile(src / name, dst / name)
 
 
-def _model_section_for(ckpt: Path, config: str | None) -> dict:
+def _model_section_for(ckpt: Path, config: str | None, key: str = "model") -> dict | None:
+    """The ``model`` section (required) or another section (``lora_config``; None when absent) of the run."""
     import yaml
 
     from lmforge.train.checkpoint import CONFIG_FILE, resolve_checkpoint
@@ -164,7 +177,9 @@ def _model_section_for(ckpt: Path, config: str | None) -> dict:
         from lmforge.config import read_raw
 
         raw, _ = read_raw(config)
-        section = raw.get("model")
+        section = raw.get(key)
+        if key != "model":
+            return section if isinstance(section, dict) else None
         if not isinstance(section, dict):
             raise ConfigError(f"{config} has no model section.")
         return section
@@ -176,7 +191,9 @@ def _model_section_for(ckpt: Path, config: str | None) -> dict:
     cfg_file = header.path / CONFIG_FILE
     if not cfg_file.is_file():
         raise CheckpointError(f"{header.path} has no {CONFIG_FILE}; give the run's train.yaml with --config.")
-    section = (yaml.safe_load(cfg_file.read_text()) or {}).get("model")
+    section = (yaml.safe_load(cfg_file.read_text()) or {}).get(key)
+    if key != "model":
+        return section if isinstance(section, dict) else None
     if not isinstance(section, dict):
         raise CheckpointError(f"{cfg_file} has no model section; give the run's train.yaml with --config.")
     return section
@@ -203,15 +220,35 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
         except OSError as exc:
             raise ConfigError(f"--chat-template {args.chat_template}: cannot read it ({exc}).") from None
     tokenizer = None if args.no_tokenizer else _tokenizer_for(src, args)  # found before any loading
+    lora = None
     if (src / SECTION_FILE).is_file():
         model = load_model_checkpoint(src)
     else:
         from lmforge.train.checkpoint import load_model_weights
 
         model = build_model(_model_section_for(src, args.config), device="meta")
+        lora = _model_section_for(src, args.config, "lora_config")
+        if lora is not None:
+            from lmforge.models.lora import apply_lora
+
+            apply_lora(model, lora)  # so that the checkpoint's adapters are read, not dropped
         model.to_empty(device="cpu")
         model.init_weights()
         load_model_weights(src, model)
+    if args.peft and lora is None:
+        raise ConfigError(
+            f"--peft: {src} was not trained with lora_config, so it has no adapters to write; drop --peft."
+        )
+    if lora is not None:
+        from lmforge.models.lora import lora_modules, merge_lora
+
+        if args.peft:
+            from lmforge.models.lora_export import save_peft_adapter
+
+            save_peft_adapter(model, args.peft, dst)
+            for m in lora_modules(model).values():
+                m.lora_B.weight.data.zero_()  # the base alone goes to --to-hf
+        merge_lora(model)
     with atomic_dir(dst) as tmp:  # a failure leaves what was at --to-hf untouched
         files = save_hf_pretrained(
             model, tmp, tokenizer=tokenizer, chat_template=chat_template, max_shard_size=args.max_shard_size
@@ -219,7 +256,11 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
     what = f"{len(files)} safetensors file(s)" + (
         f", tokenizer from {tokenizer}" if tokenizer else ", no tokenizer"
     )
+    if lora is not None:
+        what += ", base model" if args.peft else ", LoRA adapters merged"
     print(f"converted {src} ({model.config.model_type}) -> {dst} ({what})")
+    if args.peft:
+        print(f"PEFT LoRA adapter -> {args.peft}")
     return 0
 
 

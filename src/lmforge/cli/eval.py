@@ -60,7 +60,9 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _load_model(checkpoint: Path, model_section: Any, device: torch.device) -> torch.nn.Module:
+def _load_model(
+    checkpoint: Path, model_section: Any, device: torch.device, lora_section: Any = None
+) -> torch.nn.Module:
     from lmforge.train.checkpoint import is_hf_model_dir, load_model_weights
 
     if checkpoint.is_dir() and is_hf_model_dir(checkpoint):
@@ -72,6 +74,10 @@ def _load_model(checkpoint: Path, model_section: Any, device: torch.device) -> t
 
     check_model_fits(build_model_config(model_section), device)
     model = build_model(model_section, device=device)
+    if lora_section is not None:
+        from lmforge.models.lora import apply_lora
+
+        apply_lora(model, lora_section)  # the checkpoint's adapters are loaded with the base
     load_model_weights(checkpoint, model)
     return model
 
@@ -94,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from lmforge.utils.device import parse_device
 
     device = torch.device(parse_device(args.device) or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = _load_model(Path(args.checkpoint), config.model, device)
+    model = _load_model(Path(args.checkpoint), config.model, device, getattr(config, "lora_config", None))
     loader = build_eval_loader(config)
     result = evaluate(model, loader, max_batches=steps, device=device)
     if args.json:

@@ -84,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
 
         check_model_fits(build_model_config(cfg.model), device)
         model = build_model(cfg.model, device=device)
+        if getattr(cfg, "lora_config", None) is not None:
+            from lmforge.models.lora import apply_lora
+
+            apply_lora(model, cfg.lora_config)  # the checkpoint's adapters are loaded with the base
         load_model_weights(header.path, model)
         context = getattr(model.config, "seq_length", None)
         if tokenizer_path is None:

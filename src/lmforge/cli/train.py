@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from lmforge.config import load_config
+    from lmforge.errors import ConfigError
     from lmforge.train.builder import build_trainer
     from lmforge.utils.device import parse_device
 
@@ -49,7 +50,16 @@ def run(args: argparse.Namespace) -> int:
     early: list[str] = []
     previous = _remember_signals(early)
     try:
-        trainer = build_trainer(config, output_dir=args.output_dir, device=args.device)
+        try:
+            trainer = build_trainer(config, output_dir=args.output_dir, device=args.device)
+        except ConfigError as exc:
+            # The run plan's refusal names the file, as load_config's and `lmforge check`'s do.
+            text = str(exc)
+            if text.startswith("Invalid configuration"):
+                raise ConfigError(
+                    text.replace("Invalid configuration", f"Invalid configuration in {args.config}", 1)
+                ) from None
+            raise
         _restore(previous)
         if early:
             trainer.request_stop(f"received {early[0]} during start-up")

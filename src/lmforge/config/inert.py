@@ -34,9 +34,7 @@ INERT_FIELDS: dict[str, str] = {
 }
 
 # Sections that lmforge accepts but does not implement yet: a warning whenever the file writes them.
-INERT_SECTIONS: dict[str, str] = {
-    "lora_config": "LoRA fine-tuning is not implemented in lmforge yet; the model trains all parameters",
-}
+INERT_SECTIONS: dict[str, str] = {}
 
 
 def _lookup(raw: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:

@@ -39,6 +39,7 @@ from lmforge.config.sections_run import (
     TrainingConfig,
     TrainStateConfig,
 )
+from lmforge.config.sections_speed import CompileConfig, Float8Config, MfuConfig
 
 __all__ = [
     "SECTION_CLASSES",
@@ -97,6 +98,10 @@ class TrainConfig(OpenSection):
     # eval_steps micro-batches per rank (null: the whole validation split).
     eval_interval: int = 0
     eval_steps: int | None = None
+    # lmforge's own speed sections (docs/config.md "lmforge's own keys")
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    float8: Float8Config = Field(default_factory=Float8Config)
+    mfu: MfuConfig = Field(default_factory=MfuConfig)
 
     # Warnings found while loading (inert fields, ...); see lmforge.config.config_warnings.
     _warnings: tuple[str, ...] = PrivateAttr(default=())
@@ -201,4 +206,7 @@ SECTION_CLASSES: dict[str, type[Section]] = {
     "swap": SwapConfig,
     "callbacks": CallbackConfig,
     "lora_config": LoraConfig,
+    "compile": CompileConfig,
+    "float8": Float8Config,
+    "mfu": MfuConfig,
 }

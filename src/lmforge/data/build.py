@@ -17,9 +17,11 @@ from .loader import COLUMN_DTYPES, MegatronDataLoader
 
 log = get_logger("lmforge.data")
 
-SUPPORTED_TYPES = ("BlendedMegatronDatasetDataLoader",)
+SUPPORTED_TYPES = ("BlendedMegatronDatasetDataLoader", "TextDataLoader", "HFDataLoader")
+# Text / Hugging Face data tokenized on the fly (text_loader.py; HFDataLoader is mapped onto it).
+TEXT_TYPES = ("TextDataLoader", "HFDataLoader")
 # Loader types of MindSpore Transformers that lmforge does not implement (named in the error).
-KNOWN_UNSUPPORTED_TYPES = ("HFDataLoader", "MindDataset", "OrderedIndexDataLoader")
+KNOWN_UNSUPPORTED_TYPES = ("MindDataset", "OrderedIndexDataLoader")
 PHASES = {"train": 0, "valid": 1, "test": 2}
 # Scanning .bin files up to this size for out-of-vocabulary ids takes well under a second; larger
 # data are checked batch by batch instead.
@@ -43,8 +45,8 @@ def _check_type(loader: dict[str, Any]) -> None:
         return
     what = "is missing" if kind is None else f"is '{kind}'"
     extra = (
-        f" lmforge does not implement MindSpore Transformers' {kind} (it reads Megatron .bin/.idx data only);"
-        " convert the data with 'lmforge data preprocess'."
+        f" lmforge does not implement MindSpore Transformers' {kind}; read Megatron .bin/.idx data (convert "
+        "with 'lmforge data preprocess') or text / Hugging Face datasets with TextDataLoader."
         if kind in KNOWN_UNSUPPORTED_TYPES
         else ""
     )
@@ -163,12 +165,30 @@ def _parse_section(
     return section, loader, cfg, sizes
 
 
+def _text_loader_section(dataset_section: Any) -> dict[str, Any] | None:
+    """The dataloader mapping of a text loader (HFDataLoader translated), or None for Megatron data."""
+    loader = section_to_dict(section_to_dict(dataset_section).get("dataloader"))
+    if loader.get("type") not in TEXT_TYPES:
+        return None
+    if loader["type"] == "HFDataLoader":
+        from .hf_loader import translate_hf_loader
+
+        return translate_hf_loader(loader)
+    return loader
+
+
 def validate_dataset_section(
     dataset_section: Any, *, vocab_size: int | None = None, seq_length: int | None = None
 ) -> None:
     """Every check of ``build_dataloader`` that needs no data file, and the warnings about settings that
     change nothing (every unknown dataloader key at once). The run plan calls it before anything is
     built, so ``build_dataset`` does not repeat the warnings."""
+    text = _text_loader_section(dataset_section)
+    if text is not None:
+        from .text_loader import parse_text_loader
+
+        parse_text_loader(text, seq_length=seq_length, vocab_size=vocab_size, read_files=False)
+        return
     _, loader, _, _ = _parse_section(dataset_section, vocab_size=vocab_size, seq_length=seq_length)
     unknown = sorted(set(loader) - _DATALOADER_KEYS)
     if unknown:
@@ -210,7 +230,6 @@ def build_dataloader(
     dataset_section: Any,
     *,
     local_batch_size: int,
-    global_batch_size: int | None = None,
     dp_rank: int = 0,
     dp_size: int = 1,
     seed: int = 0,
@@ -221,8 +240,8 @@ def build_dataloader(
 ) -> MegatronDataLoader | None:
     """The micro-batch loader of ``phase`` for this data-parallel rank, or None if the split is empty.
 
-    ``dataset_section`` is ``train_dataset`` (pydantic section or dict). ``global_batch_size``, when
-    given, is only checked against ``dp_size * local_batch_size``. Tensor/context-parallel
+    ``dataset_section`` is ``train_dataset`` (pydantic section or dict). The batch arithmetic
+    (global batch against ``dp_size * local_batch_size``) is the run plan's. Tensor/context-parallel
     peers pass the same ``dp_rank`` and so read the same shard. ``seed`` (training.seed) seeds only
     the optional ``dataloader.shuffle``; the sample order itself comes from ``config.seed`` as in
     Megatron. Training loaders run forever across epochs; valid/test loaders run one epoch per
@@ -230,11 +249,18 @@ def build_dataloader(
     """
     if local_batch_size < 1:
         raise ConfigError(f"training.local_batch_size must be >= 1; got {local_batch_size}.")
-    if global_batch_size is not None and dp_size * local_batch_size > global_batch_size:
-        raise ConfigError(
-            "The product of data_parallel and local_batch_size exceeds global_batch_size, please increase "
-            f"global_batch_size or decrease local_batch_size (training.global_batch_size = {global_batch_size}, "
-            f"data_parallel = {dp_size}, training.local_batch_size = {local_batch_size})."
+    text = _text_loader_section(dataset_section)
+    if text is not None:
+        return _build_text_dataloader(
+            text,
+            dataset_section,
+            phase,
+            local_batch_size,
+            dp_rank,
+            dp_size,
+            vocab_size,
+            seq_length,
+            consumed_samples,
         )
     dataset, section = build_dataset(
         dataset_section, phase=phase, vocab_size=vocab_size, seq_length=seq_length
@@ -282,6 +308,37 @@ def build_dataloader(
         infinite=phase == "train",
         vocab_size=vocab_size,
         name=name,
+    )
+
+
+def _build_text_dataloader(
+    loader: dict[str, Any],
+    dataset_section: Any,
+    phase: str,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    vocab_size: int | None,
+    seq_length: int | None,
+    consumed_samples: int,
+) -> Any:
+    from .text_loader import TextDataLoader, parse_text_loader
+
+    settings = parse_text_loader(loader, seq_length=seq_length, vocab_size=vocab_size)
+    if phase != "train":
+        return None  # one stream: the text loader has no valid/test split
+    section = section_to_dict(dataset_section)
+    workers = section.get("num_parallel_workers", 8)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ConfigError(f"train_dataset.num_parallel_workers must be an integer >= 0; got {workers!r}.")
+    workers = min(workers, os.cpu_count() or 1)
+    return TextDataLoader(
+        settings,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        num_workers=workers if workers > 1 else 0,
+        consumed_samples=consumed_samples,
     )
 
 

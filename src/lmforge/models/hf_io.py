@@ -20,6 +20,7 @@ from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.models.deepseek_v3 import hf_adapter as deepseek_v3_adapter
 from lmforge.models.hf_shards import DEFAULT_MAX_SHARD_SIZE, parse_size, write_sharded
 from lmforge.models.llama import hf_adapter as llama_adapter
+from lmforge.models.lora import is_lora_param_name
 from lmforge.models.qwen3 import hf_adapter as qwen3_adapter
 from lmforge.models.qwen3_moe import hf_adapter as qwen3_moe_adapter
 from lmforge.models.registry import family_for, resolve
@@ -139,7 +140,8 @@ def load_hf_weights(model: GPTModel, path: str | Path) -> None:
         return
     sd = hf_state_dict(path, ours)
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not k.startswith("mtp.")]
+    # MTP layers and LoRA adapters (lmforge.models.lora) are not in a Hugging Face base model.
+    missing = [k for k in missing if not k.startswith("mtp.") and not is_lora_param_name(k)]
     if missing or unexpected:
         raise CheckpointError(
             f"{path}: tensors missing {missing[:8]} / unexpected {unexpected[:8]} after mapping."

@@ -213,6 +213,16 @@ def _install_tp_output(model: nn.Module, tp_mesh: Any) -> None:
 
     model._output_weight = types.MethodType(output_weight, model)
 
+    def vocab_parallel_output(self) -> tuple[torch.Tensor, int, Any]:
+        """This rank's output-weight rows, their first vocabulary id and the tp group (chunked loss)."""
+        from torch.distributed.tensor import DTensor
+
+        w = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
+        local = w.to_local() if isinstance(w, DTensor) else w
+        return local, tp_mesh.get_local_rank() * local.shape[0], group
+
+    model.vocab_parallel_output = types.MethodType(vocab_parallel_output, model)
+
 
 def parallelize(
     model: nn.Module,

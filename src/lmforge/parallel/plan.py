@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import warnings as py_warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from typing import Any
 
 from lmforge.errors import ConfigError, LmforgeError
 from lmforge.parallel.dims import ParallelDims
+
+_LEADING_KEY = re.compile(r"^([A-Za-z_][\w.]*)\s*(=|:)")
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,8 @@ class BatchSchedule:
                 return [
                     "training.global_batch_size: The product of data_parallel and local_batch_size exceeds "
                     "global_batch_size, please increase global_batch_size or decrease local_batch_size "
-                    f"(data_parallel {self.data_parallel} x local_batch_size {self.local_batch_size} = "
-                    f"{per_step} > global_batch_size {self.global_batch_size})."
+                    f"(data_parallel {self.data_parallel} x training.local_batch_size {self.local_batch_size} "
+                    f"= {per_step} > training.global_batch_size {self.global_batch_size})."
                 ]
             return []
         start, inc, _ = self.rampup
@@ -159,7 +162,7 @@ class RunPlan:
             raise ConfigError(f"the world size must be a positive integer, got {world_size!r}.")
         problems: list[str] = []
         notes: list[str] = []
-        with _collected_warnings(notes):
+        with collected_warnings(notes):
             plan = _plan(cfg, world_size, problems)
             for check in extra_checks:
                 _attempt(problems, lambda check=check: check(cfg))
@@ -168,9 +171,16 @@ class RunPlan:
                 raise ConfigError(f"Invalid configuration: {problems[0]}")
             numbered = "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
             raise ConfigError(f"Invalid configuration, {len(problems)} problems: {numbered}")
-        assert plan is not None
+        if plan is None:  # every path that yields no plan records a problem; kept explicit for safety
+            raise ConfigError("Invalid configuration: the run plan could not be computed.")
         ordered = list(dict.fromkeys([*plan.warnings, *notes]))
         return _replace(plan, warnings=tuple(ordered))
+
+    def warnings_beyond(self, earlier: tuple[str, ...] | list[str]) -> list[str]:
+        """The plan's warnings without those about a key an ``earlier`` warning (``cfg.warnings``)
+        already names first: one warning per key when both layers know a setting is inert."""
+        seen = {m.group(1) for m in map(_LEADING_KEY.match, earlier) if m}
+        return [n for n in self.warnings if not ((m := _LEADING_KEY.match(n)) and m.group(1) in seen)]
 
     # ------------------------------------------------------------------ printing
     def describe(self, cfg: Any) -> list[str]:
@@ -225,7 +235,7 @@ def _strip(text: str) -> str:
 
 
 @contextlib.contextmanager
-def _collected_warnings(notes: list[str]) -> Iterator[None]:
+def collected_warnings(notes: list[str]) -> Iterator[None]:
     """Collect the building blocks' warnings (log records and ``warnings.warn``) instead of printing them."""
 
     class _Collect(logging.Handler):
@@ -274,6 +284,13 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
         opts = _attempt(problems, lambda: validate_options(cfg.parallelism, dims))
         if opts is not None:
             warn_inert_fields(opts)
+        if not dims.is_parallel and cfg.parallelism.cpu_offload:
+            # Device-dependent, so `train` decides (lmforge.train.builder.check_cpu_offload_on_one_process).
+            logging.getLogger("lmforge.parallel").warning(
+                "parallelism.cpu_offload: true with one process: no effect on a CPU, refused by `lmforge "
+                "train` on an accelerator (FSDP2's offload needs a parallel run; use "
+                "optimizer.offload_states: true on one device)."
+            )
     rampup = tuple(training.rampup_batch_size) if training.rampup_batch_size else None
     batches = None
     if dims is not None:
@@ -289,6 +306,13 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
                 "training.rampup_batch_size cannot be combined with parallelism.pipeline_parallel > 1: the "
                 "pipeline schedule runs a fixed number of micro-batches per step."
             )
+    lora = getattr(cfg, "lora_config", None)
+    if lora is not None and dims is not None and (dims.tp > 1 or dims.pp > 1):
+        problems.append(
+            f"lora_config cannot be combined with parallelism.tensor_parallel ({dims.tp}) > 1 or "
+            f"parallelism.pipeline_parallel ({dims.pp}) > 1 yet: LoRA composes with data parallel (FSDP2/HSDP) "
+            "only. Remove lora_config or set those degrees to 1."
+        )
     summary = None
     if dims is not None and opts is not None and model_config is not None:
         summary = _check_model_structure(cfg, dims, opts, model_config, model_class, optimizer, problems)
@@ -346,9 +370,27 @@ def _check_model_structure(
         ),
     )
     patterns = _parameter_patterns(cfg, optimizer)
-    if not (dims.is_parallel or activation_wanted(cfg) or patterns):
+    lora = getattr(cfg, "lora_config", None)
+    if not (dims.is_parallel or activation_wanted(cfg) or patterns or lora is not None):
         return None
     model = build_from_config(mc, model_class, "meta")
+    if lora is not None:  # target_modules / exclude_layers select at least one linear module
+        from lmforge.models.lora import select_lora_targets
+
+        _attempt(problems, lambda: select_lora_targets(model, lora))
+        hyper = getattr(optimizer, "hyper", {}) or {}
+        clip_layers = getattr(model, "qk_clip_layers", None)
+        if (
+            getattr(optimizer, "type", None) == "Muon"
+            and hyper.get("qk_clip_enabled")
+            and callable(clip_layers)
+            and any(layer.targets for layer in clip_layers())
+        ):
+            problems.append(
+                "optimizer.qk_clip_enabled: QK-Clip rescales the q/k projection weights (or the QK-norm gains), "
+                "which lora_config freezes, and it does not see the adapters' update; set "
+                "optimizer.qk_clip_enabled: false for a LoRA run with Muon."
+            )
     if patterns:
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         for key, pattern in patterns:

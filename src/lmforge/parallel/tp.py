@@ -242,6 +242,15 @@ def _tp_core_attention(core: nn.Module, tp_rank: int) -> None:
     core.head_offset = tp_rank * core.num_heads
 
     def forward(self, q, k, v, allowed=None):
+        from lmforge.models.common.attention import segment_attention
+        from lmforge.models.common.masks import DocumentSegments
+
+        if isinstance(allowed, DocumentSegments):
+            if getattr(self, "track_max_logits", False):
+                mask = allowed.dense(q.device)
+                track_max_logits(self, q, k, mask, self.scale, head_offset=self.head_offset)
+            dropout = self.dropout if self.training else 0.0
+            return segment_attention(q, k, v, allowed, self.scale, dropout)
         if getattr(self, "track_max_logits", False):
             mask = allowed
             if mask is None:

@@ -12,28 +12,20 @@ from typing import Any
 
 import torch
 
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, DataError
 from lmforge.train.parallel_seam import ParallelContext, distributed_env
 from lmforge.train.rng import seed_everything
 from lmforge.train.trainer import Trainer
 from lmforge.utils.logging import get_logger, setup_logging
-from lmforge.utils.sections import section_to_dict
 
 logger = get_logger("lmforge.train")
 
 
-def _section_enabled(section: Any, key: str, off: Any) -> bool:
-    values = section_to_dict(section)
-    return bool(values) and values.get(key, off) not in (off, None, False)
-
-
 def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int):
     """Recompute / swap, applied on one device too (the original only applies them when parallel)."""
-    wanted = (
-        _section_enabled(cfg.recompute, "mode", "None")
-        or _section_enabled(cfg.recompute_comm, "enable", False)
-        or _section_enabled(cfg.swap, "enable", False)
-    )
+    from lmforge.parallel.plan import activation_wanted
+
+    wanted = activation_wanted(cfg)
     if not wanted:
         return None
     from lmforge.parallel.activation import apply_activation_memory
@@ -53,6 +45,29 @@ def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int):
     return apply
 
 
+def _maybe_float8(model: torch.nn.Module, section: Any) -> None:
+    """Float8 Linear layers first: before tensor parallel, recompute, compile and FSDP2 wrap the blocks."""
+    if section is not None and section.enable:
+        from lmforge.parallel.float8 import apply_float8
+
+        apply_float8(model, section)
+
+
+def _with_compile(hook: Any, cfg: Any):
+    """Regional compile after recompute/swap wrapped the blocks and before FSDP2 shards them."""
+    section = getattr(cfg, "compile", None)
+    if section is None or not section.enable:
+        return hook
+    from lmforge.parallel.compile import compile_blocks
+
+    def apply(model: torch.nn.Module) -> None:
+        if hook is not None:
+            hook(model)
+        compile_blocks(model, section)
+
+    return apply
+
+
 def check_cpu_offload_on_one_process(section: Any, device: torch.device) -> None:
     """``parallelism.cpu_offload`` is FSDP2's CPUOffloadPolicy, applied only when the run is parallel.
 
@@ -60,7 +75,7 @@ def check_cpu_offload_on_one_process(section: Any, device: torch.device) -> None
     already live in host memory (a no-op, said so); on an accelerator it would do nothing, so it is
     refused before anything is built, pointing at what does work on one device.
     """
-    if not section_to_dict(section).get("cpu_offload", False):
+    if section is None or not section.get("cpu_offload", False):  # a typed section or a mapping
         return
     if device.type == "cpu":
         logger.warning(
@@ -79,7 +94,7 @@ def check_cpu_offload_on_one_process(section: Any, device: torch.device) -> None
 def find_tokenizer(cfg: Any) -> Path | None:
     """The tokenizer.json of the run's data: ``train_dataset.dataloader.tokenizer`` if it is a local
     path, else a tokenizer.json next to the first training data prefix (as ``lmforge data demo`` lays out)."""
-    loader = section_to_dict(getattr(cfg.train_dataset, "dataloader", None))
+    loader = cfg.train_dataset.dataloader.to_dict()
     candidates: list[Path] = []
     tok = loader.get("tokenizer")
     if isinstance(tok, str) and tok:
@@ -99,6 +114,16 @@ def find_tokenizer(cfg: Any) -> Path | None:
         if file.is_file() and file.name.endswith(".json"):
             return file
     return None
+
+
+def _apply_lora(model: torch.nn.Module, section: Any, seed: int, *, materialised: bool) -> None:
+    """Adapters from ``lora_config`` on the freshly built model (before any parallel wrapping)."""
+    from lmforge.models.lora import apply_lora, init_lora_weights, lora_summary
+
+    apply_lora(model, section)
+    if materialised:
+        init_lora_weights(model, seed)
+    logger.info(lora_summary(model))
 
 
 def _is_number(text: str) -> bool:
@@ -128,6 +153,7 @@ def build_trainer(
     """Build everything a run needs from ``cfg`` (one process or under torchrun)."""
     from lmforge.config.outputs import with_output_dir
     from lmforge.data import build_dataloader
+    from lmforge.data.files import TRAINING_KEYS, missing_data_files
     from lmforge.lr import ScheduleLR
     from lmforge.models import load_hf_weights
     from lmforge.models.build import build_from_config
@@ -143,6 +169,12 @@ def build_trainer(
     world_size = env_int("WORLD_SIZE", 1, minimum=1)
     _refuse_absurd_model(cfg, device, world_size)
     plan = preflight(cfg, world_size)
+    missing = missing_data_files(cfg.train_dataset, TRAINING_KEYS)
+    if missing:
+        raise DataError(
+            "; ".join(missing) + ". Nothing was built; create the data (e.g. 'lmforge data preprocess') or "
+            "point the path at it."
+        )
     ctx = distributed_env(device)
     run_dir = Path(cfg.output_dir or "./output")
     if ctx.rank == 0:
@@ -158,22 +190,41 @@ def build_trainer(
         run_dir.mkdir(parents=True, exist_ok=True)
     # Logging first, so that model / optimizer construction messages reach train.log too.
     setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)
-    for note in plan.warnings:
+    for note in plan.warnings_beyond(getattr(cfg, "warnings", ())):  # load_config logged those
         logger.warning("%s", note)
     training = cfg.training
     seed_everything(int(training.seed), bool(training.deterministic))
     model_cfg = plan.model_config
     dims = plan.dims
     hook = _activation_hook(cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp)
+    hook = _with_compile(hook, cfg)
+    float8 = getattr(cfg, "float8", None)
+    if float8 is not None and float8.enable:
+        from lmforge.parallel.float8 import check_float8_supported
+
+        check_float8_supported(float8, ctx.device, dims.tp)
+    lora = getattr(cfg, "lora_config", None)
+    if lora is not None and (dims.tp > 1 or dims.pp > 1):
+        raise ConfigError(
+            f"lora_config cannot be combined with parallelism.tensor_parallel ({dims.tp}) > 1 or "
+            f"parallelism.pipeline_parallel ({dims.pp}) > 1 yet: LoRA composes with data parallel (FSDP2/HSDP) "
+            "only. Remove lora_config or set those degrees to 1."
+        )
     if not dims.is_parallel:
         check_cpu_offload_on_one_process(cfg.parallelism, ctx.device)
         model = build_from_config(model_cfg, plan.model_class, device=ctx.device, seed=int(training.seed))
+        _maybe_float8(model, float8)
+        if lora is not None:
+            _apply_lora(model, lora, int(training.seed), materialised=True)
         if hook is not None:
             hook(model)
     else:
         from lmforge.parallel import parallelize
 
         model = build_from_config(model_cfg, plan.model_class, device="meta")
+        _maybe_float8(model, float8)
+        if lora is not None:
+            _apply_lora(model, lora, int(training.seed), materialised=False)
         mesh = dims.build_mesh(ctx.device.type)
         model, info = parallelize(
             model,
@@ -187,6 +238,10 @@ def build_trainer(
         model.to_empty(device=ctx.device)
         with torch.no_grad():
             model.init_weights(int(training.seed))  # layout-invariant: the same weights as one process
+        if lora is not None:
+            from lmforge.models.lora import init_lora_weights
+
+            init_lora_weights(model, int(training.seed))
         ctx = ParallelContext(
             rank=ctx.rank,
             world_size=ctx.world_size,

@@ -674,6 +674,21 @@ def load_checkpoint(
     keys = metadata.state_dict_metadata
     rank = dist.get_rank() if _distributed() else 0
     model_sd = _model_state_dict(target.model)
+    from lmforge.models.lora import is_lora_param_name
+
+    if not any(is_lora_param_name(k) for k in model_sd) and any(
+        k.startswith("model.") and is_lora_param_name(k) for k in keys
+    ):
+        # Loading only the base would silently drop what the fine-tuning learnt.
+        raise CheckpointError(
+            f"Checkpoint {header.path} holds LoRA adapters (the run had lora_config) but the model has none. "
+            "Build the model with the run's lora_config (lmforge generate / eval read it from the checkpoint's "
+            "config.yaml or --config), or export the merged model with 'lmforge convert --to-hf DIR --from CKPT'."
+        )
+    if no_load_optim:
+        # Fine-tuning with LoRA from a checkpoint of the base model: the adapters keep their fresh init.
+        fresh = {k for k in model_sd if f"model.{k}" not in keys and is_lora_param_name(k)}
+        model_sd = {k: v for k, v in model_sd.items() if k not in fresh}
     model_sd = _matching_parameters(header.path, model_sd, keys, partial_load, no_load_optim)
     _check_shapes(header.path, model_sd, keys)
     # Weights with an fp32 master load straight into the master (no bf16 rounding on the way).

@@ -1,13 +1,61 @@
-"""Throughput helpers: the matmul peak of this device (the MFU denominator) and peak memory."""
+"""Throughput helpers: the MFU denominator (datasheet or measured peak) and peak memory."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import resource
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+# Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s per device. Matched
+# against torch.cuda.get_device_name() in this order (the more specific names first).
+DATASHEET_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIE", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),  # SXM
+    ("H200", 989.0),  # same compute as H100 SXM
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("MI300X", 1307.0),
+    ("MI325X", 1307.0),
+)
+
+
+@dataclass(frozen=True)
+class MfuPeak:
+    flops: float  # FLOP/s per device
+    source: str  # what the number is, for the log: "datasheet bf16 peak of ...", "measured ...", "mfu.peak_tflops"
+
+
+def datasheet_peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 datasheet peak of a device name, or None when the table does not know it."""
+    name = device_name.upper()
+    for key, tflops in DATASHEET_BF16_TFLOPS:
+        if key in name:
+            return tflops
+    return None
+
+
+def mfu_peak(device: torch.device, dtype: torch.dtype, override_tflops: float | None = None) -> MfuPeak:
+    """The MFU denominator: ``mfu.peak_tflops`` if set; on CUDA the datasheet bf16 peak of the device
+    (as torchtitan and Megatron report MFU); otherwise (CPU, an unknown GPU) the measured matmul peak."""
+    if override_tflops:
+        return MfuPeak(override_tflops * 1e12, f"mfu.peak_tflops = {override_tflops:g} TFLOP/s")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tflops = datasheet_peak_tflops(name)
+        if tflops is not None:
+            return MfuPeak(tflops * 1e12, f"datasheet dense bf16 peak of {name}, {tflops:g} TFLOP/s")
+    measured = matmul_peak_flops(device, dtype)
+    what = f"measured {str(dtype).replace('torch.', '')} matmul peak of this {device.type}"
+    return MfuPeak(measured, f"{what}, {measured / 1e12:.3g} TFLOP/s")
 
 
 @functools.lru_cache(maxsize=8)

@@ -36,7 +36,7 @@ from lmforge.train.checkpoint import (
 )
 from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext
-from lmforge.train.perf import device_memory_gib, matmul_peak_flops
+from lmforge.train.perf import device_memory_gib, mfu_peak
 from lmforge.train.state import TrainState
 from lmforge.train.step import SkipPolicy, StepResult, TrainingStopped, TrainStep
 from lmforge.utils.atomic import check_output_dir, write_text_atomic
@@ -83,6 +83,12 @@ class Trainer:
         self.output_dir = Path(output_dir or getattr(config, "output_dir", None) or "./output")
         self.hf_loader = hf_loader
         self.peak_flops = peak_flops
+        # Regional torch.compile (parallel/compile.py): log how long compiling took, and any recompile.
+        self._compile_watch = None
+        if getattr(model, "lmforge_compiled_blocks", 0):
+            from lmforge.parallel.compile import CompileWatch
+
+            self._compile_watch = CompileWatch()
         self.log_to_file = log_to_file
         self.stop_requested = False
         self.stop_reason: str | None = None
@@ -342,6 +348,8 @@ class Trainer:
             state.global_step += 1
             self._account(result)
             metrics = self._metrics(result, step_time, micro[0])
+            if self._compile_watch is not None:
+                metrics["compile_s"] = self._compile_watch.after_step(state.global_step)
             self.callbacks.call(
                 "on_step_end",
                 self.config,
@@ -427,7 +435,10 @@ class Trainer:
     def _peak(self) -> float:
         if self.peak_flops is None:
             dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-            self.peak_flops = matmul_peak_flops(self.ctx.device, dtype)
+            override = getattr(getattr(self.config, "mfu", None), "peak_tflops", None)
+            peak = mfu_peak(self.ctx.device, dtype, override)
+            logger.info("MFU denominator: %s", peak.source)
+            self.peak_flops = peak.flops
         return self.peak_flops
 
     # -- stopping -----------------------------------------------------------------------------

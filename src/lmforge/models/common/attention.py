@@ -11,9 +11,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.models.common.masks import DocumentSegments
 from lmforge.models.common.norms import RMSNorm
 from lmforge.models.common.rope import apply_rope
 from lmforge.utils.qk_clip import QKClipLayer, QKClipTarget
+
+
+@torch.compiler.disable
+def segment_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: DocumentSegments,
+    scale: float,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Causal SDPA inside each document span, O(S) extra memory: no ``[S, S]`` mask is built.
+
+    Rows that share their spans (a 1-D ``actual_seq_len``) are computed together. Each span is one
+    SDPA call with ``is_causal=True``, so the fused (flash) kernels stay usable. Excluded from
+    ``torch.compile`` graphs: the spans are Python integers that change every batch.
+    """
+    gqa = q.shape[1] != k.shape[1]
+
+    def attend(rows: slice, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        parts = [
+            F.scaled_dot_product_attention(
+                q[rows, :, a:b],
+                k[rows, :, a:b],
+                v[rows, :, a:b],
+                is_causal=True,
+                scale=scale,
+                dropout_p=dropout,
+                enable_gqa=gqa,
+            )
+            for a, b in spans
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    if len(segments.spans) == 1:
+        return attend(slice(None), segments.spans[0])
+    return torch.cat([attend(slice(i, i + 1), segments.row(i)) for i in range(q.shape[0])], dim=0)
 
 
 class CoreAttention(nn.Module):
@@ -37,13 +75,21 @@ class CoreAttention(nn.Module):
             self.max_logits.zero_()
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        allowed: torch.Tensor | DocumentSegments | None,
     ) -> torch.Tensor:
         """q ``[B, Hq, S, Dk]``, k ``[B, Hkv, S, Dk]``, v ``[B, Hkv, S, Dv]`` → ``[B, Hq, S, Dv]``."""
-        if self.track_max_logits:
-            self._update_max_logits(q, k, allowed)
         gqa = q.shape[1] != k.shape[1]
         dropout = self.dropout if self.training else 0.0
+        if isinstance(allowed, DocumentSegments):
+            if self.track_max_logits:
+                self._update_max_logits(q, k, allowed.dense(q.device))
+            return segment_attention(q, k, v, allowed, self.scale, dropout)
+        if self.track_max_logits:
+            self._update_max_logits(q, k, allowed)
         if allowed is None:
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout, enable_gqa=gqa

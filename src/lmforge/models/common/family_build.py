@@ -38,12 +38,21 @@ def common_fields(values: dict[str, Any], family_qk_norm: bool, family_mla: bool
     theta, scaling = rope_settings(values)
     hidden = positive_int(values, "hidden_size")
     heads = positive_int(values, "num_attention_heads")
-    kv_heads = values.get("num_key_value_heads") or heads
+    kv_heads = positive_int(values, "num_key_value_heads") if values.get("num_key_value_heads") else heads
     if heads % kv_heads:
         raise ConfigError(
             f"model.num_key_value_heads = {kv_heads} must divide model.num_attention_heads = {heads}."
         )
-    head_dim = values.get("head_dim") or hidden // heads
+    head_dim = positive_int(values, "head_dim") if values.get("head_dim") else hidden // heads
+    if head_dim < 1:
+        raise ConfigError(
+            f"model.num_attention_heads = {heads} is larger than model.hidden_size = {hidden}: each head "
+            "would have no dimension; give model.head_dim or fewer heads."
+        )
+    for key, low in (("rms_norm_eps", "> 0"), ("initializer_range", ">= 0")):
+        v = values.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 if low == "> 0" else v >= 0):
+            raise ConfigError(f"model.{key} = {v!r} must be a number {low}.")
     return dict(
         vocab_size=positive_int(values, "vocab_size"),
         hidden_size=hidden,
@@ -62,6 +71,7 @@ def common_fields(values: dict[str, Any], family_qk_norm: bool, family_mla: bool
         compute_dtype=parse_dtype(values.get("compute_dtype") or "bfloat16", "model.compute_dtype"),
         params_dtype=parse_dtype(values.get("params_dtype") or "float32", "model.params_dtype"),
         seq_length=positive_int(values, "seq_length"),
+        loss_chunk_size=positive_int(values, "loss_chunk_size", allow_zero=True),
     )
 
 

@@ -24,7 +24,8 @@ from torch import nn
 from lmforge.models.common import init
 from lmforge.models.common.attention import CoreAttention, SelfAttention
 from lmforge.models.common.init import draw_seed
-from lmforge.models.common.masks import build_allowed_mask
+from lmforge.models.common.loss import chunked_linear_cross_entropy, token_cross_entropy
+from lmforge.models.common.masks import attention_layout
 from lmforge.models.common.mla import MultiLatentAttention
 from lmforge.models.common.mlp import SwiGLUMLP
 from lmforge.models.common.moe import ExpertWeight, MoELayer, RouterSettings, TopKRouter
@@ -36,24 +37,13 @@ from lmforge.utils.qk_clip import QKClipLayer
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor
+    # None when the loss was computed chunk by chunk (model.loss_chunk_size > 0): the logits never exist.
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None  # loss_sum / num_tokens + aux_loss
     loss_sum: torch.Tensor | None = None  # fp32 sum of token cross-entropies over valid tokens
     num_tokens: torch.Tensor | None = None  # number (sum of loss_mask weights) of valid tokens
     aux_loss: torch.Tensor | None = None  # weighted sum of auxiliary losses included in ``loss``
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # named values for logging
-
-
-def token_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 sum of CE over valid tokens, number of valid tokens). Labels < 0 and loss_mask 0 are excluded."""
-    labels = labels.reshape(-1).long()
-    weights = (labels >= 0).float()
-    if loss_mask is not None:
-        weights = weights * loss_mask.reshape(-1).float()
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.clamp(min=0), reduction="none")
-    return (ce * weights).sum(), weights.sum()
 
 
 class TransformerLayer(nn.Module):
@@ -231,19 +221,18 @@ class GPTModel(nn.Module):
             position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
         elif position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
-        allowed = build_allowed_mask(s, device, attention_mask, actual_seq_len)
+        allowed = attention_layout(s, device, attention_mask, actual_seq_len)
         cos, sin = self.rotary_pos_emb(position_ids)
 
         hidden = self.embedding.word_embeddings(input_ids)
         for layer in self.decoder.layers:
             hidden = layer(hidden, cos, sin, allowed)
-        logits = F.linear(self.decoder.final_layernorm(hidden), self._output_weight())
-        out = CausalLMOutput(logits=logits)
+        normed = self.decoder.final_layernorm(hidden)
         if labels is None:
-            return out
-
-        loss_sum, num_tokens = token_cross_entropy(logits, labels, loss_mask)
-        aux_total = logits.new_zeros((), dtype=torch.float32)
+            return CausalLMOutput(logits=F.linear(normed, self._output_weight()))
+        out = CausalLMOutput(logits=None)
+        loss_sum, num_tokens, out.logits = self._token_loss(normed, labels, loss_mask)
+        aux_total = loss_sum.new_zeros(())
         aux_losses: dict[str, torch.Tensor] = {}
         if self.mtp is not None:
             aux_total = aux_total + self._mtp_losses(
@@ -259,6 +248,22 @@ class GPTModel(nn.Module):
         out.aux_loss, out.aux_losses = aux_total, aux_losses
         out.loss = loss_sum / num_tokens.clamp(min=1) + aux_total
         return out
+
+    def _token_loss(
+        self, normed: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(CE sum, valid tokens, logits or None): chunked when ``loss_chunk_size`` > 0, else plain."""
+        chunk = self.config.loss_chunk_size
+        if chunk > 0:
+            # Tensor parallel sets ``vocab_parallel_output`` (→ local weight rows, their offset, the group):
+            # the chunks then run on this rank's vocabulary shard and the logits are never gathered.
+            shard = getattr(self, "vocab_parallel_output", None)
+            weight, offset, group = shard() if shard is not None else (self._output_weight(), 0, None)
+            lsum, n = chunked_linear_cross_entropy(normed, weight, labels, loss_mask, chunk, group, offset)
+            return lsum, n, None
+        logits = F.linear(normed, self._output_weight())
+        lsum, n = token_cross_entropy(logits, labels, loss_mask)
+        return lsum, n, logits
 
     def _mtp_losses(
         self, hidden, input_ids, labels, loss_mask, cos, sin, allowed, aux_losses
@@ -277,8 +282,7 @@ class GPTModel(nn.Module):
             emb = self.embedding.word_embeddings(ids)
             hidden = mtp.eh_proj(torch.cat([mtp.enorm(emb), mtp.hnorm(hidden)], dim=-1))
             hidden = mtp.transformer_layer(hidden, cos, sin, allowed)
-            logits = F.linear(mtp.final_layernorm(hidden), self._output_weight())
-            lsum, n = token_cross_entropy(logits, lab, mask)
+            lsum, n, _ = self._token_loss(mtp.final_layernorm(hidden), lab, mask)
             loss_k = lsum / n.clamp(min=1)
             aux_losses[f"mtp_{k}_loss"] = loss_k
             total = total + loss_k

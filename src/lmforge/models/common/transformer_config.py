@@ -64,6 +64,8 @@ class TransformerConfig:
     compute_dtype: torch.dtype = torch.bfloat16
     params_dtype: torch.dtype = torch.float32
     seq_length: int = 4096
+    # lmforge extension: tokens per chunk of the output projection + cross-entropy (0 = full logits)
+    loss_chunk_size: int = 0
     # Keys that only matter for writing a Hugging Face config.json back (token ids, rope_interleave, ...)
     hf_extra: dict[str, Any] = field(default_factory=dict)
     # The validated model section as given (written next to converted checkpoints)

@@ -111,7 +111,10 @@ def to_transformer_config(values: dict[str, Any]) -> TransformerConfig:
         positive_int(values, "n_shared_experts", allow_zero=True) if values.get("n_shared_experts") else 0
     )
     moe_ffn = positive_int(values, "moe_intermediate_size")
-    q_lora = values.get("q_lora_rank") or None
+    # null or 0: no query LoRA (full-rank q projection); otherwise a positive rank.
+    q_lora = None
+    if values.get("q_lora_rank") is not None:
+        q_lora = positive_int(values, "q_lora_rank", allow_zero=True) or None
     cfg = TransformerConfig(
         model_type="deepseek_v3",
         architectures="DeepseekV3ForCausalLM",

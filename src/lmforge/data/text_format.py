@@ -1,0 +1,203 @@
+"""One row of a text dataset → token ids and a per-token loss mask (plain text or chat SFT).
+
+Row kinds, recognised per row by their columns (names configurable):
+
+* ``text``: the whole document is trained on (mask 1).
+* ``messages``: a list of ``{"role", "content"}`` turns, rendered with a Jinja chat template (the
+  tokenizer's ``chat_template`` from tokenizer_config.json, or ``chat_template`` in the YAML: a
+  template string or the built-in name ``chatml``). Only the assistant turns are trained on.
+* ``prompt`` / ``response`` (and the Alpaca ``instruction`` / ``input`` / ``output``): one user turn
+  and one assistant turn, formatted like ``messages``; without any template the prompt and the
+  response are concatenated and only the response is trained on.
+
+How the mask is found: the template is rendered for the first i turns and for the first i+1; the
+difference is turn i's text. For an assistant turn, the generation prompt (``add_generation_prompt``,
+e.g. ``<|im_start|>assistant\\n``) is cut off and not trained; the rest (content, end-of-turn marker)
+is. Each piece is tokenized on its own, so the mask is exact token by token. The end-of-document id
+follows every document; it is trained when the document's last token is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lmforge.errors import DataError
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BUILTIN_TEMPLATES = {"chatml": CHATML}
+
+
+@dataclass(frozen=True)
+class FormatSettings:
+    text_key: str = "text"
+    messages_key: str = "messages"
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    chat_template: str | None = None  # resolved template text (None: no template)
+    bos_token: str = ""
+    eos_token: str = ""
+    eod: int = 0
+
+
+def tokenizer_chat_template(tokenizer_path: str) -> tuple[str | None, str, str]:
+    """(chat_template, bos_token, eos_token) from the tokenizer_config.json next to the tokenizer."""
+    base = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
+    config = os.path.join(base, "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return None, "", ""
+    with open(config, encoding="utf-8") as f:
+        info = json.load(f)
+
+    def token(name: str) -> str:
+        value = info.get(name)
+        return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+    template = info.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template, token("bos_token"), token("eos_token")
+
+
+def compile_template(template: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message: str) -> None:
+        raise DataError(f"chat template: {message}")
+
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+class RowFormatter:
+    """Turns rows into ``(ids int32, mask uint8)`` with a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, tokenizer: Any, settings: FormatSettings) -> None:
+        self.tokenizer = tokenizer
+        self.s = settings
+        self.template = compile_template(settings.chat_template) if settings.chat_template else None
+
+    # -- pieces: (text, trained) ------------------------------------------------------------
+    def _render(self, messages: list[dict[str, Any]], generation: bool) -> str:
+        return self.template.render(
+            messages=messages,
+            add_generation_prompt=generation,
+            bos_token=self.s.bos_token,
+            eos_token=self.s.eos_token,
+        )
+
+    def chat_pieces(self, messages: Any, where: str) -> list[tuple[str, bool]]:
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
+            raise DataError(f"{where}: '{self.s.messages_key}' must be a list of {{role, content}} turns.")
+        if self.template is None:
+            if [m["role"] for m in messages] == ["user", "assistant"]:
+                return [(str(messages[0]["content"]), False), (str(messages[1]["content"]), True)]
+            raise DataError(
+                f"{where}: a conversation needs a chat template: the tokenizer's tokenizer_config.json has "
+                "none; set train_dataset.dataloader.chat_template (a Jinja template or 'chatml')."
+            )
+        pieces: list[tuple[str, bool]] = []
+        done = ""
+        for i, message in enumerate(messages):
+            full = self._render(messages[: i + 1], False)
+            if not full.startswith(done):
+                raise DataError(
+                    f"{where}: the chat template does not render a conversation as the concatenation of its "
+                    "turns, so the assistant tokens cannot be located; use a template that does (e.g. chatml)."
+                )
+            if message["role"] == "assistant":
+                header = self._render(messages[:i], True)
+                if header.startswith(done) and full.startswith(header):
+                    pieces.append((header[len(done) :], False))
+                    pieces.append((full[len(header) :], True))
+                else:
+                    pieces.append((full[len(done) :], True))
+            else:
+                pieces.append((full[len(done) :], False))
+            done = full
+        return pieces
+
+    def pieces(self, row: dict[str, Any], where: str) -> list[tuple[str, bool]]:
+        s = self.s
+        if s.messages_key in row and row[s.messages_key] is not None:
+            return self.chat_pieces(row[s.messages_key], where)
+        prompt, response = _prompt_response(row, s)
+        if prompt is not None:
+            return self.chat_pieces(
+                [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], where
+            )
+        if s.text_key in row and isinstance(row[s.text_key], str):
+            return [(row[s.text_key], True)]
+        raise DataError(
+            f"{where} has neither '{s.text_key}' (text), '{s.messages_key}' (chat) nor '{s.prompt_key}'/"
+            f"'{s.response_key}' columns (it has: {', '.join(sorted(row))}); set text_key / messages_key / "
+            "prompt_key / response_key in train_dataset.dataloader."
+        )
+
+    # -- tokens ------------------------------------------------------------------------------
+    def encode_rows(
+        self, rows: list[tuple[int, dict[str, Any]]], source: str
+    ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """``(row index, ids, mask)`` per row; one ``encode_batch`` call for all pieces of all rows."""
+        all_pieces = [self.pieces(row, f"{source} row {i}") for i, row in rows]
+        flat = [text for pieces in all_pieces for text, _ in pieces]
+        encodings = self.tokenizer.encode_batch(flat, add_special_tokens=False) if flat else []
+        out = []
+        k = 0
+        for (index, _), pieces in zip(rows, all_pieces):
+            ids_parts, mask_parts = [], []
+            for _, trained in pieces:
+                ids = np.asarray(encodings[k].ids, dtype=np.int32)
+                k += 1
+                ids_parts.append(ids)
+                mask_parts.append(np.full(ids.size, 1 if trained else 0, dtype=np.uint8))
+            ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32)
+            mask = np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8)
+            if ids.size == 0:
+                out.append((index, ids, mask))  # empty documents are dropped by the packer
+                continue
+            ids = np.append(ids, np.int32(self.s.eod))
+            mask = np.append(mask, mask[-1])
+            out.append((index, ids, mask))
+        return out
+
+
+def _prompt_response(row: dict[str, Any], s: FormatSettings) -> tuple[str | None, str | None]:
+    if s.prompt_key in row and s.response_key in row:
+        return str(row[s.prompt_key]), str(row[s.response_key])
+    if "instruction" in row and "output" in row:  # Alpaca
+        extra = row.get("input") or ""
+        return (f"{row['instruction']}\n\n{extra}" if extra else str(row["instruction"])), str(row["output"])
+    return None, None
+
+
+# -- worker processes ---------------------------------------------------------------------------
+
+_worker: RowFormatter | None = None
+
+
+def init_worker(tokenizer_path: str, settings: FormatSettings) -> None:
+    global _worker
+    from lmforge.data.tokenizer import load_tokenizer
+
+    _worker = RowFormatter(load_tokenizer(tokenizer_path), settings)
+
+
+def encode_in_worker(
+    task: tuple[list[tuple[int, dict[str, Any]]], str],
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    rows, source = task
+    assert _worker is not None
+    return _worker.encode_rows(rows, source)

@@ -1,0 +1,140 @@
+"""Token cross-entropy: the plain path (full logits) and the chunked linear cross-entropy.
+
+``chunked_linear_cross_entropy`` computes ``CE(hidden @ weightᵀ, labels)`` a chunk of tokens at a time,
+so the ``[tokens, vocab]`` logits exist only one chunk at a time, in forward and in backward: the
+forward computes each chunk's logits once and derives both the loss and the gradients of the hidden
+states and the weight from them (no recompute; the backward only scales the stored gradients). For
+Qwen3's 151,936-token vocabulary at seq 4096 that is 2.5 GB of fp32 logits (plus their gradient)
+replaced by about ``chunk × vocab × 8`` bytes of working memory; what is kept from forward to backward
+is the gradients themselves (the size of the hidden states and of the weight).
+
+The numerics follow the plain path: the logits are computed in the inputs' dtype and promoted to fp32
+for the log-softmax; the logits' gradient is cast back to the inputs' dtype before the two matmuls
+(what autograd does for ``logits.float()``). The weight gradient accumulates over chunks in the
+weight's dtype (bf16 for bf16 weights: one rounding per chunk more than the plain path's single matmul).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def loss_weights(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """fp32 per-token weights ``[N]``: 0 for labels < 0 and where ``loss_mask`` is 0."""
+    weights = (labels.reshape(-1) >= 0).float()
+    if loss_mask is not None:
+        weights = weights * loss_mask.reshape(-1).float()
+    return weights
+
+
+def token_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 sum of CE over valid tokens, number of valid tokens). Labels < 0 and loss_mask 0 are excluded."""
+    weights = loss_weights(labels, loss_mask)
+    flat = labels.reshape(-1).long().clamp(min=0)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, reduction="none")
+    return (ce * weights).sum(), weights.sum()
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """Forward computes the loss and, chunk by chunk, both gradients (the chunk's logits are needed
+    for both and are freed right after); backward only scales them by the incoming gradient.
+
+    Per chunk the working memory is the ``[chunk, vocab]`` logits in the inputs' dtype, once in fp32
+    (turned into the softmax in place) and once as the gradient in the inputs' dtype. The weight
+    gradient accumulates in the weight's dtype (``addmm`` into one buffer, as Liger-Kernel does).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, chunk, group, vocab_offset):  # type: ignore[override]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = hidden.new_zeros((), dtype=torch.float32)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        # Vocabulary-parallel (``group`` set): this rank holds rows [vocab_offset, vocab_offset + V_local)
+        # of the weight; a label outside them contributes its target logit on another rank.
+        local = labels - vocab_offset
+        in_shard = (local >= 0) & (local < weight.shape[0])
+        local = local.clamp(0, weight.shape[0] - 1)
+        for start in range(0, hidden.shape[0], chunk):
+            sl = slice(start, start + chunk)
+            h, lab, mine, wt = hidden[sl], local[sl], in_shard[sl], weights[sl]
+            logits = (h @ weight.t()).float()
+            target = logits.gather(1, lab[:, None]).squeeze(1) * mine
+            # log-sum-exp by hand, in place: torch.logsumexp would allocate a second [chunk, vocab] buffer.
+            row_max = logits.amax(dim=-1)
+            if group is not None:
+                dist.all_reduce(row_max, dist.ReduceOp.MAX, group=group)
+            probs = logits.sub_(row_max[:, None]).exp_()
+            sum_exp = probs.sum(dim=-1)
+            if group is not None:
+                dist.all_reduce(sum_exp, group=group)
+                dist.all_reduce(target, group=group)
+            total = total + ((row_max + sum_exp.log() - target) * wt).sum()
+            if not (need_h or need_w):
+                continue
+            # d CE / d logits = softmax - onehot(label), times each token's weight.
+            grad = probs.div_(sum_exp[:, None])
+            rows = torch.arange(grad.shape[0], device=grad.device)
+            grad[rows[mine], lab[mine]] -= 1.0
+            grad = grad.mul_(wt[:, None]).to(hidden.dtype)
+            del logits, probs
+            if need_h:
+                torch.mm(grad, weight, out=grad_h[sl])
+            if need_w:
+                grad_w.addmm_(grad.t(), h)
+        if group is not None and need_h:
+            dist.all_reduce(grad_h, group=group)  # each rank's vocabulary shard adds its part
+        # Kept on ctx rather than saved: backward scales them in place (no second weight-sized buffer).
+        ctx.grads = (grad_h, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):  # type: ignore[override]
+        if ctx.grads is None:
+            raise RuntimeError(
+                "chunked_linear_cross_entropy: a second backward through the same loss (retain_graph) is not "
+                "supported; set model.loss_chunk_size: 0 for that."
+            )
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        scale = grad_total.to(torch.float32)
+        if grad_h is not None:
+            grad_h.mul_(scale)
+        if grad_w is not None:
+            grad_w.mul_(scale)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+    chunk_size: int,
+    group: dist.ProcessGroup | None = None,
+    vocab_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 sum of CE over valid tokens, number of valid tokens) of ``hidden @ weightᵀ`` without the full logits.
+
+    ``hidden`` is ``[..., H]``, ``weight`` ``[V, H]``, ``labels`` ``[...]`` (< 0 = ignored), ``loss_mask``
+    broadcastable to ``labels`` or None. Same values and gradients as ``token_cross_entropy`` on
+    ``F.linear(hidden, weight)``.
+
+    Vocabulary-parallel: with ``group``, ``weight`` is this rank's rows ``[vocab_offset, vocab_offset +
+    V_local)`` of the full weight and ``hidden`` is the same on every rank of ``group``; the softmax
+    statistics are all-reduced per chunk (the logits are never gathered), every rank gets the full loss,
+    the full ``hidden`` gradient and the gradient of its own weight rows.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    weights = loss_weights(labels, loss_mask)
+    flat_labels = labels.reshape(-1).long().clamp(min=0)
+    total = _ChunkedLinearCE.apply(
+        flat_h, weight, flat_labels, weights, int(chunk_size), group, int(vocab_offset)
+    )
+    return total, weights.sum()
