@@ -182,6 +182,7 @@ def build_trainer(
 
         check_output_dir(run_dir, "output_dir")
         from lmforge.utils.run_lock import lock_dirs, run_dirs
+        from lmforge.utils.sections import section_to_dict
 
         # Refuse now, before anything is written, if another run uses these directories (the
         # trainer holds the locks while it runs).
