@@ -34,6 +34,7 @@ MODULE = textwrap.dedent(
 def user_module(tmp_path, monkeypatch):
     (tmp_path / "my_callbacks_mod.py").write_text(MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(plugins.ALLOW_IMPORTS_ENV, "1")
     yield "my_callbacks_mod"
     sys.modules.pop("my_callbacks_mod", None)
 
@@ -86,3 +87,14 @@ def test_unknown_type_lists_the_registered_ones():
     with pytest.raises(ConfigError) as err:
         build_callback({"type": "callbackA", "param": 1}, 0)
     assert "MaxLogitsMonitor" in str(err.value) and "LossCallback" in str(err.value)
+
+
+def test_import_path_needs_the_opt_in(tmp_path, monkeypatch):
+    marker = tmp_path / "ran"
+    (tmp_path / "hostile_cb_mod.py").write_text(f"open({str(marker)!r}, 'w').close()\n" + MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(plugins.ALLOW_IMPORTS_ENV, raising=False)
+    with pytest.raises(ConfigError) as err:
+        build_callback({"type": "hostile_cb_mod:CountSteps"}, 0)
+    assert "--allow-imports" in str(err.value) and not marker.exists()
+    assert "hostile_cb_mod" not in sys.modules

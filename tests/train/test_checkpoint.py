@@ -88,7 +88,9 @@ def test_crash_mid_save_leaves_previous_checkpoint_loadable(tmp_path, monkeypatc
 
     real_save = ckpt_mod.dcp.save
     monkeypatch.setattr(ckpt_mod.dcp, "save", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(
+        CheckpointError, match=r"simulated crash: disk gone.*previous checkpoint \(iteration 2\) is intact"
+    ):
         mgr.save(Checkpointable(model, opt), 4)
     monkeypatch.undo()
     assert read_tracker(tmp_path) == 2 and iterations(tmp_path) == ["iteration_00000002"]
@@ -105,7 +107,7 @@ def test_crash_between_rename_and_tracker_keeps_tracker_on_previous(tmp_path, mo
     mgr = CheckpointManager(tmp_path)
     mgr.save(Checkpointable(model, opt), 2)
     monkeypatch.setattr(ckpt_mod, "write_tracker", lambda *a: (_ for _ in ()).throw(OSError("crash")))
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match="crash.*iteration 2"):
         mgr.save(Checkpointable(model, opt), 4)
     assert read_tracker(tmp_path) == 2
     assert resolve_checkpoint(tmp_path).path.name == "iteration_00000002"

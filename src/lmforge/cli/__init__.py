@@ -8,7 +8,9 @@ an exit status). To add a subcommand, write the module and add its name to ``SUB
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 import traceback
 
@@ -33,6 +35,20 @@ SUBCOMMANDS: list[str] = [
 
 EXIT_USER_ERROR = 2
 
+# Failures of the machine or the paths given, not of lmforge: a message, not a traceback.
+USER_ERRNOS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "the file system is read-only",
+    errno.ENOENT: "no such file or directory",
+    errno.ENOTDIR: "a path component is a file, not a directory",
+    errno.EISDIR: "a directory was given where a file is needed",
+    errno.EEXIST: "a file is in the way of a directory to create",
+    errno.ENAMETOOLONG: "a file name is too long",
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -42,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lmforge {__version__}")
     parser.add_argument(
         "--debug", action="store_true", help="show Python tracebacks for user errors (for bug reports)"
+    )
+    parser.add_argument(
+        "--allow-imports",
+        action="store_true",
+        help="allow the YAML to name Python modules to import (callbacks: [{type: module:Class}]); "
+        "only for files you trust (same as LMFORGE_ALLOW_IMPORTS=1)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -58,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     if debug:
         argv = [a for a in argv if a != "--debug"]
+    if "--allow-imports" in argv:
+        # An environment variable, so that processes torchrun starts inherit the opt-in.
+        from lmforge.train.callbacks.plugins import ALLOW_IMPORTS_ENV
+
+        argv = [a for a in argv if a != "--allow-imports"]
+        os.environ[ALLOW_IMPORTS_ENV] = "1"
     parser = build_parser()
     args = parser.parse_args(argv)
     args.debug = debug
@@ -67,6 +95,19 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"lmforge {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except OSError as exc:
+        if exc.errno not in USER_ERRNOS:
+            raise
+        if debug:
+            traceback.print_exc()
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(
+            f"lmforge {args.command}: error: {USER_ERRNOS[exc.errno]}{where}: {exc.strerror or exc}. Outputs are "
+            "written aside and published only when complete, so what existed before is unchanged; fix the "
+            "cause (free space, permissions, the path) and run the command again.",
+            file=sys.stderr,
+        )
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"lmforge {args.command}: interrupted", file=sys.stderr)

@@ -95,22 +95,62 @@ def run(args: argparse.Namespace) -> int:
     return _export_hf(Path(args.from_ckpt), Path(args.to_hf), args)
 
 
+# What a directory written by an earlier conversion of the same kind holds (fnmatch patterns); only
+# such a directory (or an empty one) is replaced. Anything else, a training run's save_path above
+# all, is refused.
+_TOKENIZER_SIDE = ("tokenizer*", "special_tokens_map.json", "generation_config.json", "chat_template.*")
+_OWN_OUTPUT = {
+    "dcp": ("latest_checkpointed_iteration.txt", "iteration_00000000"),
+    "safetensors": ("model.safetensors", "lmforge_model.json", *_TOKENIZER_SIDE),
+    "hf": ("config.json", "*.safetensors", "model.safetensors.index.json", *_TOKENIZER_SIDE),
+}
+
+
+def _check_destination(dst: Path, option: str, kind: str) -> None:
+    """Refuse a destination whose contents this conversion would destroy (before any work)."""
+    from fnmatch import fnmatch
+
+    from lmforge.train.checkpoint import TRACKER_FILE, read_tracker
+    from lmforge.utils.atomic import check_output_dir
+
+    check_output_dir(dst, option)
+    if not dst.is_dir():
+        return
+    names = {p.name for p in dst.iterdir()}
+    foreign = sorted(n for n in names if not any(fnmatch(n, pattern) for pattern in _OWN_OUTPUT[kind]))
+    if TRACKER_FILE in names and (kind != "dcp" or read_tracker(dst) != 0 or foreign):
+        raise CheckpointError(
+            f"{option} {str(dst)!r} is a training run's checkpoint directory (its {TRACKER_FILE} names iteration "
+            f"{read_tracker(dst)}); converting into it would replace that tracker and the run could no longer "
+            f"resume. Choose a new directory for {option}."
+        )
+    if foreign:
+        raise CheckpointError(
+            f"{option} {str(dst)!r} already holds other files ({', '.join(foreign[:5])}); lmforge convert replaces "
+            "only an empty directory or the output of an earlier conversion of the same kind. Choose a new directory."
+        )
+
+
 def _import_hf(src: Path, dst: Path, form: str, dtype: str | None) -> int:
     from lmforge.models import load_hf_pretrained, save_model_checkpoint
+    from lmforge.utils.atomic import atomic_dir
 
+    _check_destination(dst, "--to", form)
     model = load_hf_pretrained(src, dtype=dtype)
-    if form == "safetensors":
-        save_model_checkpoint(model, dst)
-    else:
-        from lmforge.train.checkpoint import Checkpointable, CheckpointManager
+    # Written aside and renamed into place: a failure leaves what was at --to untouched.
+    with atomic_dir(dst) as tmp:
+        if form == "safetensors":
+            save_model_checkpoint(model, tmp)
+        else:
+            from lmforge.train.checkpoint import Checkpointable, CheckpointManager
 
-        manager = CheckpointManager(
-            dst, no_save_optim=True, save_max=0, config_dict={"model": model.config.section}
-        )
-        if not manager.save(Checkpointable(model=model), step=0):
-            raise CheckpointError(f"{src} holds non-finite weights; nothing was written to {dst}.")
-        manager.close()
-    _copy_tokenizer_files(src, dst if form == "safetensors" else dst / "iteration_00000000")
+            manager = CheckpointManager(
+                tmp, no_save_optim=True, save_max=0, config_dict={"model": model.config.section}
+            )
+            if not manager.save(Checkpointable(model=model), step=0):
+                raise CheckpointError(f"{src} holds non-finite weights; nothing was written to {dst}.")
+            manager.close()
+        _copy_tokenizer_files(src, tmp if form == "safetensors" else tmp / "iteration_00000000")
     n = sum(p.numel() for p in model.parameters())
     print(f"converted {src} ({model.config.model_type}, {n:,} parameters) -> {dst}")
     return 0
@@ -163,8 +203,10 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
     from lmforge.models import build_model, load_model_checkpoint, save_hf_pretrained
     from lmforge.models.hf_shards import parse_size
     from lmforge.models.io import SECTION_FILE
+    from lmforge.utils.atomic import atomic_dir
 
     parse_size(args.max_shard_size)  # a bad size is refused before anything is loaded
+    _check_destination(dst, "--to-hf", "hf")
     if not src.is_dir():
         raise CheckpointError(f"--from {src}: no such checkpoint directory.")
     chat_template = None
@@ -207,9 +249,10 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
             for m in lora_modules(model).values():
                 m.lora_B.weight.data.zero_()  # the base alone goes to --to-hf
         merge_lora(model)
-    files = save_hf_pretrained(
-        model, dst, tokenizer=tokenizer, chat_template=chat_template, max_shard_size=args.max_shard_size
-    )
+    with atomic_dir(dst) as tmp:  # a failure leaves what was at --to-hf untouched
+        files = save_hf_pretrained(
+            model, tmp, tokenizer=tokenizer, chat_template=chat_template, max_shard_size=args.max_shard_size
+        )
     what = f"{len(files)} safetensors file(s)" + (
         f", tokenizer from {tokenizer}" if tokenizer else ", no tokenizer"
     )

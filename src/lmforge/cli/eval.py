@@ -69,8 +69,10 @@ def _load_model(
         from lmforge.models import load_hf_pretrained
 
         return load_hf_pretrained(checkpoint, device=device)
-    from lmforge.models import build_model
+    from lmforge.models import build_model, build_model_config
+    from lmforge.utils.model_size import check_model_fits
 
+    check_model_fits(build_model_config(model_section), device)
     model = build_model(model_section, device=device)
     if lora_section is not None:
         from lmforge.models.lora import apply_lora
@@ -95,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
     steps = args.eval_steps if args.eval_steps is not None else settings.steps
     if steps is not None and steps <= 0:
         raise ConfigError(f"--eval-steps must be a positive number of batches, got {steps}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from lmforge.utils.device import parse_device
+
+    device = torch.device(parse_device(args.device) or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = _load_model(Path(args.checkpoint), config.model, device, getattr(config, "lora_config", None))
     loader = build_eval_loader(config)
     result = evaluate(model, loader, max_batches=steps, device=device)

@@ -54,11 +54,14 @@ def run(args: argparse.Namespace) -> int:
     from lmforge.train.builder import find_tokenizer
     from lmforge.train.checkpoint import CONFIG_FILE, load_model_weights, resolve_checkpoint
     from lmforge.train.generation import sample_tokens
+    from lmforge.utils.device import parse_device
 
     _positive(args.max_new_tokens, "--max-new-tokens")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not (0 <= args.temperature < float("inf")):  # also refuses nan
+        raise ConfigError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 disables top-k filtering), got {args.top_k}")
+    device = torch.device(parse_device(args.device) or ("cuda" if torch.cuda.is_available() else "cpu"))
     header = resolve_checkpoint(args.checkpoint)
     if header is None:
         raise CheckpointError(
@@ -76,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{header.path} has no {CONFIG_FILE}; pass the run's train.yaml with --config FILE."
             )
         cfg = load_config(config_file)
+        from lmforge.models import build_model_config
+        from lmforge.utils.model_size import check_model_fits
+
+        check_model_fits(build_model_config(cfg.model), device)
         model = build_model(cfg.model, device=device)
         if getattr(cfg, "lora_config", None) is not None:
             from lmforge.models.lora import apply_lora

@@ -93,7 +93,26 @@ def _load(path: str, overrides: list[str]) -> tuple[Any, int, str | None]:
     return section, training.steps, note
 
 
+_PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    from lmforge.utils.atomic import check_output_file
+
+    suffix = Path(args.output).suffix.lstrip(".").lower()
+    if suffix not in _PLOT_FORMATS:
+        raise ConfigError(
+            f"-o/--output {args.output!r}: the plot's format comes from its extension, and "
+            f"{('.' + suffix) if suffix else 'no extension'} is not one of {', '.join(_PLOT_FORMATS)} "
+            "(e.g. -o lr.png)."
+        )
+    check_output_file(args.output, "-o/--output")
+    if args.csv is not None:
+        check_output_file(args.csv, "--csv")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_outputs(args)
     items, notes = [], []
     for path, label in zip(args.configs, _labels(args.configs)):
         section, total, note = _load(path, args.overrides)

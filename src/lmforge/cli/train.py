@@ -42,9 +42,15 @@ def run(args: argparse.Namespace) -> int:
     from lmforge.config import load_config
     from lmforge.errors import ConfigError
     from lmforge.train.builder import build_trainer
+    from lmforge.utils.device import parse_device
 
+    parse_device(args.device)
     config = load_config(args.config, args.overrides)
     trainer = None
+    # SIGTERM while the model and data are being built (before the trainer handles signals) must not
+    # kill the run either: it is remembered, and the run stops after its first step, saved.
+    early: list[str] = []
+    previous = _remember_signals(early)
     try:
         try:
             trainer = build_trainer(config, output_dir=args.output_dir, device=args.device)
@@ -56,11 +62,15 @@ def run(args: argparse.Namespace) -> int:
                     text.replace("Invalid configuration", f"Invalid configuration in {args.config}", 1)
                 ) from None
             raise
+        _restore(previous)
+        if early:
+            trainer.request_stop(f"received {early[0]} during start-up")
         trainer.fit()
     except RuntimeError as exc:  # torch's collective and store errors (DistBackendError, ...)
         _report_distributed_failure(trainer, exc)
         raise
     finally:
+        _restore(previous)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
@@ -76,3 +86,23 @@ def _report_distributed_failure(trainer: Any, exc: BaseException) -> None:
     first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     message = dog.diagnose(0.0, failure=f"{type(exc).__name__}: {first_line}")
     print(f"lmforge train: error: {message}", file=sys.stderr, flush=True)
+
+
+def _remember_signals(received: list[str]) -> dict[int, Any]:
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM,)}
+    for sig in previous:
+        signal.signal(sig, lambda signum, frame: received.append(signal.Signals(signum).name))
+    return previous
+
+
+def _restore(previous: dict[int, Any]) -> None:
+    import signal
+
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    previous.clear()

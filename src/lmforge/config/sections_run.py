@@ -42,6 +42,10 @@ class CheckpointConfig(Section):
             raise ValueError(f'checkpoint.auto_resume must be true, false or "auto"; got {value!r}')
         return value
 
+    # lmforge: load a checkpoint whose parameters differ from the model's (e.g. fewer layers); the
+    # parameters skipped either way are listed in the log. Needs no_load_optim: true.
+    partial_load: bool = False
+
     @model_validator(mode="after")
     def _check(self) -> CheckpointConfig:
         # The original divides by save_interleaved_steps and keeps the last save_max saves; 0 or a

@@ -5,6 +5,9 @@
   without a dot is resolved as a float here.
 * Mapping nesting deeper than 10 levels is refused before the document is constructed, as in the
   original (sequences do not count).
+* Hostile documents are refused before they are constructed: anchors/aliases that expand to more
+  than ``MAX_EXPANDED_NODES`` nodes (a "billion laughs" bomb) or refer to themselves, and nesting
+  too deep for the parser.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import yaml
 from lmforge.errors import ConfigError
 
 MAX_MAPPING_DEPTH = 10
+# A real train.yaml has a few hundred nodes; aliases may repeat a section, not multiply it a million times.
+MAX_EXPANDED_NODES = 100_000
 
 
 class ConfigLoader(yaml.SafeLoader):
@@ -76,6 +81,38 @@ def _mapping_depth(node: yaml.Node | None) -> int:
     return deepest
 
 
+def _expanded_size(root: yaml.Node | None, source: str) -> int:
+    """Number of nodes the document has once every alias is expanded (iterative, memoised by node)."""
+    if root is None:
+        return 0
+    size: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        if children_done:
+            open_nodes.discard(key)
+            size[key] = min(1 + sum(size[id(c)] for c in children), MAX_EXPANDED_NODES + 1)
+            continue
+        if key in size:
+            continue
+        if key in open_nodes:
+            raise ConfigError(
+                f"{source}: a YAML alias refers to the node that contains it (a recursive structure); "
+                "a train.yaml must be a tree. Remove the self-referencing alias."
+            )
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in size)
+    return size[id(root)]
+
+
 def _syntax_error(source: str, exc: yaml.YAMLError) -> ConfigError:
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -90,10 +127,22 @@ def _syntax_error(source: str, exc: yaml.YAMLError) -> ConfigError:
 
 def parse_yaml_text(text: str, source: str = "<string>") -> Any:
     """Parse one YAML document with the depth check; syntax errors become ConfigError with a line."""
+    too_deep = ConfigError(
+        f"{source} is nested too deeply to be a train.yaml (hundreds of levels of brackets or indentation); "
+        f"a config needs at most {MAX_MAPPING_DEPTH} levels of mappings."
+    )
     try:
         node = yaml.compose(text, Loader=ConfigLoader)
     except yaml.YAMLError as exc:
         raise _syntax_error(source, exc) from None
+    except RecursionError:
+        raise too_deep from None
+    if _expanded_size(node, source) > MAX_EXPANDED_NODES:
+        raise ConfigError(
+            f"{source} expands to more than {MAX_EXPANDED_NODES:,} values once its anchors and aliases are "
+            "resolved (an alias-expansion bomb, or a config far larger than any train.yaml); refused before "
+            "building it. Write the repeated sections out, or use fewer nested aliases."
+        )
     depth = _mapping_depth(node)
     if depth > MAX_MAPPING_DEPTH:
         raise ConfigError(
@@ -104,6 +153,8 @@ def parse_yaml_text(text: str, source: str = "<string>") -> Any:
         return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - ConfigLoader is a SafeLoader
     except yaml.YAMLError as exc:
         raise _syntax_error(source, exc) from None
+    except RecursionError:
+        raise too_deep from None
 
 
 def read_yaml_file(path: str | Path) -> Any:

@@ -109,6 +109,13 @@ def _check_vocab_upfront(dataset: GPTDataset | BlendedDataset, vocab_size: int) 
         indexed = member.indexed
         if os.path.getsize(f"{indexed.prefix}.bin") > FULL_VOCAB_SCAN_BYTES:
             continue
+        low = indexed.min_token()
+        if low < 0:
+            raise DataError(
+                f"{indexed.prefix}.bin holds the negative token id {low} ({indexed.dtype.name} tokens); token ids "
+                f"run from 0 to model.vocab_size - 1 = {vocab_size - 1}. The file is corrupt or was not written by "
+                "a tokenizer: rebuild it with 'lmforge data preprocess'."
+            )
         top = indexed.max_token()
         if top >= vocab_size:
             raise DataError(

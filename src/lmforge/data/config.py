@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,8 +96,8 @@ def parse_blend(value: Any, key: str) -> Blend:
         except ValueError:
             weights, prefixes = None, items
     if weights is not None:
-        if any(w <= 0 for w in weights):
-            raise ConfigError(f"{key}: every blend weight must be > 0; got {weights}.")
+        if any(not (0 < w < math.inf) for w in weights):  # also nan and inf
+            raise ConfigError(f"{key}: every blend weight must be > 0 and finite; got {weights}.")
         total = sum(weights)
         weights = [w / total for w in weights]
     return Blend(prefixes=prefixes, weights=weights)

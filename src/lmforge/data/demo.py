@@ -156,6 +156,9 @@ def write_chat_demo(chapters: list[str], path: str, limit: int = CHAT_CONVERSATI
 def build_demo(output: str = DEFAULT_OUTPUT, *, force: bool = False, log=print) -> DemoSummary:
     """Write tokenizer.json, train.{bin,idx}, valid.{bin,idx} (and a README) into ``output``."""
     start = time.perf_counter()
+    from lmforge.utils.atomic import check_output_dir
+
+    check_output_dir(output, "--output")
     if not force and is_complete(output):
         with open(os.path.join(output, MANIFEST), encoding="utf-8") as f:
             info = json.load(f)

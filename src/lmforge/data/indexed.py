@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from lmforge.errors import DataError
+from lmforge.utils.atomic import fsync_dir
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -145,6 +146,12 @@ class IndexedDataset:
                 f"{path} is inconsistent: its document index must run from 0 to the sequence count "
                 f"{count}, but it is [{', '.join(map(str, self.document_indices[:3]))}, ...] of length {doc_len}."
             )
+        if doc_len > 1 and bool((np.diff(self.document_indices) < 0).any()):
+            bad = int(np.argmax(np.diff(self.document_indices) < 0))
+            raise DataError(
+                f"{path} is corrupt: its document index decreases at document {bad} "
+                f"({int(self.document_indices[bad])} -> {int(self.document_indices[bad + 1])}). Rebuild the dataset."
+            )
 
     def _open_bin(self, path: str) -> None:
         size = os.path.getsize(path)
@@ -156,12 +163,30 @@ class IndexedDataset:
                 f"{path} is truncated or does not belong to {idx_path(self.prefix)}: the index needs "
                 f"{needed} bytes of {self.dtype.name} tokens, the file has {size}. Rebuild the dataset."
             )
+        self._check_pointers(size)
         # np.memmap refuses empty files; an empty dataset simply has no bytes to map.
         self._bin_buffer = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
         # The whole file as one flat token array (a view), and where each sequence starts in it:
         # slicing these is much cheaper than a frombuffer call per read.
         self.tokens = np.frombuffer(self._bin_buffer, dtype=self.dtype, count=size // itemsize)
         self.token_offsets = self.sequence_pointers // itemsize
+
+    def _check_pointers(self, size: int) -> None:
+        """Every sequence must lie inside ``.bin`` (a lying index would train on garbage or nothing)."""
+        if not len(self.sequence_lengths):
+            return
+        itemsize = self.dtype.itemsize
+        lengths = self.sequence_lengths.astype(np.int64)
+        pointers = self.sequence_pointers
+        ends = pointers + lengths * itemsize
+        bad = (lengths < 0) | (pointers < 0) | (pointers % itemsize != 0) | (ends > size)
+        if bool(bad.any()):
+            i = int(np.argmax(bad))
+            raise DataError(
+                f"{idx_path(self.prefix)} is corrupt or does not belong to {bin_path(self.prefix)}: sequence {i} "
+                f"(of {len(lengths)}) claims {int(lengths[i])} tokens at byte {int(pointers[i])}, outside the "
+                f"{size}-byte .bin of {self.dtype.name} tokens ({int(bad.sum())} such sequence(s)). Rebuild the dataset."
+            )
 
     # Worker processes started with 'spawn' get the prefix and map the files themselves, instead
     # of a pickled copy of the whole memory map.
@@ -203,6 +228,14 @@ class IndexedDataset:
         total = int(self.sequence_lengths[first:last].sum(dtype=np.int64))
         return np.frombuffer(self._bin_buffer, dtype=self.dtype, count=total, offset=start)
 
+    def min_token(self, chunk_tokens: int = 1 << 24) -> int:
+        """Smallest token id in ``.bin`` (0 when empty; only signed dtypes can go below)."""
+        n = self.num_tokens
+        if n == 0 or self.dtype.kind == "u":
+            return 0
+        data = np.frombuffer(self._bin_buffer, dtype=self.dtype, count=n)
+        return int(min(int(data[s : s + chunk_tokens].min()) for s in range(0, n, chunk_tokens)))
+
     def max_token(self, chunk_tokens: int = 1 << 24) -> int:
         """Largest token id in ``.bin`` (-1 when empty), read in chunks so memory stays flat."""
         n = self.num_tokens
@@ -217,7 +250,9 @@ class IndexedDatasetWriter:
 
     ``add_item`` appends one sequence, ``end_document`` closes a document, ``add_document`` does
     both for a document split into sequences, ``add_index`` appends a whole existing dataset, and
-    ``finalize`` writes the ``.idx``. Use it as a context manager so a failure leaves no half pair.
+    ``finalize`` writes the ``.idx``. Both files are written under temporary names and renamed over
+    ``PREFIX.bin``/``PREFIX.idx`` only by ``finalize``: a failure (use it as a context manager) leaves
+    no half pair and a dataset already at that prefix untouched.
     """
 
     def __init__(
@@ -234,7 +269,9 @@ class IndexedDatasetWriter:
         parent = os.path.dirname(self.prefix)
         if parent:
             os.makedirs(parent, exist_ok=True)
-        self._bin = open(bin_path(self.prefix), "wb")  # noqa: SIM115 - closed in finalize/abort
+        self._tmp_bin = f"{bin_path(self.prefix)}.tmp-{os.getpid()}"
+        self._tmp_idx = f"{idx_path(self.prefix)}.tmp-{os.getpid()}"
+        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize/abort
         self._lengths: list[int] = []
         self._modes: list[int] = []
         self._doc_indices: list[int] = [0]
@@ -285,6 +322,8 @@ class IndexedDatasetWriter:
                 self._bin.write(chunk)
 
     def finalize(self) -> None:
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
         self._bin.close()
         lengths = np.asarray(self._lengths, dtype="<i4")
         # Byte pointers: the exclusive prefix sum of lengths, times the item size.
@@ -293,7 +332,7 @@ class IndexedDatasetWriter:
             np.cumsum(lengths[:-1], dtype="<i8", out=pointers[1:])
         pointers *= self.dtype.itemsize
         doc_indices = np.asarray(self._doc_indices, dtype="<i8")
-        tmp = idx_path(self.prefix) + ".tmp"
+        tmp = self._tmp_idx
         with open(tmp, "wb") as f:
             f.write(HEADER.pack(MAGIC, VERSION, CODE_BY_DTYPE[self.dtype], len(lengths), len(doc_indices)))
             f.write(lengths.tobytes())
@@ -301,14 +340,19 @@ class IndexedDatasetWriter:
             f.write(doc_indices.tobytes())
             if self.multimodal:
                 f.write(np.asarray(self._modes, dtype=np.int8).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        # Publish: .bin first, then .idx (the index names the file it describes last).
+        os.replace(self._tmp_bin, bin_path(self.prefix))
         os.replace(tmp, idx_path(self.prefix))
+        fsync_dir(os.path.dirname(self.prefix) or ".")
         self._finalized = True
 
     def abort(self) -> None:
-        """Close and delete what was written (no half pair left behind)."""
+        """Close and delete what was written (no half pair left behind; an older dataset is kept)."""
         if not self._bin.closed:
             self._bin.close()
-        for path in (bin_path(self.prefix), idx_path(self.prefix), idx_path(self.prefix) + ".tmp"):
+        for path in (self._tmp_bin, self._tmp_idx):
             if os.path.exists(path):
                 os.remove(path)
 

@@ -20,6 +20,8 @@ SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 def parse_split(split: str) -> list[float]:
     """``"98,2,0"`` -> normalised ``[0.98, 0.02, 0.0]`` (numbers found by regex, padded to three)."""
+    if re.search(r"-\s*[.0-9]", split):  # the number regex below would drop the sign
+        raise ValueError(f"split {split!r} has a negative part")
     values = [float(v) for v in re.findall(r"[.0-9]+", split)]
     values = (values + [0.0] * 3)[:3]
     total = sum(values)

@@ -8,12 +8,14 @@ import json
 import multiprocessing
 import os
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from lmforge.errors import DataError
+from lmforge.utils.atomic import check_output_file
 
 from .indexed import IndexedDatasetWriter, optimal_token_dtype
 from .tokenizer import find_eod_id, load_tokenizer
@@ -54,29 +56,47 @@ def read_documents(path: str, json_key: str, progress=None) -> Iterator[str]:
         raise DataError(f"--input {path}: no such file (expected JSON lines, optionally .gz).")
     stream, raw = _open_text(path)
     with stream, raw:
-        last = 0
-        for number, line in enumerate(stream, start=1):
-            if progress is not None:
-                position = raw.tell()
-                progress.update(position - last)
-                last = position
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(
-                    f"{path}:{number} is not valid JSON ({exc.msg}); expected one object per line."
-                ) from None
-            if not isinstance(record, dict) or json_key not in record:
-                keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                raise DataError(
-                    f"{path}:{number} has no key '{json_key}' (it has: {keys}); choose it with --json-key."
-                )
-            text = record[json_key]
-            if isinstance(text, list):
-                text = "".join(str(t) for t in text)
-            yield str(text)
+        try:
+            yield from _documents(stream, raw, path, json_key, progress)
+        except UnicodeDecodeError as exc:
+            raise DataError(
+                f"--input {path} is not valid UTF-8 text (byte {exc.start} of a line: {exc.reason}); "
+                "convert it to UTF-8 JSON lines first."
+            ) from None
+        except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+            raise DataError(
+                f"--input {path} ends in .gz but is not a complete gzip file ({exc}); give the uncompressed "
+                "file, or re-compress it."
+            ) from None
+
+
+def _documents(
+    stream: io.TextIOBase, raw: io.BufferedReader, path: str, json_key: str, progress
+) -> Iterator[str]:
+    """The records of ``stream``, one document per non-empty line."""
+    last = 0
+    for number, line in enumerate(stream, start=1):
+        if progress is not None:
+            position = raw.tell()
+            progress.update(position - last)
+            last = position
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(
+                f"{path}:{number} is not valid JSON ({exc.msg}); expected one object per line."
+            ) from None
+        if not isinstance(record, dict) or json_key not in record:
+            keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+            raise DataError(
+                f"{path}:{number} has no key '{json_key}' (it has: {keys}); choose it with --json-key."
+            )
+        text = record[json_key]
+        if isinstance(text, list):
+            text = "".join(str(t) for t in text)
+        yield str(text)
 
 
 def _batches(documents: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -120,6 +140,8 @@ def preprocess(
     ``exact_prefix=True`` writes ``{output_prefix}.{bin,idx}`` instead. Empty documents are dropped
     (as Megatron does); ``append_eod`` adds the tokenizer's end-of-document id to each document.
     """
+    prefix = output_prefix if exact_prefix else output_prefix_for(output_prefix, json_key)
+    check_output_file(f"{prefix}.bin", "--output-prefix")
     tokenizer = load_tokenizer(tokenizer_path)
     eod = find_eod_id(tokenizer, tokenizer_path, eod_token) if append_eod else None
     dtype = optimal_token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.lr.schedules import Schedule
+from lmforge.utils.atomic import atomic_file
 
 # Above this many steps the plot samples the curve (boundaries are always included); the CSV never does.
 _MAX_PLOTTED_POINTS = 20_000
@@ -53,7 +54,7 @@ def format_key_steps(item: LabelledSchedule) -> str:
 
 def write_csv(items: Sequence[LabelledSchedule], path: str | Path) -> None:
     """``step,lr`` for every step 0..training.steps; with several schedules, ``config,step,lr``."""
-    with open(path, "w", newline="") as f:
+    with atomic_file(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
         several = len(items) > 1
         writer.writerow(["config", "step", "lr"] if several else ["step", "lr"])
@@ -115,6 +116,7 @@ def plot(items: Sequence[LabelledSchedule], path: str | Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best")
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".") or "png")
     finally:
         plt.close(fig)

@@ -135,6 +135,19 @@ def _is_number(text: str) -> bool:
         return False
 
 
+def _refuse_absurd_model(cfg: Any, device: str | None, world_size: int) -> None:
+    """Model dimensions whose weights cannot fit are refused before any model is built (also on meta)."""
+    from lmforge.errors import LmforgeError
+    from lmforge.models import build_model_config
+    from lmforge.utils.model_size import check_model_fits
+
+    try:
+        model_cfg = build_model_config(cfg.model)
+    except LmforgeError:
+        return  # preflight reports the model section's own problems
+    check_model_fits(model_cfg, device, world_size)
+
+
 def build_trainer(
     cfg: Any, *, output_dir: str | os.PathLike | None = None, device: str | None = None
 ) -> Trainer:
@@ -152,7 +165,11 @@ def build_trainer(
         # --output-dir moves every output, including the paths the file puts under its own output_dir.
         cfg = with_output_dir(cfg, output_dir)
     # Every configuration error is raised here, before a process group, model or dataset exists.
-    plan = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    from lmforge.utils.device import env_int
+
+    world_size = env_int("WORLD_SIZE", 1, minimum=1)
+    _refuse_absurd_model(cfg, device, world_size)
+    plan = preflight(cfg, world_size)
     missing = missing_data_files(cfg.train_dataset, TRAINING_KEYS)
     if missing:
         raise DataError(
@@ -162,6 +179,16 @@ def build_trainer(
     ctx = distributed_env(device, float(cfg.parallelism.process_group_timeout))
     run_dir = Path(cfg.output_dir or "./output")
     if ctx.rank == 0:
+        from lmforge.utils.atomic import check_output_dir
+
+        check_output_dir(run_dir, "output_dir")
+        from lmforge.utils.run_lock import lock_dirs, run_dirs
+        from lmforge.utils.sections import section_to_dict
+
+        # Refuse now, before anything is written, if another run uses these directories (the
+        # trainer holds the locks while it runs).
+        for lock in lock_dirs(run_dirs(run_dir, section_to_dict(cfg.checkpoint))):
+            lock.release()
         run_dir.mkdir(parents=True, exist_ok=True)
     # Logging first, so that model / optimizer construction messages reach train.log too.
     setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)

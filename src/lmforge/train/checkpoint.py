@@ -16,7 +16,13 @@ One DCP state dict holds ``model``, ``optimizer`` (unless no_save_optim), ``sche
 
 Atomicity: a save is written into the hidden sibling ``.iteration_{step:08d}.partial``, its files
 fsynced, then renamed into place; the tracker is replaced last through a temporary file and
-``os.replace``. A crash at any point leaves the previous checkpoint and tracker intact.
+``os.replace``. A crash at any point leaves the previous checkpoint and tracker intact; a re-save of
+an existing iteration moves the old copy to ``.iteration_X.old`` first, and :func:`resolve_checkpoint`
+puts it back if a crash hit between the two renames. A failed save (disk full, ...) is a
+``CheckpointError`` that names the intact previous checkpoint.
+
+Reading never runs code from the files (``train/safe_load.py``): ``.metadata`` and non-tensor items go
+through allowlisting unpicklers, and the state skeletons are JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ import copy
 import dataclasses
 import json
 import os
-import pickle
 import shutil
 import time
 import warnings
@@ -40,12 +45,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StoragePrefix
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmforge.errors import CheckpointError
 from lmforge.train.rng import capture_rng_state, restore_rng_state
+from lmforge.train.safe_load import TensorRef as _TensorRef
+from lmforge.train.safe_load import (
+    decode_skeleton,
+    encode_skeleton,
+    load_dcp,
+    read_dcp_metadata,
+)
 from lmforge.train.state import TrainState
+from lmforge.utils.atomic import check_output_dir, recover_dir, replace_dir
 from lmforge.utils.logging import get_logger
 
 logger = get_logger("lmforge.train.checkpoint")
@@ -233,6 +246,7 @@ class CheckpointManager:
         # with training's collectives interleaves them and corrupts both (gloo aborts).
         self._pg = dist.new_group(backend="gloo") if (async_save and _distributed()) else None
         if self.rank == 0:
+            check_output_dir(self.save_path, "checkpoint.save_path")
             self.save_path.mkdir(parents=True, exist_ok=True)
 
     # -- public -------------------------------------------------------------------------------
@@ -257,26 +271,28 @@ class CheckpointManager:
             partial_dir.mkdir(parents=True)
         self._barrier()
         state_dict, common = self._build_state_dict(target, step)
-        if self.rank == 0:
-            _write_json(partial_dir / COMMON_FILE, common)
-            if self.config_dict is not None:
-                _write_yaml(partial_dir / CONFIG_FILE, self.config_dict)
-            for src in self.files_to_copy:
-                if src.is_file():
-                    shutil.copyfile(src, partial_dir / src.name)
-        writer = _PrefixedWriter(partial_dir, self.prefix)
-        if self.async_save:
-            with _quiet_single_process():
-                future = dcp.async_save(
-                    state_dict, storage_writer=writer, process_group=self._pg, no_dist=not _distributed()
-                )
-            self._pending = _PendingSave(step, partial_dir, final_dir, future, t0)
-            logger.info("Checkpoint save of step %d started in the background -> %s", step, final_dir)
-        else:
-            with _quiet_single_process():
-                dcp.save(state_dict, storage_writer=writer, no_dist=not _distributed())
-            self._pending = _PendingSave(step, partial_dir, final_dir, None, t0)
-            self.wait()
+        with self._save_errors(step, partial_dir):
+            if self.rank == 0:
+                _write_json(partial_dir / COMMON_FILE, common)
+                if self.config_dict is not None:
+                    _write_yaml(partial_dir / CONFIG_FILE, self.config_dict)
+                for src in self.files_to_copy:
+                    if src.is_file():
+                        shutil.copyfile(src, partial_dir / src.name)
+            writer = _PrefixedWriter(partial_dir, self.prefix)
+            if self.async_save:
+                with _quiet_single_process():
+                    future = dcp.async_save(
+                        state_dict, storage_writer=writer, process_group=self._pg, no_dist=not _distributed()
+                    )
+                self._pending = _PendingSave(step, partial_dir, final_dir, future, t0)
+                logger.info("Checkpoint save of step %d started in the background -> %s", step, final_dir)
+            else:
+                with _quiet_single_process():
+                    dcp.save(state_dict, storage_writer=writer, no_dist=not _distributed())
+                self._pending = _PendingSave(step, partial_dir, final_dir, None, t0)
+        if not self.async_save:
+            self.wait()  # publishes (an asynchronous save is published by poll()/wait() later)
         self.last_save_seconds = time.perf_counter() - t0
         return True
 
@@ -290,11 +306,12 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        if pending.future is not None:
-            pending.future.result()  # re-raises a failure of the background save
-            self._barrier(self._pg)
-        if self.rank == 0:
-            self._publish(pending)
+        with self._save_errors(pending.step, pending.partial_dir):
+            if pending.future is not None:
+                pending.future.result()  # re-raises a failure of the background save
+                self._barrier(self._pg)
+            if self.rank == 0:
+                self._publish(pending)
         self._barrier(self._pg if pending.future is not None else None)
 
     def close(self) -> None:
@@ -347,18 +364,10 @@ class CheckpointManager:
         """Rank 0: fsync, rename the partial directory into place, update the tracker, rotate."""
         _fsync_tree(pending.partial_dir)
         final_dir = pending.final_dir
-        if final_dir.exists():
-            # Re-saving a step (as the original does): move the old one aside first so that at any
-            # moment one complete copy exists.
-            trash = self.save_path / f".{final_dir.name}.old"
-            if trash.exists():
-                shutil.rmtree(trash)
-            os.replace(final_dir, trash)
-            os.replace(pending.partial_dir, final_dir)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(pending.partial_dir, final_dir)
-        _fsync_dir(self.save_path)
+        # Re-saving a step (as the original does) moves the old one aside to .iteration_X.old first,
+        # so that at any moment one complete copy exists; resolve_checkpoint() finds it there if a
+        # crash hits between the two renames.
+        replace_dir(pending.partial_dir, final_dir)
         write_tracker(self.save_path, pending.step)
         seconds = time.perf_counter() - pending.started
         logger.info("Saved checkpoint of step %d to %s (%.2fs)", pending.step, final_dir, seconds)
@@ -366,6 +375,25 @@ class CheckpointManager:
             self.saved_this_run.remove(final_dir)
         self.saved_this_run.append(final_dir)
         self._rotate()
+
+    @contextlib.contextmanager
+    def _save_errors(self, step: int, partial_dir: Path):
+        """A failed write (disk full, read-only, ...) is a clear error; the previous checkpoint is kept."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from lmforge.train.safe_load import first_failure
+
+        try:
+            yield
+        except (CheckpointException, OSError) as exc:
+            inner = first_failure(exc)
+            if self.rank == 0:
+                shutil.rmtree(partial_dir, ignore_errors=True)
+            raise CheckpointError(
+                f"Saving the checkpoint of step {step} under {self.save_path} failed: {type(inner).__name__}: "
+                f"{inner}. The save did not complete; the previous checkpoint (iteration {self.latest_iteration()}) "
+                "is intact and still the latest. Free space or fix the permissions of checkpoint.save_path, then resume."
+            ) from None
 
     def _rotate(self) -> None:
         # save_max < 1 would make the original delete the checkpoint it just wrote; here it keeps all.
@@ -396,9 +424,12 @@ def read_tracker(save_path: str | os.PathLike) -> int | None:
     tracker = Path(save_path) / TRACKER_FILE
     if not tracker.is_file():
         return None
-    text = tracker.read_text().strip()
+    text = tracker.read_text(encoding="utf-8", errors="replace").strip()[:100]
     try:
-        return int(text)
+        step = int(text)
+        if step < 0:
+            raise ValueError
+        return step
     except ValueError:
         raise CheckpointError(
             f"The checkpoint tracker {tracker} should hold one iteration number, but it holds {text!r}. "
@@ -520,6 +551,8 @@ def resolve_checkpoint(load_path: str | os.PathLike) -> CheckpointHeader | None:
     if step is not None:
         it = path / iteration_dir_name(step)
         if not it.is_dir():
+            it = _recovered_iteration(it)
+        if not it.is_dir():
             raise CheckpointError(
                 f"{path / TRACKER_FILE} names iteration {step}, but {it} does not exist. Point "
                 f"checkpoint.load_path at an existing iteration_XXXXXXXX directory."
@@ -533,13 +566,48 @@ def resolve_checkpoint(load_path: str | os.PathLike) -> CheckpointHeader | None:
             f"{TRACKER_FILE}, an iteration_XXXXXXXX directory (with a DCP .metadata file), or a Hugging Face "
             f"model directory (model.safetensors or *model.safetensors.index.json).{hint}"
         )
-    common_file = path / COMMON_FILE
-    common = json.loads(common_file.read_text()) if common_file.is_file() else {}
+    common = _read_common(path / COMMON_FILE)
     if "has_optimizer" not in common:
         common["has_optimizer"] = any(
             k.startswith("optimizer.") for k in _read_metadata(path).state_dict_metadata
         )
     return CheckpointHeader("dcp", path, common)
+
+
+def _read_common(common_file: Path) -> dict[str, Any]:
+    if not common_file.is_file():
+        return {}
+    try:
+        common = json.loads(common_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        common = exc
+    if not isinstance(common, dict):
+        raise CheckpointError(
+            f"{common_file} is not the JSON object lmforge writes ({common if isinstance(common, Exception) else type(common).__name__}); "
+            "the checkpoint is corrupt or truncated. Use another iteration of the save_path."
+        )
+    for key in ("global_step", "consumed_samples", "world_size", "global_batch_size"):
+        if key in common and (
+            isinstance(common[key], bool) or not isinstance(common[key], int) or common[key] < 0
+        ):
+            raise CheckpointError(
+                f"{common_file}: {key} must be a non-negative integer, found {common[key]!r}; the checkpoint is "
+                "corrupt. Use another iteration of the save_path."
+            )
+    return common
+
+
+def _recovered_iteration(it: Path) -> Path:
+    """The iteration a crash during a re-save left under its ``.old`` name (put back when possible)."""
+    old = it.with_name(f".{it.name}.old")
+    if not (old / ".metadata").is_file():
+        return it
+    try:
+        recover_dir(it)
+    except OSError:
+        return old  # a read-only save_path: load it where it is
+    logger.warning("Recovered %s from %s (a crash interrupted its re-save).", it, old.name)
+    return it
 
 
 def _check_hf_index(path: Path) -> None:
@@ -554,10 +622,8 @@ def _check_hf_index(path: Path) -> None:
 
 
 def _read_metadata(path: Path):
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:  # a truncated or foreign .metadata file
-        raise CheckpointError(f"Cannot read the DCP metadata of checkpoint {path}: {exc}") from exc
+    # Never pickle.load: see train/safe_load.py (a .metadata file could otherwise run code).
+    return read_dcp_metadata(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,6 +648,7 @@ def load_checkpoint(
     *,
     no_load_optim: bool,
     hf_loader: Callable[[nn.Module, Path], None] | None = None,
+    partial_load: bool = False,
 ) -> None:
     """Restore ``target`` from ``header``.
 
@@ -605,7 +672,6 @@ def load_checkpoint(
         raise CheckpointError(NO_OPTIMIZER_MESSAGE.format(dir=header.path))
     metadata = _read_metadata(header.path)
     keys = metadata.state_dict_metadata
-    reader = FileSystemReader(str(header.path))
     rank = dist.get_rank() if _distributed() else 0
     model_sd = _model_state_dict(target.model)
     from lmforge.models.lora import is_lora_param_name
@@ -619,17 +685,11 @@ def load_checkpoint(
             "Build the model with the run's lora_config (lmforge generate / eval read it from the checkpoint's "
             "config.yaml or --config), or export the merged model with 'lmforge convert --to-hf DIR --from CKPT'."
         )
-    missing = [k for k in model_sd if f"model.{k}" not in keys]
-    if no_load_optim and missing:
+    if no_load_optim:
         # Fine-tuning with LoRA from a checkpoint of the base model: the adapters keep their fresh init.
-        fresh = [k for k in missing if is_lora_param_name(k)]
+        fresh = {k for k in model_sd if f"model.{k}" not in keys and is_lora_param_name(k)}
         model_sd = {k: v for k, v in model_sd.items() if k not in fresh}
-        missing = [k for k in missing if k not in fresh]
-    if missing:
-        raise CheckpointError(
-            f"Checkpoint {header.path} does not match the model: {len(missing)} parameter(s) are missing, e.g. "
-            f"{', '.join(missing[:5])}. Check that the model section is the one the checkpoint was trained with."
-        )
+    model_sd = _matching_parameters(header.path, model_sd, keys, partial_load, no_load_optim)
     _check_shapes(header.path, model_sd, keys)
     # Weights with an fp32 master load straight into the master (no bf16 rounding on the way).
     masters = {k: m for k, m in _masters_by_key(target.model, target.optimizer).items() if k in model_sd}
@@ -654,7 +714,7 @@ def load_checkpoint(
             sd["dataloader"] = {own_loader: _allocate_encoded(metadata, f"dataloader.{own_loader}")}
 
     with _quiet_single_process():
-        dcp.load(sd, storage_reader=reader, no_dist=not _distributed())
+        load_dcp(sd, header.path, no_dist=not _distributed())
 
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -713,6 +773,56 @@ def load_model_weights(path: str | os.PathLike, model: nn.Module) -> CheckpointH
     return header
 
 
+def _matching_parameters(
+    path: Path, model_sd: dict[str, Any], keys: Any, partial_load: bool, no_load_optim: bool
+) -> dict[str, Any]:
+    """The model's parameters to load; a checkpoint with other parameters is refused unless
+    ``checkpoint.partial_load`` says to load the common ones (and the others are listed)."""
+    missing = [k for k in model_sd if f"model.{k}" not in keys]
+    # Under pipeline parallelism a rank holds only its stage's layers: a checkpoint parameter is
+    # unexpected only if no rank's model has it (a collective: every rank loads).
+    known: set[str] = set(model_sd)
+    if _distributed():
+        names: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(names, sorted(model_sd))
+        known = {n for rank_names in names for n in rank_names}
+    unexpected = sorted(
+        k[len("model.") :] for k in keys if k.startswith("model.") and k[len("model.") :] not in known
+    )
+    if not missing and not unexpected:
+        return model_sd
+    if not partial_load:
+        parts = []
+        if missing:
+            parts.append(
+                f"{len(missing)} parameter(s) of the model are missing from it, e.g. {', '.join(missing[:5])}"
+            )
+        if unexpected:
+            parts.append(
+                f"it holds {len(unexpected)} parameter(s) the model does not have, e.g. {', '.join(unexpected[:5])}"
+            )
+        raise CheckpointError(
+            f"Checkpoint {path} does not match the model: {'; '.join(parts)}. Check that the model section is the "
+            "one the checkpoint was trained with (e.g. num_hidden_layers), or set checkpoint.partial_load: true "
+            "(with no_load_optim: true) to load only the parameters both have."
+        )
+    if not no_load_optim:
+        raise CheckpointError(
+            "checkpoint.partial_load: true loads model weights only; set checkpoint.no_load_optim: true as well "
+            "(the optimizer state of a different set of parameters cannot be resumed)."
+        )
+    logger.warning(
+        "checkpoint.partial_load: loading %d of the model's %d parameters from %s. Not in the checkpoint (keep "
+        "their initial values): %s. In the checkpoint but not in the model (skipped): %s.",
+        len(model_sd) - len(missing),
+        len(model_sd),
+        path,
+        ", ".join(missing) or "none",
+        ", ".join(unexpected) or "none",
+    )
+    return {k: v for k, v in model_sd.items() if k not in missing}
+
+
 def _check_shapes(path: Path, model_sd: dict[str, Any], keys: dict[str, Any]) -> None:
     bad = []
     for name, tensor in model_sd.items():
@@ -726,16 +836,9 @@ def _check_shapes(path: Path, model_sd: dict[str, Any], keys: dict[str, Any]) ->
         )
 
 
-class _TensorRef:
-    """Stands for a tensor inside an encoded skeleton (see :func:`encode_state`)."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-
 def encode_state(obj: Any) -> dict[str, Any]:
-    """Split an arbitrary state (nested dicts, lists, tuples, tensors, python values) into a pickled
-    skeleton and a flat dict of tensors, so DCP stores it exactly: DCP alone would stringify integer
+    """Split an arbitrary state (nested dicts, lists, tuples, tensors, python values) into a JSON
+    skeleton (train/safe_load.py) and a flat dict of tensors, so DCP stores it exactly: DCP alone would stringify integer
     keys and drop empty containers (an optimizer's state dict has both)."""
     tensors: dict[str, torch.Tensor] = {}
 
@@ -752,9 +855,9 @@ def encode_state(obj: Any) -> dict[str, Any]:
             return tuple(walk(v) for v in x)
         return copy.deepcopy(x)
 
-    # Pickled here, at call time: an asynchronous save then holds the state as of the call, and DCP
+    # Encoded here, at call time: an asynchronous save then holds the state as of the call, and DCP
     # stores the bytes as one opaque item instead of traversing the structure.
-    skeleton = pickle.dumps(walk(obj))
+    skeleton = encode_skeleton(walk(obj))
     return {"skeleton": skeleton, "tensors": tensors}
 
 
@@ -772,7 +875,7 @@ def decode_state(encoded: dict[str, Any]) -> Any:
             return tuple(walk(v) for v in x)
         return x
 
-    return walk(pickle.loads(encoded["skeleton"]))
+    return walk(decode_skeleton(encoded["skeleton"]))
 
 
 def _allocate_encoded(metadata: Any, prefix: str) -> dict[str, Any]:

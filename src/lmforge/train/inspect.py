@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmforge.train.checkpoint import (
@@ -24,6 +22,7 @@ from lmforge.train.checkpoint import (
     read_tracker,
     resolve_checkpoint,
 )
+from lmforge.train.safe_load import load_dcp
 
 
 def _bytes(n: float) -> str:
@@ -37,7 +36,7 @@ def _bytes(n: float) -> str:
 def _read_small(path: Path, metadata: Any, prefix: str) -> Any:
     sd = {prefix: _allocate_encoded(metadata, prefix)}
     with _quiet_single_process():
-        dcp.load(sd, storage_reader=FileSystemReader(str(path)), no_dist=True)
+        load_dcp(sd, path, no_dist=True)
     return decode_state(sd[prefix])
 
 

@@ -8,7 +8,6 @@ done here: replicas all-reduce (sum) their gradients after the backward passes.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +43,15 @@ def distributed_env(device: str | None = None, timeout_s: float = DEFAULT_TIMEOU
     ``timeout_s`` is ``parallelism.process_group_timeout``: how long a collective (and start-up) may
     wait for the slowest rank before the job fails (and torchrun may restart it).
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    from lmforge.utils.device import env_int
+
+    world = env_int("WORLD_SIZE", 1, minimum=1)
+    rank = env_int("RANK", 0)
+    local_rank = env_int("LOCAL_RANK", 0)
+    if rank >= world:
+        from lmforge.errors import ConfigError
+
+        raise ConfigError(f"The environment variable RANK={rank} must be below WORLD_SIZE={world}.")
     use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
     if use_cuda:
         torch.cuda.set_device(local_rank)

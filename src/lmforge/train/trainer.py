@@ -40,6 +40,7 @@ from lmforge.train.parallel_seam import ParallelContext
 from lmforge.train.perf import device_memory_gib, mfu_peak
 from lmforge.train.state import TrainState
 from lmforge.train.step import SkipPolicy, StepResult, TrainingStopped, TrainStep
+from lmforge.utils.atomic import check_output_dir, write_text_atomic
 from lmforge.utils.logging import get_logger, setup_logging
 from lmforge.utils.sections import section_to_dict
 
@@ -194,6 +195,7 @@ class Trainer:
 
     def _setup_run_dir(self) -> None:
         if self.ctx.rank == 0:
+            check_output_dir(self.output_dir, "output_dir")
             self.output_dir.mkdir(parents=True, exist_ok=True)
         log_file = str(self.output_dir / "train.log") if (self.log_to_file and self.ctx.rank == 0) else None
         setup_logging(log_file=log_file)
@@ -201,24 +203,40 @@ class Trainer:
             self.artifacts["log"] = log_file
 
     def fit(self) -> dict[str, Any]:
-        self._resume_or_start()
+        # Signals are handled from the start to the end of the run (also during the final save), so
+        # SIGTERM at any moment ends with a complete checkpoint; the run's directories are locked.
         previous_handlers = self._install_signal_handlers()
-        kw = self._hook_kwargs
+        locks = self._lock_run_dirs()
         try:
-            self.callbacks.call("on_begin", self.config, self.state, **kw())
-            self.callbacks.call("on_train_begin", self.config, self.state, **kw())
-            self._run_started = time.perf_counter()
-            self._loop()
+            summary = self._fit()
         finally:
+            for lock in locks:
+                lock.release()
             self._restore_signal_handlers(previous_handlers)
+        if self.stop_reason and self.stop_reason.startswith("diverged"):
+            raise TrainingStopped(self.stop_reason[len("diverged: ") :])
+        return summary
+
+    def _lock_run_dirs(self) -> list[Any]:
+        from lmforge.utils.run_lock import lock_dirs, run_dirs
+
+        if self.ctx.rank != 0:
+            return []
+        return lock_dirs(run_dirs(self.output_dir, self.checkpoint_cfg))
+
+    def _fit(self) -> dict[str, Any]:
+        self._resume_or_start()
+        kw = self._hook_kwargs
+        self.callbacks.call("on_begin", self.config, self.state, **kw())
+        self.callbacks.call("on_train_begin", self.config, self.state, **kw())
+        self._run_started = time.perf_counter()
+        self._loop()
         self.callbacks.call("on_train_end", self.config, self.state, **kw())
         self.callbacks.call("on_end", self.config, self.state, **kw())
         summary = self.summary()
         if self.ctx.rank == 0:
             logger.info(format_summary(summary))
-            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if self.stop_reason and self.stop_reason.startswith("diverged"):
-            raise TrainingStopped(self.stop_reason[len("diverged: ") :])
+            write_text_atomic(self.output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
     def _resume_or_start(self) -> None:
@@ -234,7 +252,11 @@ class Trainer:
         self.dataloader = self.dataloader_factory(consumed)
         if header is not None:
             load_checkpoint(
-                header, self.checkpointable(), no_load_optim=no_load_optim, hf_loader=self.hf_loader
+                header,
+                self.checkpointable(),
+                no_load_optim=no_load_optim,
+                hf_loader=self.hf_loader,
+                partial_load=bool(self.checkpoint_cfg.get("partial_load", False)),
             )
             self._resumed_from = str(header.path)
             if header.kind == "dcp" and not no_load_optim:

@@ -9,6 +9,7 @@ from typing import Any
 
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.callbacks.registry import register_callback
+from lmforge.utils.atomic import write_text_atomic
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -44,9 +45,8 @@ class MetricsCallback(TrainerCallback):
         # produced again; drop them so the file holds each step once.
         kept = [r for r in read_metrics(self.path) if int(r.get("step", 0)) <= state.global_step]
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "w") as f:
-            for r in kept:
-                f.write(json.dumps(r) + "\n")
+        # Rewritten aside and renamed: a crash here keeps the previous file.
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run, closed at train end
 
     def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.callbacks.metrics import read_metrics
 from lmforge.train.callbacks.registry import register_callback
+from lmforge.utils.atomic import atomic_file
 from lmforge.utils.logging import get_logger
 
 logger = get_logger("lmforge.train")
@@ -34,7 +35,8 @@ def plot_curves(metrics_file: str | Path, out_file: str | Path) -> bool:
     ax_lr.set_xlabel("step")
     ax_lr.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_file, dpi=100)
+    with atomic_file(out_file) as tmp:  # a crash keeps the previous plot
+        fig.savefig(tmp, dpi=100, format=Path(out_file).suffix.lstrip(".") or "png")
     plt.close(fig)
     return True
 
