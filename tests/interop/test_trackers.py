@@ -4,6 +4,7 @@ history read back equals metrics.jsonl, one tracker run across the restart, conf
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -21,6 +22,9 @@ def _train_with_restart(tmp_path, monitor):
     tiny_trainer(tiny_config(tmp_path, training={"steps": 4}, checkpoint=ckpt, monitor=monitor)).fit()
     first = json.loads((tmp_path / "run" / RUNS_FILE).read_text())
     ckpt["load_path"] = str(tmp_path / "ckpt")
+    # W&B names an offline run's directory by its start second and run id: a restart within the same
+    # second (a tiny run on an idle machine) would share the first start's directory.
+    time.sleep(1.1)
     tiny_trainer(tiny_config(tmp_path, training={"steps": 6}, checkpoint=ckpt, monitor=monitor)).fit()
     second = json.loads((tmp_path / "run" / RUNS_FILE).read_text())
     assert first == second  # the restart continued the same tracker run
