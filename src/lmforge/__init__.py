@@ -1,3 +1,28 @@
 """lmforge: PyTorch-native LLM training from one YAML file."""
 
 __version__ = "0.1.0"
+
+# The packages that own a section with a discriminator register its typed schemas with the config
+# (lmforge.config.registry) on import; importing them here makes load_config see them.
+import lmforge.lr.schema  # noqa: E402,F401
+
+
+def _register_model_schemas() -> None:
+    # The families import torch: registered on the first load, not on `import lmforge`.
+    from lmforge.models.schema import register
+
+    register()
+
+
+from lmforge.config.registry import register_schema_provider  # noqa: E402
+
+register_schema_provider("model", _register_model_schemas)
+
+
+def _register_optimizer_schemas() -> None:
+    from lmforge.optim.schema import register
+
+    register()
+
+
+register_schema_provider("optimizer", _register_optimizer_schemas)

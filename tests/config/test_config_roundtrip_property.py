@@ -60,7 +60,6 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
         "lr_scheduler": {
             "type": "CosineWithWarmUpLR",
             "learning_rate": draw(st.floats(0, 1)),
-            **draw(_extras),
         },
         "train_dataset": {
             "dataloader": {"type": "BlendedMegatronDatasetDataLoader", **draw(_extras)},
@@ -70,7 +69,6 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
             "model_type": "qwen3",
             "architectures": "Qwen3ForCausalLM",
             "num_hidden_layers": layers,
-            **draw(_extras),
         },
         "recompute": draw(
             st.sampled_from(

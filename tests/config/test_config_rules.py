@@ -256,7 +256,12 @@ def test_the_base_config_of_these_tests_is_valid(base_config: dict[str, Any]) ->
 
 
 def test_layer_range_counts_mtp_layers(base_config: dict[str, Any]) -> None:
-    base_config["model"]["num_nextn_predict_layers"] = 1
+    base_config["model"].update(
+        model_type="deepseek_v3",
+        architectures="DeepseekV3ForCausalLM",
+        num_attention_heads=4,
+        num_nextn_predict_layers=1,
+    )
     base_config["recompute"] = {"mode": "full", "full_recompute_layer": ["0-4"]}
     assert load_config(base_config).recompute.full_recompute_layer == ["0-4"]
     base_config["recompute"]["full_recompute_layer"] = ["0-5"]

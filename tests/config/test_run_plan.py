@@ -152,7 +152,8 @@ def test_accepted_keys_that_change_nothing_warn(base_config: dict[str, Any]) -> 
     base_config["model"].update(torch_dtype="bfloat16", eos_token_id=2)
     base_config["parallelism"] = {"context_parallel_async": True}
     base_config["train_dataset"]["dataloader"].update(bogus_one=1, bogus_two=2)
-    warnings = " | ".join(_plan(base_config).warnings)
+    # load_config warns about the model's keys (cfg.warnings), the plan about the others; check prints both.
+    warnings = " | ".join([*load_config(base_config).warnings, *_plan(base_config).warnings])
     assert "model.torch_dtype, model.eos_token_id accepted but have no effect" in warnings
     assert "context_parallel_async: true has no effect with context_parallel 1" in warnings
     assert "train_dataset.dataloader.bogus_one, train_dataset.dataloader.bogus_two are not used" in warnings
@@ -182,7 +183,8 @@ def test_spec_literal_adamw_include_keeps_embedding_and_output_layer_on_adamw(
 
 def test_parameter_pattern_matching_nothing_is_reported(base_config: dict[str, Any]) -> None:
     base_config["optimizer"] = {"weight_decay_exclude": ["no_such_param"], "lr_scale": {"embedding": 0.5}}
-    warnings = " | ".join(_plan(base_config).warnings)
+    # load_config warns about the model's keys (cfg.warnings), the plan about the others; check prints both.
+    warnings = " | ".join([*load_config(base_config).warnings, *_plan(base_config).warnings])
     assert "optimizer.weight_decay_exclude: the pattern 'no_such_param' matches no parameter" in warnings
     assert "'embedding'" not in warnings
 
@@ -202,7 +204,8 @@ def test_recompute_comm_spec_example_attention_qkv_is_accepted_under_tensor_para
 
 def test_bare_substring_pattern_is_reported_with_the_glob_to_write(base_config: dict[str, Any]) -> None:
     base_config["optimizer"] = {"weight_decay_exclude": ["norm"]}
-    warnings = " | ".join(_plan(base_config).warnings)
+    # load_config warns about the model's keys (cfg.warnings), the plan about the others; check prints both.
+    warnings = " | ".join([*load_config(base_config).warnings, *_plan(base_config).warnings])
     assert "'norm' matches no parameter" in warnings and "write '*norm*'" in warnings
 
 

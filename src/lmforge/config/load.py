@@ -6,11 +6,13 @@ full dotted path (``training.global_batch_size``, ``callbacks[0].type``) and say
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
+import logging
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,16 +89,40 @@ def validate_config(
     non_str = [k for k in raw if not isinstance(k, str)]
     if non_str:
         raise ConfigError(f"Top-level keys of {source} must be strings, got {non_str!r}.")
+    schema_notes: list[str] = []
     try:
-        cfg = TrainConfig.model_validate(dict(raw))
+        with _collected_log_warnings(schema_notes):
+            cfg = TrainConfig.model_validate(dict(raw))
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, source)) from None
-    warnings = collect_warnings(raw, cfg)
+    warnings = collect_warnings(raw, cfg) + list(dict.fromkeys(schema_notes))
     cfg._warnings = tuple(warnings)
     if log_warnings:
         for line in warnings:
             _log.warning(line)
     return cfg
+
+
+@contextlib.contextmanager
+def _collected_log_warnings(notes: list[str]) -> Iterator[None]:
+    """The warnings the registered section schemas log (keys that change nothing, a warm-up longer
+    than training) become warnings of the configuration instead of log lines of their own."""
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            notes.append(record.getMessage())
+
+    root = logging.getLogger("lmforge")
+    saved = (root.handlers[:], root.propagate, root.level)
+    root.handlers = [_Collect(level=logging.WARNING)]
+    root.propagate = False
+    if root.level == logging.NOTSET or root.level > logging.WARNING:
+        root.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        root.handlers, root.propagate = saved[0], saved[1]
+        root.setLevel(saved[2])
 
 
 def config_warnings(cfg: TrainConfig) -> tuple[str, ...]:

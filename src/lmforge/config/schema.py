@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from lmforge.config.base import ConfigNode, Float, OpenSection, Section
 from lmforge.config.layer_spec import check_layer_range, parse_layer_specs
+from lmforge.config.registry import typed_section
 from lmforge.config.sections_components import (
     DataloaderConfig,
     LrSchedulerConfig,
@@ -119,6 +120,30 @@ class TrainConfig(OpenSection):
         if isinstance(data, dict) and "checkpoint" not in data:
             data = {**data, "checkpoint": {"enable_save": False}}
         return data
+
+    @field_validator("lr_scheduler", mode="after")
+    @classmethod
+    def _type_lr_scheduler(cls, section: LrSchedulerConfig, info: ValidationInfo) -> LrSchedulerConfig:
+        # The scheduler's keys depend on its type and its total on training.steps: the schema lr/
+        # registered for this type validates both now, before anything is built.
+        if "training" in info.data:
+            section._typed = typed_section("lr_scheduler", section.type, section, "lr_scheduler", info.data)
+        return section
+
+    @field_validator("optimizer", mode="after")
+    @classmethod
+    def _type_optimizer(cls, section: OptimizerConfig) -> OptimizerConfig:
+        # The optimizer's keys depend on its type: the schema optim/ registered for it validates them.
+        section._typed = typed_section("optimizer", section.type, section, "optimizer", {})
+        return section
+
+    @field_validator("model", mode="after")
+    @classmethod
+    def _type_model(cls, section: ModelConfig) -> ModelConfig:
+        # The model's keys depend on its family: the schema models/ registered for model_type
+        # resolves them through the family's keys now, before anything is built.
+        section._typed = typed_section("model", section.model_type, section, "model", {})
+        return section
 
     @model_validator(mode="after")
     def _check_eval(self) -> TrainConfig:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from typing import Any
+
+from pydantic import Field, PrivateAttr, model_validator
 
 from lmforge.config.base import Float, OpenSection, Section, check_positive
 
@@ -18,6 +20,15 @@ class OptimizerConfig(OpenSection):
     weight_decay_include: list[str] | None = None
     weight_decay_exclude: list[str] | None = None
     accumulate_allreduce_grads_in_fp32: bool = True
+
+    # The options the registered schema of ``type`` made of this section (lmforge.config.registry);
+    # None when the section was validated on its own.
+    _typed: Any = PrivateAttr(default=None)
+
+    @property
+    def typed(self) -> Any:
+        """The typed, validated form of this section (``lmforge.optim.OptimizerOptions``), or None."""
+        return self._typed
 
     @model_validator(mode="after")
     def _check(self) -> OptimizerConfig:
@@ -35,6 +46,15 @@ class OptimizerConfig(OpenSection):
 class LrSchedulerConfig(OpenSection):
     type: str
     learning_rate: Float = 1e-5
+
+    # The schedule the registered schema of ``type`` made of this section and training.steps
+    # (lmforge.config.registry); None when the section was validated on its own.
+    _typed: Any = PrivateAttr(default=None)
+
+    @property
+    def typed(self) -> Any:
+        """The typed, validated form of this section (an ``lmforge.lr.Schedule``), or None."""
+        return self._typed
 
     @model_validator(mode="after")
     def _check(self) -> LrSchedulerConfig:
@@ -79,6 +99,15 @@ class TrainDatasetConfig(Section):
 class ModelConfig(OpenSection):
     model_type: str
     architectures: str
+
+    # The resolved structure and model class the registered schema of ``model_type`` made of this
+    # section (lmforge.config.registry); None when the section was validated on its own.
+    _typed: Any = PrivateAttr(default=None)
+
+    @property
+    def typed(self) -> Any:
+        """The typed, validated form of this section (``lmforge.models.schema.TypedModel``), or None."""
+        return self._typed
 
     def layer_count(self) -> int | None:
         """Decoder layers plus MTP layers, or None when the section does not say."""

@@ -1,11 +1,23 @@
 """Learning-rate schedules: the ``lr_scheduler`` section of the YAML.
 
-``build_scheduler(section, total_steps)`` validates the section and returns a pure schedule
-(``lr_at(step) -> float``); ``ScheduleLR(optimizer, schedule)`` drives a torch optimizer with it.
+``load_config`` types the section through the schemas of :mod:`lmforge.lr.schema` (``cfg.lr_scheduler.typed``
+is the validated schedule); ``build_scheduler(section, total_steps)`` returns that schedule (or validates a
+section on its own) as a pure schedule (``lr_at(step) -> float``); ``ScheduleLR(optimizer, schedule)``
+drives a torch optimizer with it.
 """
+
+from typing import Any
 
 from lmforge.lr.build import SCHEDULER_TYPES, build_scheduler, validate_scheduler_section
 from lmforge.lr.schedules import Schedule
-from lmforge.lr.torch_scheduler import ScheduleLR
 
 __all__ = ["SCHEDULER_TYPES", "Schedule", "ScheduleLR", "build_scheduler", "validate_scheduler_section"]
+
+
+def __getattr__(name: str) -> Any:
+    # ScheduleLR needs torch; `import lmforge` (which registers the lr schemas) should not.
+    if name == "ScheduleLR":
+        from lmforge.lr.torch_scheduler import ScheduleLR
+
+        return ScheduleLR
+    raise AttributeError(f"module 'lmforge.lr' has no attribute {name!r}")

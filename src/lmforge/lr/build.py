@@ -362,6 +362,12 @@ def _with_warnings(schedule: s.Schedule, notes: list[str]) -> s.Schedule:
     return dataclasses.replace(schedule, warnings=(*schedule.warnings, *notes))
 
 
+def schedule_of_values(values: dict[str, Any], path: str, total_steps: int) -> s.Schedule:
+    """The schedule of a plain ``lr_scheduler`` mapping (warnings kept in ``schedule.warnings``, not
+    logged): the typed form that ``load_config`` keeps on the section (lmforge.lr.schema)."""
+    return _build(values, path, total_steps)
+
+
 def build_scheduler(section: Any, total_steps: int, *, path: str = "lr_scheduler") -> s.Schedule:
     """The schedule of an ``lr_scheduler`` section (pydantic section or plain mapping).
 
@@ -371,7 +377,11 @@ def build_scheduler(section: Any, total_steps: int, *, path: str = "lr_scheduler
     """
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
         raise ConfigError(f"training.steps must be a whole number of steps >= 0, got {total_steps!r}.")
-    schedule = _build(section_to_dict(section), path, total_steps)
+    typed = getattr(section, "typed", None)
+    if isinstance(typed, s.Schedule) and typed.total_steps == total_steps:
+        schedule = typed  # validated by load_config (lmforge.lr.schema)
+    else:
+        schedule = _build(section_to_dict(section), path, total_steps)
     for note in schedule.warnings:
         log.warning("%s", note)
     return schedule

@@ -266,10 +266,18 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
     from lmforge.parallel.api import validate_options, warn_inert_fields
 
     training = cfg.training
-    resolved = _attempt(problems, lambda: resolve(cfg.model.to_dict()))
+    # load_config typed the model and lr_scheduler sections (lmforge.config.registry); a TrainConfig
+    # built without the registered schemas is resolved here.
+    typed_model = getattr(cfg.model, "typed", None)
+    resolved = typed_model or _attempt(problems, lambda: resolve(cfg.model.to_dict()))
     model_config, model_class = resolved if resolved is not None else (None, None)
-    optimizer = _attempt(problems, lambda: parse_optimizer_section(cfg.optimizer))
-    schedule = _attempt(problems, lambda: build_scheduler(cfg.lr_scheduler, int(training.steps)))
+    optimizer = getattr(cfg.optimizer, "typed", None) or _attempt(
+        problems, lambda: parse_optimizer_section(cfg.optimizer)
+    )
+    typed_schedule = getattr(cfg.lr_scheduler, "typed", None)
+    schedule = typed_schedule or _attempt(
+        problems, lambda: build_scheduler(cfg.lr_scheduler, int(training.steps))
+    )
     _attempt(
         problems,
         lambda: validate_dataset_section(
