@@ -7,11 +7,17 @@ import pytest
 import torch
 
 from lmforge.config import load_config
+from lmforge.config.registry import register_section_schema
 from lmforge.lr import ScheduleLR, build_scheduler
 from lmforge.train.rng import seed_everything
 from lmforge.train.trainer import Trainer
 
 from .tiny import TinyLM, TinyLoader
+
+# The toy model these tests build by hand is a component lmforge does not ship: like a plugin, it
+# registers its (trivial) section schema so that load_config, which types the model section per
+# model_type, accepts it.
+register_section_schema("model", "tiny", lambda section, path, cfg: None)
 
 
 def tiny_config(tmp_path: Path, **sections: Any):
