@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lmforge.errors import ConfigError
-from lmforge.lr import SCHEDULER_TYPES, build_scheduler, validate_scheduler_section
+from lmforge.lr import SCHEDULER_TYPES, build_scheduler
 
 ALL_TEN = {
     "ConstantWarmUpLR": {"warmup_steps": 5},
@@ -174,14 +174,26 @@ def test_a_learning_rate_of_zero_everywhere_is_warned_about():
     assert not any("learning rate is 0" in w for w in warm.warnings)
 
 
-def test_validate_without_total_steps_skips_only_the_checks_that_need_it():
-    validate_scheduler_section(
-        {"type": "WarmUpStableDecayLR", "learning_rate": 1e-4, "decay_start_steps": 5000}
-    )
-    with pytest.raises(ConfigError, match="lr_scheduler.warmup_ration"):
-        validate_scheduler_section({"type": "ConstantWarmUpLR", "warmup_ration": 0.1})
+def test_load_config_types_the_section_against_training_steps(base_config):
+    # lr_scheduler is typed at load (lmforge.lr.schema): every check, the training.steps ones included.
+    from lmforge.config import load_config
+
+    base_config["training"]["steps"] = 10
+    base_config["lr_scheduler"] = {
+        "type": "WarmUpStableDecayLR",
+        "learning_rate": 1e-4,
+        "decay_start_steps": 5,
+    }
+    assert load_config(base_config).lr_scheduler.typed.decay_start == 5
+    base_config["lr_scheduler"]["decay_start_steps"] = 5000
+    with pytest.raises(ConfigError, match="lr_scheduler.decay_start_steps"):
+        load_config(base_config)
+    base_config["lr_scheduler"] = {"type": "ConstantWarmUpLR", "warmup_ration": 0.1}
+    with pytest.raises(ConfigError, match=r"lr_scheduler.warmup_ration \(did you mean warmup_ratio\?\)"):
+        load_config(base_config)
+    base_config["lr_scheduler"] = {"type": "ConstantWarmUpLR", "total_steps": 5}
     with pytest.raises(ConfigError, match="training.steps is 10"):
-        validate_scheduler_section({"type": "ConstantWarmUpLR", "total_steps": 5}, total_steps=10)
+        load_config(base_config)
 
 
 def test_pydantic_section_with_a_nested_mapping_builds():

@@ -19,7 +19,9 @@ STEPS = 8
 
 
 def run(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "tests"), OMP_NUM_THREADS="1")
+    # Keep the caller's PYTHONPATH (a worktree's src/) after tests/, so the child imports the same lmforge.
+    path = os.pathsep.join(p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "train.tiny_run", str(tmp), *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 

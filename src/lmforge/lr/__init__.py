@@ -8,10 +8,10 @@ drives a torch optimizer with it.
 
 from typing import Any
 
-from lmforge.lr.build import SCHEDULER_TYPES, build_scheduler, validate_scheduler_section
+from lmforge.lr.build import SCHEDULER_TYPES, build_scheduler
 from lmforge.lr.schedules import Schedule
 
-__all__ = ["SCHEDULER_TYPES", "Schedule", "ScheduleLR", "build_scheduler", "validate_scheduler_section"]
+__all__ = ["SCHEDULER_TYPES", "Schedule", "ScheduleLR", "build_scheduler"]
 
 
 def __getattr__(name: str) -> Any:

@@ -385,25 +385,3 @@ def build_scheduler(section: Any, total_steps: int, *, path: str = "lr_scheduler
     for note in schedule.warnings:
         log.warning("%s", note)
     return schedule
-
-
-# Without training.steps, validate as if training were this long: no check can fail because of it.
-_UNKNOWN_TOTAL = 10**12
-
-
-def validate_scheduler_section(section: Any, total_steps: int | None = None) -> None:
-    """Raise ConfigError if the section cannot build (the hook of ``lmforge check``).
-
-    Pass ``total_steps`` (training.steps) to run every check. Without it the checks that need it
-    (lr_scheduler.total_steps equal to training.steps, a WSD decay that starts before the end) are
-    skipped; everything else (types, ranges, unknown keys) is checked.
-    """
-    if total_steps is None:
-        values = section_to_dict(section)
-        yaml_total = values.get("total_steps")
-        total_steps = yaml_total if isinstance(yaml_total, int) and not isinstance(yaml_total, bool) else None
-        if total_steps is None or total_steps < 0:
-            total_steps = _UNKNOWN_TOTAL
-        _build(values, "lr_scheduler", total_steps)
-        return
-    build_scheduler(section, total_steps)

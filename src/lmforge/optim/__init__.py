@@ -10,7 +10,7 @@ from lmforge.optim.lion import Lion
 from lmforge.optim.master_weights import MasterWeightOptimizer, attach_fp32_grad_accumulation, get_grad
 from lmforge.optim.muon import Muon
 from lmforge.optim.newton_schulz import newton_schulz, normalize_ns_schedule
-from lmforge.optim.options import OptimizerOptions, parse_optimizer_section, validate_optimizer_section
+from lmforge.optim.options import OptimizerOptions, parse_optimizer_section
 
 __all__ = [
     "LAMB",
@@ -25,5 +25,4 @@ __all__ = [
     "newton_schulz",
     "normalize_ns_schedule",
     "parse_optimizer_section",
-    "validate_optimizer_section",
 ]

@@ -41,7 +41,13 @@ def build_optimizer(
     Muon's QK-Clip max logits are reduced (default: the world group when distributed).
     """
     # The run plan passes the options it already validated; a section (tests, tools) is parsed here.
-    opts = section if isinstance(section, OptimizerOptions) else parse_optimizer_section(section)
+    typed = getattr(section, "typed", None)  # load_config typed the section (lmforge.optim.schema)
+    if isinstance(section, OptimizerOptions):
+        opts = section
+    elif isinstance(typed, OptimizerOptions):
+        opts = typed
+    else:
+        opts = parse_optimizer_section(section)
     if model is None:
         key = "type"
         raise ConfigError(

@@ -354,8 +354,3 @@ def parse_optimizer_section(section: Any) -> OptimizerOptions:
         )
         logger.warning("optimizer.%s is not used by the %s optimizer and has no effect%s.", key, kind, hint)
     return OptimizerOptions(type=kind, grouping=grouping, hyper=hyper, ignored_keys=ignored)
-
-
-def validate_optimizer_section(section: Any) -> OptimizerOptions:
-    """Validation only (no model needed), for ``lmforge check``: raises :class:`ConfigError`."""
-    return parse_optimizer_section(section)
