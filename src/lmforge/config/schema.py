@@ -81,7 +81,8 @@ class TrainConfig(OpenSection):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    # validate_default: an omitted optimizer section is typed too (AdamW with its defaults).
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, validate_default=True)
     lr_scheduler: LrSchedulerConfig
     train_dataset: TrainDatasetConfig
     model: ModelConfig
