@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -167,6 +168,10 @@ def test_lora_resume_is_bitwise_exact_and_checkpoint_has_small_optimizer(tmp_pat
     state_keys = [k for k in keys if k.startswith("optimizer.state.")]
     assert state_keys and all(".lora_" in k for k in state_keys)  # no optimizer state for the frozen base
     assert any(".lora_B." in k for k in keys if k.startswith("model."))
+    # A small checkpoint: the adapters only, and the seed that rebuilds the frozen base (a fresh init).
+    assert all(".lora_" in k for k in keys if k.startswith("model."))
+    common = json.loads((split / "ckpt" / "iteration_00000002" / "common.json").read_text())
+    assert common["lora_base"]["kind"] == "init" and isinstance(common["lora_base"]["seed"], int)
 
 
 def _sets(overrides):
@@ -232,6 +237,36 @@ def test_fine_tune_from_hf_then_merged_and_peft_exports_match(tmp_path, capsys):
         peft_model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
         assert (peft_model(ids).logits - ours).abs().max().item() <= 1e-5
     assert (base_logits - ours).abs().max().item() > 1e-4  # the adapter is what makes the difference
+    # The checkpoint holds the adapters and a checked record of the HF base, which is rebuilt from it.
+    from lmforge.errors import CheckpointError
+    from lmforge.models.lora import apply_lora
+    from lmforge.train.checkpoint import load_model_weights
+
+    it = ckpt / "iteration_00000003"
+    common = json.loads((it / "common.json").read_text())
+    record = common["lora_base"]
+    assert record["kind"] == "hf" and record["path"] == str((tmp_path / "hf_base").resolve())
+    weights = sorted((tmp_path / "hf_base").glob("*.safetensors"))[0]
+    assert record["files"][weights.name]["size"] == weights.stat().st_size
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(it)).read_metadata().state_dict_metadata
+    assert all(".lora_" in k for k in keys if k.startswith("model."))
+
+    def fresh():
+        m = build_model(cfg.model)
+        apply_lora(m, cfg.lora_config)
+        return m
+
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit of the base flipped
+    with pytest.raises(CheckpointError, match="weight files changed since"):
+        load_model_weights(ckpt, fresh())
+    weights.write_bytes(data)
+    load_model_weights(ckpt, fresh())  # the original base is accepted again
+    (tmp_path / "hf_base").rename(tmp_path / "moved")
+    with pytest.raises(CheckpointError, match="no longer exists"):
+        load_model_weights(ckpt, fresh())
 
 
 @pytest.mark.slow
