@@ -140,7 +140,8 @@ def test_training_updates_only_the_adapters(tmp_path, optimizer):
 
 
 @pytest.mark.slow
-def test_lora_resume_is_bitwise_exact_and_checkpoint_has_small_optimizer(tmp_path):
+@pytest.mark.parametrize("how", ["load_path", "auto_resume"])
+def test_lora_resume_is_bitwise_exact_and_checkpoint_has_small_optimizer(tmp_path, how):
     straight = tmp_path / "a"
     straight.mkdir()
     assert main(["train", "--config", write_config(straight, ADAMW, steps=4), *_sets(LORA)]) == 0
@@ -158,7 +159,9 @@ def test_lora_resume_is_bitwise_exact_and_checkpoint_has_small_optimizer(tmp_pat
         )
         == 0
     )
-    assert main(["train", "--config", cfg, *_sets([*LORA, f"checkpoint.load_path={split / 'ckpt'}"])]) == 0
+    # auto_resume (as an elastic restart): the same job finds its own small checkpoint in save_path.
+    resume = f"checkpoint.load_path={split / 'ckpt'}" if how == "load_path" else "checkpoint.auto_resume=true"
+    assert main(["train", "--config", cfg, *_sets([*LORA, resume])]) == 0
     a = [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(straight / "run" / "metrics.jsonl")]
     b = [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(split / "run" / "metrics.jsonl")]
     assert len(a) == 4 and a == b
@@ -312,6 +315,51 @@ def test_lora_model_loads_a_base_checkpoint_without_adapters(tmp_path):
     for name, p in base.named_parameters():
         assert torch.equal(ours[name], p), name
     assert not ours["decoder.layers.0.self_attention.linear_qkv.lora_B.weight"].any()
+
+
+def test_lora_checkpoint_rebuilds_its_lmforge_base_checkpoint_and_refuses_a_changed_one(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lmforge.errors import CheckpointError
+    from lmforge.train.checkpoint import (
+        Checkpointable,
+        CheckpointManager,
+        load_model_weights,
+        resolve_checkpoint,
+    )
+    from lmforge.train.lora_checkpoint import base_record
+
+    def save(model, path, step, lora_base=None):
+        manager = CheckpointManager(path, no_save_optim=True, save_max=0)
+        manager.lora_base = lora_base
+        assert manager.save(Checkpointable(model=model), step=step)
+        manager.close()
+
+    def fresh():
+        torch.manual_seed(99)  # other base weights than the checkpoint's
+        m = _tiny_model()
+        apply_lora(m, {"target_modules": ".*linear_qkv"})
+        init_lora_weights(m, seed=0)
+        return m
+
+    torch.manual_seed(3)
+    save(_tiny_model(), tmp_path / "base", 0)
+    model = fresh()
+    load_model_weights(tmp_path / "base", model)
+    _randomise_adapters(model)
+    save(model, tmp_path / "lora", 1, base_record(resolve_checkpoint(tmp_path / "base"), seed=0))
+    keys = FileSystemReader(str(tmp_path / "lora" / "iteration_00000001")).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys)  # no base weight in it
+    again = fresh()
+    load_model_weights(tmp_path / "lora", again)  # base from tmp_path/base, adapters from tmp_path/lora
+    ours = again.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(ours[name], tensor), name
+    torch.manual_seed(5)
+    save(_tiny_model(), tmp_path / "base", 0)  # the base checkpoint re-saved with other weights
+    with pytest.raises(CheckpointError, match="weight files changed since"):
+        load_model_weights(tmp_path / "lora", fresh())
 
 
 def test_a_lora_checkpoint_is_not_loaded_into_a_model_without_adapters(tmp_path):

@@ -122,6 +122,24 @@ def check_base(record: dict[str, Any], checkpoint: Path) -> None:
         )
 
 
+def _check_base_once(record: dict[str, Any], checkpoint: Path) -> None:
+    """:func:`check_base` on rank 0 only (hashing a large base is slow), its verdict raised on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        check_base(record, checkpoint)
+        return
+    verdict: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            check_base(record, checkpoint)
+        except CheckpointError as exc:
+            verdict[0] = str(exc)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(verdict[0])
+
+
 @torch.no_grad()
 def restore_base(
     record: dict[str, Any],
@@ -130,7 +148,7 @@ def restore_base(
     hf_loader: Callable[[nn.Module, Path], None] | None,
 ) -> None:
     """Rebuild the frozen base of ``model`` from ``record`` (checked first)."""
-    check_base(record, checkpoint)
+    _check_base_once(record, checkpoint)
     kind = record["kind"]
     if kind == "init":
         model.init_weights(int(record["seed"]))  # adapters are left alone (not nn.Linear) and loaded next
