@@ -298,6 +298,46 @@ def test_lora_under_fsdp2_matches_one_process(tmp_path):
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [4]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_lora_under_tensor_parallel_matches_one_process(tmp_path):
+    """2 gloo ranks with tensor_parallel=2 (adapters on fused colwise and rowwise projections; A and B
+    replicated, each rank using B's rows / A's columns of its shard) give the 1-process losses."""
+    from lmforge.models import save_hf_pretrained
+    from train.test_distributed import torchrun
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    torch.manual_seed(12)
+    save_hf_pretrained(build_model(_lora_config(one, ADAMW, 3).model), tmp_path / "hf")
+    # lora_b_std > 0: the adapters change the output from the first step (both factors get gradients).
+    start = [*LORA, "lora_config.lora_b_std=0.05", f"checkpoint.load_path={tmp_path / 'hf'}"]
+    start += ["checkpoint.no_load_optim=true", "checkpoint.save_interleaved_steps=3"]
+    assert main(["train", "--config", write_config(one, ADAMW, steps=3), *_sets(start)]) == 0
+    torchrun(2, write_config(two, ADAMW, steps=3), *start, "parallelism.tensor_parallel=2", port=29643)
+    a = [(r["loss"], r["grad_norm"]) for r in read_metrics(one / "run" / "metrics.jsonl")]
+    b = [(r["loss"], r["grad_norm"]) for r in read_metrics(two / "run" / "metrics.jsonl")]
+    assert len(a) == len(b) == 3
+    assert max(abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb)) < 1e-4, (a, b)
+    # The adapters trained under TP equal the one-process ones (checkpoints reshard like any weight).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(two / "ckpt" / "iteration_00000003")).read_metadata().state_dict_metadata
+    assert all(".lora_" in k for k in keys if k.startswith("model."))
+    merged = []
+    for d in (one, two):
+        out = tmp_path / f"merged_{d.name}"
+        assert main(["convert", "--from", str(d / "ckpt"), "--to-hf", str(out), "--no-tokenizer"]) == 0
+        merged.append(build_model(_lora_config(one, ADAMW, 3).model))
+        from lmforge.models import load_hf_weights
+
+        load_hf_weights(merged[-1], out)
+    ids = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        assert (merged[0](ids).logits - merged[1](ids).logits).abs().max().item() < 1e-4
+
+
 def test_lora_model_loads_a_base_checkpoint_without_adapters(tmp_path):
     """Fine-tuning from an lmforge checkpoint of the base model: the adapters keep their fresh init."""
     from lmforge.train.checkpoint import Checkpointable, CheckpointManager, load_model_weights
@@ -388,13 +428,16 @@ def test_a_lora_checkpoint_is_not_loaded_into_a_model_without_adapters(tmp_path)
     ("override", "message"),
     [
         ("lora_config.target_modules=nothing_matches", "matches no linear module"),
-        ("parallelism.tensor_parallel=2", "lora_config cannot be combined with parallelism.tensor_parallel"),
+        (
+            "parallelism.pipeline_parallel=2",
+            "lora_config cannot be combined with parallelism.pipeline_parallel",
+        ),
     ],
 )
 def test_lmforge_check_reports_lora_problems_before_building(tmp_path, capsys, override, message):
     cfg = write_config(tmp_path, ADAMW, steps=2)
     argv = ["check", "--config", cfg, *_sets([*LORA, override])]
-    if "tensor_parallel" in override:
+    if "pipeline_parallel" in override:
         argv += ["--world-size", "2"]
     assert main(argv) != 0
     assert message in capsys.readouterr().err
