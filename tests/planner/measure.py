@@ -22,7 +22,7 @@ from lmforge.lr import ScheduleLR, build_scheduler
 from lmforge.models import build_model, build_model_config
 from lmforge.optim import build_optimizer
 from lmforge.parallel import ParallelDims
-from lmforge.parallel.memory import estimate_memory
+from lmforge.parallel.memory import estimate_memory, selected_recompute_parts
 from lmforge.train.parallel_seam import ParallelContext
 from lmforge.train.step import TrainStep
 
@@ -75,6 +75,7 @@ def estimate(raw: dict[str, Any]) -> Any:
         num_layers=mc.num_layers,
         vocab_size=mc.vocab_size,
         accumulation_steps=max(1, int(cfg.training.global_batch_size) // lbs),
+        recompute_select=selected_recompute_parts(net, cfg.recompute, mc.num_layers),
     )
 
 

@@ -11,13 +11,15 @@ from typing import Any
 
 from lmforge.errors import NotSupportedError
 from lmforge.parallel.dims import ParallelDims
-from lmforge.parallel.memory import describe_ranks, estimate_memory, format_bytes
+from lmforge.parallel.memory import describe_ranks, estimate_memory, format_bytes, selected_recompute_parts
 from lmforge.utils.sections import section_to_dict
 
 MAX_RANK_LINES = 16
 
 
-def parallel_plan(parallelism: Any, model: Any, training: Any, optimizer: Any, world_size: int) -> list[str]:
+def parallel_plan(
+    parallelism: Any, model: Any, training: Any, optimizer: Any, world_size: int, recompute: Any = None
+) -> list[str]:
     """Lines describing the parallel plan; raises ConfigError for anything that would fail at start-up."""
     import torch
 
@@ -89,6 +91,7 @@ def parallel_plan(parallelism: Any, model: Any, training: Any, optimizer: Any, w
         num_layers=cfg.num_layers,
         vocab_size=cfg.vocab_size,
         accumulation_steps=accum,
+        recompute_select=selected_recompute_parts(net, recompute, cfg.num_layers),
     )
     lines.append(
         f"Per-rank memory estimate (most loaded rank, {est.local_parameter_count:,} parameters held):"
