@@ -90,6 +90,10 @@ class LiveStorageBytes(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
 
     def track(self, t: torch.Tensor) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):  # a sharded parameter or activation: what this rank holds
+            t = t._local_tensor
         st = t.untyped_storage()
         key = st._cdata
         if key in self.live:

@@ -229,12 +229,15 @@ def estimate_memory(
             key = name.split("layers.", 1)[1].split(".", 1)[0]
             per_layer[key] = per_layer.get(key, 0) + n
     largest_layer = max(per_layer.values(), default=0)
+    outside_layers = sum(p.numel() for name, p in model.named_parameters() if "layers." not in name)
     local = dense_local + expert_local
     if sharded:
         params = int(local * 4)
         masters = 0
         notes.append("FSDP keeps the sharded parameters in fp32; they are the master weights.")
-        gathered = int(2 * largest_layer / dims.tp * cbytes)  # the current layer and the prefetched next one
+        # The current layer and the prefetched next one, plus the root unit (embedding, output layer,
+        # final norm: a stage's share under pp), which FSDP keeps gathered from forward to backward.
+        gathered = int((2 * largest_layer + outside_layers / dims.pp) / dims.tp * cbytes)
     else:
         params = int(local * cbytes)
         masters = int(local * 4) if cbytes < 4 else 0
@@ -259,22 +262,33 @@ def estimate_memory(
     # 1F1B keeps up to pp micro-batches in flight on the first stage; GPipe keeps all of them.
     in_flight = min(dims.pp, accumulation_steps) if dims.pp > 1 else 1
     # Outside the layers: embedding output, final norm (2 copies in 16-bit), fp32 logits saved for the loss.
-    rest = tokens * (hidden_size * (2 * cbytes + 4) + 4 * vocab_size / dims.tp + _REST_CONST)
+    # Under tp the plain loss path gathers the final norm's output and the output weight, so every tp
+    # rank computes the full-vocabulary logits (sequence and vocabulary unsplit).
+    full_tokens = seq_length * local_batch_size / dims.cp
+    rest = full_tokens * (hidden_size * (2 * cbytes + 4) + 4 * vocab_size + _REST_CONST)
     # The loss backward: three fp32 logits-sized tensors (softmax, its gradient, the logits' gradient)
     # and the output layer's weight gradient, its first.
-    logits_grad = tokens * vocab_size / dims.tp * 4 * 3 + vocab_size * hidden_size * 4 / dims.tp
+    logits_grad = full_tokens * vocab_size * 4 * 3 + vocab_size * hidden_size * 4
     layer_inputs = layers_here * tokens * hidden_size * cbytes / dims.tp  # what full recompute keeps
-    act = int(layers_here * per_layer_act * in_flight + rest + logits_grad)
+    stage_layers_act = layers_here * per_layer_act
     if recompute_select:
         # The selected modules keep only their input (already counted as the norm's output). Under
         # pipeline parallelism the stage with the most selected layers is not known here: count the
         # smallest saving a stage can have (the selected layers spread evenly).
         part = layer_activation_parts_per_token(config, hidden_size, cbytes)
         freed = sum(part[name] for names in recompute_select.values() for name in names)
-        act -= int(freed / dims.pp * tokens / dims.tp * in_flight)
+        stage_layers_act -= freed / dims.pp * tokens / dims.tp
         notes.append("recompute select: the selected attention / MLP modules' activations are not kept")
-    act_rc = int(layer_inputs * in_flight + rest + logits_grad)
-    recompute_backward = int(layer_inputs * in_flight + per_layer_act + rest)
+    if dims.pp > 1:
+        # The first stage keeps ``in_flight`` micro-batches of its layers; the last stage one
+        # micro-batch plus the loss. The larger of the two.
+        act = int(max(stage_layers_act * in_flight, stage_layers_act + rest + logits_grad))
+        act_rc = int(max(layer_inputs * in_flight, layer_inputs + rest + logits_grad))
+        recompute_backward = int(max(layer_inputs * in_flight, layer_inputs + rest) + per_layer_act)
+    else:
+        act = int(stage_layers_act + rest + logits_grad)
+        act_rc = int(layer_inputs + rest + logits_grad)
+        recompute_backward = int(layer_inputs + per_layer_act + rest)
     if accumulation_steps > 1:
         notes.append("gradients stay allocated while later micro-batches run (gradient accumulation)")
     return MemoryEstimate(
