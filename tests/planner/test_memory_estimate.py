@@ -58,6 +58,10 @@ CASES = {
         **config(model__compute_dtype="bfloat16", **_seq(512)),
         "recompute": SELECT_ATTENTION,
     },
+    "offload_states_fp32": config(optimizer={"type": "AdamW", "offload_states": True}),
+    "offload_states_bf16": config(
+        optimizer={"type": "AdamW", "offload_states": True}, model__compute_dtype="bfloat16"
+    ),
     "seq64": config(**_seq(64)),
     "moe_bf16_top2": config(model={**MOE, "compute_dtype": "bfloat16"}),
     "tied_large_vocab": config(

@@ -85,6 +85,7 @@ def parallel_plan(
         compute_dtype=getattr(net, "compute_dtype", torch.float32),
         optimizer_type=str(section_to_dict(optimizer).get("type", "AdamW")),
         moment_bytes=2 if section_to_dict(optimizer).get("moment_dtype") == "bfloat16" else 4,
+        offload_states=bool(section_to_dict(optimizer).get("offload_states", False)),
         seq_length=cfg.seq_length,
         local_batch_size=lbs,
         hidden_size=cfg.hidden_size,
