@@ -17,8 +17,8 @@ from lmforge.models.common.dtypes import dtype_name, parse_dtype
 from lmforge.models.common.gpt import GPTModel
 from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.models.family import HFAdapter
+from lmforge.models.hf_read import load_per_rank
 from lmforge.models.hf_shards import DEFAULT_MAX_SHARD_SIZE, parse_size, write_sharded
-from lmforge.models.lora import is_lora_param_name
 from lmforge.models.registry import family_for, resolve
 from lmforge.utils.logging import get_logger
 
@@ -97,8 +97,8 @@ def load_hf_weights(model: GPTModel, path: str | Path) -> None:
     """Load a Hugging Face directory's weights into an existing lmforge model (the trainer's ``hf_loader``).
 
     The directory's config.json must describe the same structure as ``model.config``. Works on sharded
-    (DTensor) models too: rank 0 reads the files and ``set_model_state_dict`` broadcasts each tensor,
-    of which every rank keeps its shard.
+    (DTensor) models and pipeline stages too: each rank reads only the rows and columns of its own
+    shards (``lmforge.models.hf_read``), never the whole model.
     """
     path = Path(path)
     hf_cfg = _read_hf_config(path)
@@ -128,37 +128,7 @@ def load_hf_weights(model: GPTModel, path: str | Path) -> None:
             f"{path} is a different model than the model section: {'; '.join(diff[:4])}. Make the model section "
             "match the checkpoint's config.json."
         )
-    if any(hasattr(p, "device_mesh") for p in model.parameters()):
-        _load_sharded(model, path, ours)
-        return
-    sd = hf_state_dict(path, ours)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    # MTP layers and LoRA adapters (lmforge.models.lora) are not in a Hugging Face base model.
-    missing = [k for k in missing if not k.startswith("mtp.") and not is_lora_param_name(k)]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: tensors missing {missing[:8]} / unexpected {unexpected[:8]} after mapping."
-        )
-
-
-def _load_sharded(model: GPTModel, path: Path, cfg: TransformerConfig) -> None:
-    """A sharded (DTensor) model: rank 0 alone reads the files; each tensor is broadcast and every
-    rank keeps its own shard (``broadcast_from_rank0``), so N ranks do not read the model N times."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    sd: dict[str, torch.Tensor] = {}
-    failure: list[str | None] = [None]
-    if dist.get_rank() == 0:
-        try:
-            sd = hf_state_dict(path, cfg)
-        except (CheckpointError, ConfigError, OSError) as exc:
-            failure[0] = str(exc)
-    dist.broadcast_object_list(failure, src=0)  # a read error on rank 0 stops every rank, not a hang
-    if failure[0] is not None:
-        raise CheckpointError(failure[0])
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    set_model_state_dict(model, sd, options=options)
+    load_per_rank(model, path, ours, _adapter(ours).from_hf)
 
 
 def _read_hf_config(path: Path) -> dict[str, Any]:
