@@ -145,7 +145,10 @@ def _fill(directory: _Directory, name: str, target: torch.Tensor, ids: torch.Ten
     local = _local(target)
     if local.numel() == 0:
         return
-    indices = _global_indices(target) or [torch.arange(n, dtype=torch.int64) for n in shape]
+    # Index bookkeeping stays on the CPU whatever the parameter's device (reads land on the CPU too).
+    indices = [
+        i.cpu() for i in _global_indices(target) or [torch.arange(n, dtype=torch.int64) for n in shape]
+    ]
     if ids.dtype != torch.int64:  # a value the adapter made up (e.g. a zero default), not read from a file
         for d, index in enumerate(indices):
             ids = ids.index_select(d, index)
