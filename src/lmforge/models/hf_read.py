@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,41 +97,36 @@ class _Directory:
             out[n] = ids.view(*lead, 1) if len(shape) > 1 else ids.view(shape)
         return out
 
-    def read_rows(self, ids: torch.Tensor, cols: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` (flat) restricted to columns ``cols`` (None: 1-D tensors, one element per id)."""
-        width = () if cols is None else (cols[1] - cols[0],)
-        out = torch.empty((ids.numel(), *width), dtype=dtype)
-        numbers = ids >> _ROW_BITS
-        for number in torch.unique(numbers).tolist():
-            name = self.names[number]
-            where = (numbers == number).nonzero().reshape(-1)
-            rows = ids.index_select(0, where) & _ROW_MASK
-            wanted = torch.unique(rows)  # sorted
-            got = torch.cat([run.to(dtype) for run in self._runs(name, wanted, cols)])
-            out[where] = got.reshape(-1, *width)[torch.searchsorted(wanted, rows)]
-        return out
-
-    def _runs(self, name: str, rows: torch.Tensor, cols: tuple[int, int] | None) -> Iterator[torch.Tensor]:
-        shape = self.shape[name]
-        if not shape:
-            yield read_slice(self.handle[name], name, ()).reshape(1)
-            return
-        inner = shape[-2] if len(shape) > 1 else shape[0]  # a run never crosses a leading index
-        breaks = ((rows[1:] - rows[:-1]) != 1) | ((rows[1:] // inner) != (rows[:-1] // inner))
+    def read_rows(self, ids: torch.Tensor, cols: tuple[int, int] | None, out: torch.Tensor) -> None:
+        """Fill ``out`` (``[len(ids), width]``, or ``[len(ids)]`` for 1-D tensors with ``cols`` None) with
+        rows ``ids`` restricted to columns ``cols``: one read per run of consecutive rows of one tensor."""
+        numbers, rows = ids >> _ROW_BITS, ids & _ROW_MASK
+        inner = torch.tensor([self._inner(n) for n in self.names], dtype=torch.int64)[numbers]
+        lead = rows // inner
+        breaks = (ids[1:] != ids[:-1] + 1) | (lead[1:] != lead[:-1])  # a run never crosses a leading index
         starts = [0, *(breaks.nonzero().reshape(-1) + 1).tolist()]
-        ends = [*starts[1:], rows.numel()]
+        ends = [*starts[1:], ids.numel()]
         for s, e in zip(starts, ends):
-            first, count = int(rows[s]), e - s
-            if len(shape) == 1:
-                yield read_slice(self.handle[name], name, (slice(first, first + count),))
-                continue
-            lead, row = divmod(first, inner)
-            lead_index = []
-            for size in reversed(shape[:-2]):
-                lead, i = divmod(lead, size)
-                lead_index.append(slice(i, i + 1))
-            index = (*reversed(lead_index), slice(row, row + count), slice(*cols))
-            yield read_slice(self.handle[name], name, index).reshape(count, cols[1] - cols[0])
+            name = self.names[int(numbers[s])]
+            out[s:e].copy_(self._run(name, int(rows[s]), e - s, cols))
+
+    def _inner(self, name: str) -> int:
+        shape = self.shape[name]
+        return max(1, shape[-2] if len(shape) > 1 else (shape[0] if shape else 1))
+
+    def _run(self, name: str, first: int, count: int, cols: tuple[int, int] | None) -> torch.Tensor:
+        shape, handle = self.shape[name], self.handle[name]
+        if not shape:
+            return read_slice(handle, name, ()).reshape(1)
+        if len(shape) == 1:
+            return read_slice(handle, name, (slice(first, first + count),))
+        lead, row = divmod(first, shape[-2])
+        lead_index = []
+        for size in reversed(shape[:-2]):
+            lead, i = divmod(lead, size)
+            lead_index.append(slice(i, i + 1))
+        index = (*reversed(lead_index), slice(row, row + count), slice(*cols))
+        return read_slice(handle, name, index).reshape(count, cols[1] - cols[0])
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -170,10 +164,15 @@ def _fill(directory: _Directory, name: str, target: torch.Tensor, ids: torch.Ten
             span = (int(indices[-1].min()), int(indices[-1].max()) + 1)
             pick = indices[-1] - span[0]
         cols = span
-    values = directory.read_rows(ids.reshape(-1), cols, local.dtype)
-    if pick is not None:
-        values = values.index_select(1, pick)
+    width = () if cols is None else (cols[1] - cols[0],)
     with torch.no_grad():
+        if pick is None and local.is_contiguous() and local.device.type == "cpu":
+            directory.read_rows(ids.reshape(-1), cols, local.view(-1, *width))  # straight into the shard
+            return
+        values = torch.empty((ids.numel(), *width), dtype=local.dtype)
+        directory.read_rows(ids.reshape(-1), cols, values)
+        if pick is not None:
+            values = values.index_select(1, pick)
         local.copy_(values.reshape(local.shape))
 
 
