@@ -33,8 +33,9 @@ COMMON = dict(
 def _hf_model(family: str):
     import transformers as tf
 
-    if family == "llama":
-        cfg = tf.LlamaConfig(**{**COMMON, "num_hidden_layers": 4}, num_key_value_heads=2)
+    if family.startswith("llama"):
+        tied = {"tie_word_embeddings": family == "llama_tied"}
+        cfg = tf.LlamaConfig(**{**COMMON, "num_hidden_layers": 4, **tied}, num_key_value_heads=2)
         cls = tf.LlamaForCausalLM
     elif family == "qwen3_moe":
         cfg = tf.Qwen3MoeConfig(
@@ -82,6 +83,7 @@ CASES = {
         ("fsdp", "llama", {}),
         ("tp", "llama", {"tensor_parallel": 2}),
         ("pp", "llama", {"pipeline_parallel": 2}),
+        ("pp_tied_embeddings", "llama_tied", {"pipeline_parallel": 2}),
         ("ep", "qwen3_moe", {"expert_parallel": 2}),
         # TP alone leaves experts and embeddings replicated: the exact per-rank byte count still holds.
         ("tp_moe", "qwen3_moe", {"tensor_parallel": 2}),
@@ -163,7 +165,7 @@ def hf_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hfread")
     totals = {}
-    for family in ("llama", "qwen3_moe", "deepseek_v3"):
+    for family in ("llama", "llama_tied", "qwen3_moe", "deepseek_v3"):
         path = root / family
         _hf_model(family).save_pretrained(path, max_shard_size="40KB")
         assert len(list(path.glob("model-*.safetensors"))) > 1
@@ -187,7 +189,7 @@ def test_single_process_load_equals_whole_tensor_reference_and_reads_each_byte_o
     from lmforge.models import build_model, hf_read, load_hf_weights
 
     root, totals = hf_dirs
-    for family in ("llama", "qwen3_moe", "deepseek_v3"):
+    for family in ("llama", "llama_tied", "qwen3_moe", "deepseek_v3"):
         reference = torch.load(root / family / "reference.pt", weights_only=True)
         model = build_model(json.loads((root / family / "section.json").read_text()))
         read = [0]
@@ -232,3 +234,16 @@ def test_each_rank_reads_only_its_shards_and_gets_the_exact_weights(hf_dirs, wor
         assert (
             "CheckpointError" in result["error"] and "listed in the safetensors index" in result["error"]
         ), rank
+
+
+def test_an_unreadable_shard_is_a_checkpoint_error_naming_the_file(hf_dirs, tmp_path):
+    from lmforge.errors import CheckpointError
+    from lmforge.models import build_model, load_hf_weights
+
+    root, _ = hf_dirs
+    shutil.copytree(root / "llama", tmp_path / "hf")
+    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[0]
+    shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    model = build_model(json.loads((root / "llama" / "section.json").read_text()))
+    with pytest.raises(CheckpointError, match=f"{shard.name} is not a readable safetensors file"):
+        load_hf_weights(model, tmp_path / "hf")

@@ -75,9 +75,12 @@ class _Directory:
     def __init__(self, files: dict[str, Path], stack: contextlib.ExitStack) -> None:
         self.names = sorted(files)
         self.number = {n: i for i, n in enumerate(self.names)}
-        handles = {
-            f: stack.enter_context(safe_open(str(f), framework="pt")) for f in sorted(set(files.values()))
-        }
+        handles = {}
+        for f in sorted(set(files.values())):
+            try:
+                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+            except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types)
+                raise CheckpointError(f"{f} is not a readable safetensors file ({exc}).") from None
         self.handle = {n: handles[files[n]] for n in self.names}
         self.shape = {}
         for n in self.names:
@@ -87,6 +90,8 @@ class _Directory:
                 raise CheckpointError(
                     f"{files[n]}: tensor '{n}' of the index cannot be read ({exc})."
                 ) from None
+        # Rows per leading index of each tensor (a run of rows never crosses one), by tensor number.
+        self.inner = torch.tensor([self._inner(n) for n in self.names], dtype=torch.int64)
 
     def row_ids(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -101,7 +106,7 @@ class _Directory:
         """Fill ``out`` (``[len(ids), width]``, or ``[len(ids)]`` for 1-D tensors with ``cols`` None) with
         rows ``ids`` restricted to columns ``cols``: one read per run of consecutive rows of one tensor."""
         numbers, rows = ids >> _ROW_BITS, ids & _ROW_MASK
-        inner = torch.tensor([self._inner(n) for n in self.names], dtype=torch.int64)[numbers]
+        inner = self.inner[numbers]
         lead = rows // inner
         breaks = (ids[1:] != ids[:-1] + 1) | (lead[1:] != lead[:-1])  # a run never crosses a leading index
         starts = [0, *(breaks.nonzero().reshape(-1) + 1).tolist()]
