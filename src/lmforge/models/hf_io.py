@@ -17,7 +17,7 @@ from lmforge.models.common.dtypes import dtype_name, parse_dtype
 from lmforge.models.common.gpt import GPTModel
 from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.models.family import HFAdapter
-from lmforge.models.hf_read import load_per_rank
+from lmforge.models.hf_read import load_per_rank, weight_files
 from lmforge.models.hf_shards import DEFAULT_MAX_SHARD_SIZE, parse_size, write_sharded
 from lmforge.models.registry import family_for, resolve
 from lmforge.utils.logging import get_logger
@@ -60,24 +60,14 @@ def section_from_hf_config(hf_cfg: dict[str, Any], dtype: Any = None) -> dict[st
 
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(
-            f"{path} has neither model.safetensors nor model.safetensors.index.json; lmforge reads Hugging Face "
-            "checkpoints in safetensors format only."
-        )
+    """Every tensor of a directory, whole (one process; ``load_hf_weights`` reads per rank instead)."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in weight_files(path).items():
+        by_file.setdefault(file, []).append(name)
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        file = path / name
-        if not file.exists():
-            raise CheckpointError(f"{file} is listed in the safetensors index but does not exist.")
+    for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            for key in names:
                 tensors[key] = f.get_tensor(key)
     return tensors
 
