@@ -58,7 +58,7 @@ from lmforge.train.safe_load import (
     read_dcp_metadata,
 )
 from lmforge.train.state import TrainState
-from lmforge.utils.atomic import check_output_dir, recover_dir, replace_dir
+from lmforge.utils.atomic import check_output_dir, fsync_dir, fsync_file, recover_dir, replace_dir
 from lmforge.utils.logging import get_logger
 
 logger = get_logger("lmforge.train.checkpoint")
@@ -445,7 +445,7 @@ def write_tracker(save_path: str | os.PathLike, step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, tracker)
-    _fsync_dir(tracker.parent)
+    fsync_dir(tracker.parent)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -464,25 +464,8 @@ def _write_yaml(path: Path, data: dict[str, Any]) -> None:
 def _fsync_tree(root: Path) -> None:
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems do not support fsync on directories
-    finally:
-        os.close(fd)
+            fsync_file(os.path.join(dirpath, name))
+        fsync_dir(dirpath)
 
 
 @contextlib.contextmanager
