@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -139,7 +140,8 @@ def test_training_updates_only_the_adapters(tmp_path, optimizer):
 
 
 @pytest.mark.slow
-def test_lora_resume_is_bitwise_exact_and_checkpoint_has_small_optimizer(tmp_path):
+@pytest.mark.parametrize("how", ["load_path", "auto_resume"])
+def test_lora_resume_is_bitwise_exact_and_checkpoint_has_small_optimizer(tmp_path, how):
     straight = tmp_path / "a"
     straight.mkdir()
     assert main(["train", "--config", write_config(straight, ADAMW, steps=4), *_sets(LORA)]) == 0
@@ -157,7 +159,9 @@ def test_lora_resume_is_bitwise_exact_and_checkpoint_has_small_optimizer(tmp_pat
         )
         == 0
     )
-    assert main(["train", "--config", cfg, *_sets([*LORA, f"checkpoint.load_path={split / 'ckpt'}"])]) == 0
+    # auto_resume (as an elastic restart): the same job finds its own small checkpoint in save_path.
+    resume = f"checkpoint.load_path={split / 'ckpt'}" if how == "load_path" else "checkpoint.auto_resume=true"
+    assert main(["train", "--config", cfg, *_sets([*LORA, resume])]) == 0
     a = [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(straight / "run" / "metrics.jsonl")]
     b = [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(split / "run" / "metrics.jsonl")]
     assert len(a) == 4 and a == b
@@ -167,6 +171,10 @@ def test_lora_resume_is_bitwise_exact_and_checkpoint_has_small_optimizer(tmp_pat
     state_keys = [k for k in keys if k.startswith("optimizer.state.")]
     assert state_keys and all(".lora_" in k for k in state_keys)  # no optimizer state for the frozen base
     assert any(".lora_B." in k for k in keys if k.startswith("model."))
+    # A small checkpoint: the adapters only, and the seed that rebuilds the frozen base (a fresh init).
+    assert all(".lora_" in k for k in keys if k.startswith("model."))
+    common = json.loads((split / "ckpt" / "iteration_00000002" / "common.json").read_text())
+    assert common["lora_base"]["kind"] == "init" and isinstance(common["lora_base"]["seed"], int)
 
 
 def _sets(overrides):
@@ -232,6 +240,36 @@ def test_fine_tune_from_hf_then_merged_and_peft_exports_match(tmp_path, capsys):
         peft_model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
         assert (peft_model(ids).logits - ours).abs().max().item() <= 1e-5
     assert (base_logits - ours).abs().max().item() > 1e-4  # the adapter is what makes the difference
+    # The checkpoint holds the adapters and a checked record of the HF base, which is rebuilt from it.
+    from lmforge.errors import CheckpointError
+    from lmforge.models.lora import apply_lora
+    from lmforge.train.checkpoint import load_model_weights
+
+    it = ckpt / "iteration_00000003"
+    common = json.loads((it / "common.json").read_text())
+    record = common["lora_base"]
+    assert record["kind"] == "hf" and record["path"] == str((tmp_path / "hf_base").resolve())
+    weights = sorted((tmp_path / "hf_base").glob("*.safetensors"))[0]
+    assert record["files"][weights.name]["size"] == weights.stat().st_size
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(it)).read_metadata().state_dict_metadata
+    assert all(".lora_" in k for k in keys if k.startswith("model."))
+
+    def fresh():
+        m = build_model(cfg.model)
+        apply_lora(m, cfg.lora_config)
+        return m
+
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit of the base flipped
+    with pytest.raises(CheckpointError, match="weight files changed since"):
+        load_model_weights(ckpt, fresh())
+    weights.write_bytes(data)
+    load_model_weights(ckpt, fresh())  # the original base is accepted again
+    (tmp_path / "hf_base").rename(tmp_path / "moved")
+    with pytest.raises(CheckpointError, match="no longer exists"):
+        load_model_weights(ckpt, fresh())
 
 
 @pytest.mark.slow
@@ -260,6 +298,46 @@ def test_lora_under_fsdp2_matches_one_process(tmp_path):
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [4]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_lora_under_tensor_parallel_matches_one_process(tmp_path):
+    """2 gloo ranks with tensor_parallel=2 (adapters on fused colwise and rowwise projections; A and B
+    replicated, each rank using B's rows / A's columns of its shard) give the 1-process losses."""
+    from lmforge.models import save_hf_pretrained
+    from train.test_distributed import torchrun
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    torch.manual_seed(12)
+    save_hf_pretrained(build_model(_lora_config(one, ADAMW, 3).model), tmp_path / "hf")
+    # lora_b_std > 0: the adapters change the output from the first step (both factors get gradients).
+    start = [*LORA, "lora_config.lora_b_std=0.05", f"checkpoint.load_path={tmp_path / 'hf'}"]
+    start += ["checkpoint.no_load_optim=true", "checkpoint.save_interleaved_steps=3"]
+    assert main(["train", "--config", write_config(one, ADAMW, steps=3), *_sets(start)]) == 0
+    torchrun(2, write_config(two, ADAMW, steps=3), *start, "parallelism.tensor_parallel=2", port=29643)
+    a = [(r["loss"], r["grad_norm"]) for r in read_metrics(one / "run" / "metrics.jsonl")]
+    b = [(r["loss"], r["grad_norm"]) for r in read_metrics(two / "run" / "metrics.jsonl")]
+    assert len(a) == len(b) == 3
+    assert max(abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb)) < 1e-4, (a, b)
+    # The adapters trained under TP equal the one-process ones (checkpoints reshard like any weight).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(two / "ckpt" / "iteration_00000003")).read_metadata().state_dict_metadata
+    assert all(".lora_" in k for k in keys if k.startswith("model."))
+    merged = []
+    for d in (one, two):
+        out = tmp_path / f"merged_{d.name}"
+        assert main(["convert", "--from", str(d / "ckpt"), "--to-hf", str(out), "--no-tokenizer"]) == 0
+        merged.append(build_model(_lora_config(one, ADAMW, 3).model))
+        from lmforge.models import load_hf_weights
+
+        load_hf_weights(merged[-1], out)
+    ids = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        assert (merged[0](ids).logits - merged[1](ids).logits).abs().max().item() < 1e-4
+
+
 def test_lora_model_loads_a_base_checkpoint_without_adapters(tmp_path):
     """Fine-tuning from an lmforge checkpoint of the base model: the adapters keep their fresh init."""
     from lmforge.train.checkpoint import Checkpointable, CheckpointManager, load_model_weights
@@ -277,6 +355,51 @@ def test_lora_model_loads_a_base_checkpoint_without_adapters(tmp_path):
     for name, p in base.named_parameters():
         assert torch.equal(ours[name], p), name
     assert not ours["decoder.layers.0.self_attention.linear_qkv.lora_B.weight"].any()
+
+
+def test_lora_checkpoint_rebuilds_its_lmforge_base_checkpoint_and_refuses_a_changed_one(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lmforge.errors import CheckpointError
+    from lmforge.train.checkpoint import (
+        Checkpointable,
+        CheckpointManager,
+        load_model_weights,
+        resolve_checkpoint,
+    )
+    from lmforge.train.lora_checkpoint import base_record
+
+    def save(model, path, step, lora_base=None):
+        manager = CheckpointManager(path, no_save_optim=True, save_max=0)
+        manager.lora_base = lora_base
+        assert manager.save(Checkpointable(model=model), step=step)
+        manager.close()
+
+    def fresh():
+        torch.manual_seed(99)  # other base weights than the checkpoint's
+        m = _tiny_model()
+        apply_lora(m, {"target_modules": ".*linear_qkv"})
+        init_lora_weights(m, seed=0)
+        return m
+
+    torch.manual_seed(3)
+    save(_tiny_model(), tmp_path / "base", 0)
+    model = fresh()
+    load_model_weights(tmp_path / "base", model)
+    _randomise_adapters(model)
+    save(model, tmp_path / "lora", 1, base_record(resolve_checkpoint(tmp_path / "base"), seed=0))
+    keys = FileSystemReader(str(tmp_path / "lora" / "iteration_00000001")).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys)  # no base weight in it
+    again = fresh()
+    load_model_weights(tmp_path / "lora", again)  # base from tmp_path/base, adapters from tmp_path/lora
+    ours = again.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(ours[name], tensor), name
+    torch.manual_seed(5)
+    save(_tiny_model(), tmp_path / "base", 0)  # the base checkpoint re-saved with other weights
+    with pytest.raises(CheckpointError, match="weight files changed since"):
+        load_model_weights(tmp_path / "lora", fresh())
 
 
 def test_a_lora_checkpoint_is_not_loaded_into_a_model_without_adapters(tmp_path):
@@ -305,13 +428,16 @@ def test_a_lora_checkpoint_is_not_loaded_into_a_model_without_adapters(tmp_path)
     ("override", "message"),
     [
         ("lora_config.target_modules=nothing_matches", "matches no linear module"),
-        ("parallelism.tensor_parallel=2", "lora_config cannot be combined with parallelism.tensor_parallel"),
+        (
+            "parallelism.pipeline_parallel=2",
+            "lora_config cannot be combined with parallelism.pipeline_parallel",
+        ),
     ],
 )
 def test_lmforge_check_reports_lora_problems_before_building(tmp_path, capsys, override, message):
     cfg = write_config(tmp_path, ADAMW, steps=2)
     argv = ["check", "--config", cfg, *_sets([*LORA, override])]
-    if "tensor_parallel" in override:
+    if "pipeline_parallel" in override:
         argv += ["--world-size", "2"]
     assert main(argv) != 0
     assert message in capsys.readouterr().err

@@ -22,7 +22,7 @@ from lmforge.lr import ScheduleLR, build_scheduler
 from lmforge.models import build_model, build_model_config
 from lmforge.optim import build_optimizer
 from lmforge.parallel import ParallelDims
-from lmforge.parallel.memory import estimate_memory
+from lmforge.parallel.memory import estimate_memory, selected_recompute_parts
 from lmforge.train.parallel_seam import ParallelContext
 from lmforge.train.step import TrainStep
 
@@ -75,6 +75,8 @@ def estimate(raw: dict[str, Any]) -> Any:
         num_layers=mc.num_layers,
         vocab_size=mc.vocab_size,
         accumulation_steps=max(1, int(cfg.training.global_batch_size) // lbs),
+        offload_states=bool(getattr(cfg.optimizer, "offload_states", False)),
+        recompute_select=selected_recompute_parts(net, cfg.recompute, mc.num_layers),
     )
 
 
@@ -86,9 +88,14 @@ class LiveStorageBytes(TorchDispatchMode):
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
+        self.paused = False  # while True, new storages are host memory (the offloaded optimizer step)
         self._refs: dict[int, weakref.ref] = {}
 
     def track(self, t: torch.Tensor) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):  # a sharded parameter or activation: what this rank holds
+            t = t._local_tensor
         st = t.untyped_storage()
         key = st._cdata
         if key in self.live:
@@ -106,6 +113,8 @@ class LiveStorageBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 self.track(t)
@@ -124,6 +133,22 @@ def measure(raw: dict[str, Any], steps: int = 1) -> int:
         apply_activation_memory(model, cfg.recompute, cfg.recompute_comm, cfg.swap, mc.num_layers)
     schedule = build_scheduler(cfg.lr_scheduler, int(cfg.training.steps))
     optimizer = build_optimizer(cfg.optimizer, model, schedule)
+    tracker = LiveStorageBytes()
+    offload = bool(getattr(cfg.optimizer, "offload_states", False))
+    if offload:
+        # optimizer.offload_states: the states, the fp32 masters and the update live in host memory.
+        # On a CPU-only machine the device's share is what remains: storages the optimizer holds or
+        # allocates during its step are left out (they would be host memory on a GPU).
+        host_step = optimizer.step
+
+        def step_on_host(*args: Any, **kwargs: Any) -> Any:
+            tracker.paused = True
+            try:
+                return host_step(*args, **kwargs)
+            finally:
+                tracker.paused = False
+
+        optimizer.step = step_on_host
     step = TrainStep(model, optimizer, ScheduleLR(optimizer, schedule), max_norm=1.0, ctx=ParallelContext())
     lbs = int(cfg.training.local_batch_size)
     accum = max(1, int(cfg.training.global_batch_size) // lbs)
@@ -132,7 +157,6 @@ def measure(raw: dict[str, Any], steps: int = 1) -> int:
     for _ in range(accum):
         ids = torch.randint(1, mc.vocab_size, (lbs, mc.seq_length), generator=g)
         batches.append({"input_ids": ids, "labels": torch.roll(ids, -1, 1)})
-    tracker = LiveStorageBytes()
     for t in [*model.parameters(), *model.buffers()]:
         tracker.track(t)
     for b in batches:
@@ -143,7 +167,7 @@ def measure(raw: dict[str, Any], steps: int = 1) -> int:
         getattr(optimizer, "state", {}),
         [g.get("params", []) for g in getattr(optimizer, "param_groups", [])],
     ]
-    for state in held:
+    for state in [] if offload else held:
         for t in tree_flatten(state)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 tracker.track(t)

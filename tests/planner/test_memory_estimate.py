@@ -35,6 +35,8 @@ LLAMA = {
     "vocab_size": 3000,
 }
 FULL = {"mode": "full", "full_recompute_layer": ["0-1"]}
+SELECT_ATTENTION = {"mode": "select", "select_module": {"self_attention": ["0-1"]}}
+SELECT_MLP = {"mode": "select", "select_module": {"mlp": ["0-1"]}}
 
 
 def _seq(n: int) -> dict:
@@ -49,6 +51,16 @@ CASES = {
     "recompute_full_bf16_seq512": {**config(model__compute_dtype="bfloat16", **_seq(512)), "recompute": FULL},
     "muon_seq512_accumulation2": config(
         optimizer={"type": "Muon"}, training__global_batch_size=4, **_seq(512)
+    ),
+    "recompute_select_attention": {**config(), "recompute": SELECT_ATTENTION},
+    "recompute_select_mlp": {**config(), "recompute": SELECT_MLP},
+    "recompute_select_attention_bf16_seq512": {
+        **config(model__compute_dtype="bfloat16", **_seq(512)),
+        "recompute": SELECT_ATTENTION,
+    },
+    "offload_states_fp32": config(optimizer={"type": "AdamW", "offload_states": True}),
+    "offload_states_bf16": config(
+        optimizer={"type": "AdamW", "offload_states": True}, model__compute_dtype="bfloat16"
     ),
     "seq64": config(**_seq(64)),
     "moe_bf16_top2": config(model={**MOE, "compute_dtype": "bfloat16"}),
@@ -66,7 +78,7 @@ def ratios():
     try:
         out = {}
         for name, raw in CASES.items():
-            est = estimate(raw).total(recompute="recompute" in raw)
+            est = estimate(raw).total(recompute=raw.get("recompute", {}).get("mode") == "full")
             out[name] = est / measure(raw)
         return out
     finally:

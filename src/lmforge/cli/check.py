@@ -145,7 +145,7 @@ def _parallel_plan_lines(cfg: Any, world: int) -> list[str]:
 
     # The run plan has already collected these sections' warnings; do not print them twice.
     with collected_warnings([]):
-        return parallel_plan(cfg.parallelism, cfg.model, cfg.training, cfg.optimizer, world)
+        return parallel_plan(cfg.parallelism, cfg.model, cfg.training, cfg.optimizer, world, cfg.recompute)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,8 +17,8 @@ from lmforge.models.common.dtypes import dtype_name, parse_dtype
 from lmforge.models.common.gpt import GPTModel
 from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.models.family import HFAdapter
+from lmforge.models.hf_read import load_per_rank, weight_files
 from lmforge.models.hf_shards import DEFAULT_MAX_SHARD_SIZE, parse_size, write_sharded
-from lmforge.models.lora import is_lora_param_name
 from lmforge.models.registry import family_for, resolve
 from lmforge.utils.logging import get_logger
 
@@ -60,24 +60,14 @@ def section_from_hf_config(hf_cfg: dict[str, Any], dtype: Any = None) -> dict[st
 
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(
-            f"{path} has neither model.safetensors nor model.safetensors.index.json; lmforge reads Hugging Face "
-            "checkpoints in safetensors format only."
-        )
+    """Every tensor of a directory, whole (one process; ``load_hf_weights`` reads per rank instead)."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in weight_files(path).items():
+        by_file.setdefault(file, []).append(name)
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        file = path / name
-        if not file.exists():
-            raise CheckpointError(f"{file} is listed in the safetensors index but does not exist.")
+    for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            for key in names:
                 tensors[key] = f.get_tensor(key)
     return tensors
 
@@ -97,8 +87,8 @@ def load_hf_weights(model: GPTModel, path: str | Path) -> None:
     """Load a Hugging Face directory's weights into an existing lmforge model (the trainer's ``hf_loader``).
 
     The directory's config.json must describe the same structure as ``model.config``. Works on sharded
-    (DTensor) models too: rank 0 reads the files and ``set_model_state_dict`` broadcasts each tensor,
-    of which every rank keeps its shard.
+    (DTensor) models and pipeline stages too: each rank reads only the rows and columns of its own
+    shards (``lmforge.models.hf_read``), never the whole model.
     """
     path = Path(path)
     hf_cfg = _read_hf_config(path)
@@ -128,37 +118,7 @@ def load_hf_weights(model: GPTModel, path: str | Path) -> None:
             f"{path} is a different model than the model section: {'; '.join(diff[:4])}. Make the model section "
             "match the checkpoint's config.json."
         )
-    if any(hasattr(p, "device_mesh") for p in model.parameters()):
-        _load_sharded(model, path, ours)
-        return
-    sd = hf_state_dict(path, ours)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    # MTP layers and LoRA adapters (lmforge.models.lora) are not in a Hugging Face base model.
-    missing = [k for k in missing if not k.startswith("mtp.") and not is_lora_param_name(k)]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: tensors missing {missing[:8]} / unexpected {unexpected[:8]} after mapping."
-        )
-
-
-def _load_sharded(model: GPTModel, path: Path, cfg: TransformerConfig) -> None:
-    """A sharded (DTensor) model: rank 0 alone reads the files; each tensor is broadcast and every
-    rank keeps its own shard (``broadcast_from_rank0``), so N ranks do not read the model N times."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    sd: dict[str, torch.Tensor] = {}
-    failure: list[str | None] = [None]
-    if dist.get_rank() == 0:
-        try:
-            sd = hf_state_dict(path, cfg)
-        except (CheckpointError, ConfigError, OSError) as exc:
-            failure[0] = str(exc)
-    dist.broadcast_object_list(failure, src=0)  # a read error on rank 0 stops every rank, not a hang
-    if failure[0] is not None:
-        raise CheckpointError(failure[0])
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    set_model_state_dict(model, sd, options=options)
+    load_per_rank(model, path, ours, _adapter(ours).from_hf)
 
 
 def _read_hf_config(path: Path) -> dict[str, Any]:

@@ -87,7 +87,45 @@ class MemoryEstimate:
 _REST_CONST = 536
 
 
-def layer_activation_bytes_per_token(config: Any, hidden_size: int, cbytes: int) -> float:
+def layer_activation_parts_per_token(config: Any, hidden_size: int, cbytes: int) -> dict[str, float]:
+    """The attention and MLP shares of :func:`layer_activation_bytes_per_token` (what recomputing the
+    whole ``self_attention`` or ``mlp`` module of a layer frees: its input is the norm's output, which
+    the layer keeps anyway)."""
+    parts: dict[str, float] = {}
+    layer_activation_bytes_per_token(config, hidden_size, cbytes, parts)
+    return parts
+
+
+def selected_recompute_parts(
+    model: nn.Module, recompute_section: Any, num_layers: int
+) -> dict[int, set[str]]:
+    """Which whole modules ``recompute.mode: select`` recomputes, per layer id: ``{"attention", "mlp"}``.
+
+    Resolves the patterns with the code training uses (on ``model``, normally built on meta; its
+    modules get wrapped). A layer of ``full_recompute_layer`` counts as both; a selected submodule
+    smaller than the whole attention or MLP frees an unknown part and counts as nothing (the
+    estimate stays on the high side).
+    """
+    from lmforge.parallel.activation import plan_activation_memory
+    from lmforge.utils.sections import section_to_dict
+
+    if section_to_dict(recompute_section).get("mode") != "select":
+        return {}
+    plan = plan_activation_memory(model, recompute_section, None, None, num_layers)
+    out: dict[int, set[str]] = {i: {"attention", "mlp"} for i in plan.full_layers}
+    whole = {"self_attention": "attention", "mlp": "mlp"}
+    for path in plan.selected_paths:
+        if "layers." not in path:
+            continue
+        layer, _, rel = path.rsplit("layers.", 1)[1].partition(".")
+        if layer.isdigit() and rel in whole:
+            out.setdefault(int(layer), set()).add(whole[rel])
+    return out
+
+
+def layer_activation_bytes_per_token(
+    config: Any, hidden_size: int, cbytes: int, parts: dict[str, float] | None = None
+) -> float:
     """Bytes one decoder layer saves for backward per token (no tp/cp split), from its dimensions.
 
     Coefficients measured on lmforge's layers by varying one dimension at a time (fp32 / bf16):
@@ -99,6 +137,7 @@ def layer_activation_bytes_per_token(config: Any, hidden_size: int, cbytes: int)
     unit in 16-bit). A model without a config (not an lmforge model) gets the dense formula with a
     4·hidden MLP and full multi-head attention.
     """
+    parts = {} if parts is None else parts
     c = cbytes
     h = hidden_size
     low = c < 4
@@ -114,6 +153,7 @@ def layer_activation_bytes_per_token(config: Any, hidden_size: int, cbytes: int)
         q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     attention = q_dim * (4 * c + 4 * low) + kv_dim * (4 * c + 4 * low) + 8 * heads + 4 * kv_heads
     hidden = h * (4 * c + 8)
+    parts["attention"] = attention
     ffn = getattr(config, "intermediate_size", 0) or 4 * h
     dense_mlp = 4 * c * ffn
     num_layers = getattr(config, "num_layers", 0)
@@ -127,6 +167,7 @@ def layer_activation_bytes_per_token(config: Any, hidden_size: int, cbytes: int)
         mlp = (moe_layers * moe_mlp + (num_layers - moe_layers) * dense_mlp) / num_layers
     else:
         mlp = dense_mlp
+    parts["mlp"] = mlp
     return hidden + attention + mlp
 
 
@@ -152,12 +193,16 @@ def estimate_memory(
     accumulation_steps: int = 1,
     moment_bytes: int = 4,
     offload_states: bool = False,
+    recompute_select: dict[int, set[str]] | None = None,
 ) -> MemoryEstimate:
     """Estimate what one rank holds when ``model`` (built on meta) is trained with ``dims``.
 
     ``moment_bytes``: bytes per optimizer-moment element (2 with ``optimizer.moment_dtype: bfloat16``).
     ``offload_states``: the optimizer keeps its states and fp32
     master weights in CPU memory (``optimizer.offload_states``), so they leave the device's count.
+    ``recompute_select``: per layer id, the modules ``recompute.mode: select`` recomputes
+    (:func:`selected_recompute_parts`); their activations leave ``activations`` (the figure
+    ``total(recompute=False)`` uses).
     """
     cbytes = _DTYPE_BYTES.get(compute_dtype, 4)
     notes: list[str] = []
@@ -184,12 +229,15 @@ def estimate_memory(
             key = name.split("layers.", 1)[1].split(".", 1)[0]
             per_layer[key] = per_layer.get(key, 0) + n
     largest_layer = max(per_layer.values(), default=0)
+    outside_layers = sum(p.numel() for name, p in model.named_parameters() if "layers." not in name)
     local = dense_local + expert_local
     if sharded:
         params = int(local * 4)
         masters = 0
         notes.append("FSDP keeps the sharded parameters in fp32; they are the master weights.")
-        gathered = int(2 * largest_layer / dims.tp * cbytes)  # the current layer and the prefetched next one
+        # The current layer and the prefetched next one, plus the root unit (embedding, output layer,
+        # final norm: a stage's share under pp), which FSDP keeps gathered from forward to backward.
+        gathered = int((2 * largest_layer + outside_layers / dims.pp) / dims.tp * cbytes)
     else:
         params = int(local * cbytes)
         masters = int(local * 4) if cbytes < 4 else 0
@@ -214,14 +262,33 @@ def estimate_memory(
     # 1F1B keeps up to pp micro-batches in flight on the first stage; GPipe keeps all of them.
     in_flight = min(dims.pp, accumulation_steps) if dims.pp > 1 else 1
     # Outside the layers: embedding output, final norm (2 copies in 16-bit), fp32 logits saved for the loss.
-    rest = tokens * (hidden_size * (2 * cbytes + 4) + 4 * vocab_size / dims.tp + _REST_CONST)
+    # Under tp the plain loss path gathers the final norm's output and the output weight, so every tp
+    # rank computes the full-vocabulary logits (sequence and vocabulary unsplit).
+    full_tokens = seq_length * local_batch_size / dims.cp
+    rest = full_tokens * (hidden_size * (2 * cbytes + 4) + 4 * vocab_size + _REST_CONST)
     # The loss backward: three fp32 logits-sized tensors (softmax, its gradient, the logits' gradient)
     # and the output layer's weight gradient, its first.
-    logits_grad = tokens * vocab_size / dims.tp * 4 * 3 + vocab_size * hidden_size * 4 / dims.tp
+    logits_grad = full_tokens * vocab_size * 4 * 3 + vocab_size * hidden_size * 4
     layer_inputs = layers_here * tokens * hidden_size * cbytes / dims.tp  # what full recompute keeps
-    act = int(layers_here * per_layer_act * in_flight + rest + logits_grad)
-    act_rc = int(layer_inputs * in_flight + rest + logits_grad)
-    recompute_backward = int(layer_inputs * in_flight + per_layer_act + rest)
+    stage_layers_act = layers_here * per_layer_act
+    if recompute_select:
+        # The selected modules keep only their input (already counted as the norm's output). Under
+        # pipeline parallelism the stage with the most selected layers is not known here: count the
+        # smallest saving a stage can have (the selected layers spread evenly).
+        part = layer_activation_parts_per_token(config, hidden_size, cbytes)
+        freed = sum(part[name] for names in recompute_select.values() for name in names)
+        stage_layers_act -= freed / dims.pp * tokens / dims.tp
+        notes.append("recompute select: the selected attention / MLP modules' activations are not kept")
+    if dims.pp > 1:
+        # The first stage keeps ``in_flight`` micro-batches of its layers; the last stage one
+        # micro-batch plus the loss. The larger of the two.
+        act = int(max(stage_layers_act * in_flight, stage_layers_act + rest + logits_grad))
+        act_rc = int(max(layer_inputs * in_flight, layer_inputs + rest + logits_grad))
+        recompute_backward = int(max(layer_inputs * in_flight, layer_inputs + rest) + per_layer_act)
+    else:
+        act = int(stage_layers_act + rest + logits_grad)
+        act_rc = int(layer_inputs + rest + logits_grad)
+        recompute_backward = int(layer_inputs + per_layer_act + rest)
     if accumulation_steps > 1:
         notes.append("gradients stay allocated while later micro-batches run (gradient accumulation)")
     return MemoryEstimate(

@@ -315,11 +315,11 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
                 "pipeline schedule runs a fixed number of micro-batches per step."
             )
     lora = getattr(cfg, "lora_config", None)
-    if lora is not None and dims is not None and (dims.tp > 1 or dims.pp > 1):
+    if lora is not None and dims is not None and dims.pp > 1:
         problems.append(
-            f"lora_config cannot be combined with parallelism.tensor_parallel ({dims.tp}) > 1 or "
-            f"parallelism.pipeline_parallel ({dims.pp}) > 1 yet: LoRA composes with data parallel (FSDP2/HSDP) "
-            "only. Remove lora_config or set those degrees to 1."
+            f"lora_config cannot be combined with parallelism.pipeline_parallel ({dims.pp}) > 1 yet: LoRA "
+            "composes with data parallel (FSDP2/HSDP) and tensor parallel only. Remove lora_config or set "
+            "parallelism.pipeline_parallel: 1."
         )
     summary = None
     if dims is not None and opts is not None and model_config is not None:

@@ -11,13 +11,15 @@ from typing import Any
 
 from lmforge.errors import NotSupportedError
 from lmforge.parallel.dims import ParallelDims
-from lmforge.parallel.memory import describe_ranks, estimate_memory, format_bytes
+from lmforge.parallel.memory import describe_ranks, estimate_memory, format_bytes, selected_recompute_parts
 from lmforge.utils.sections import section_to_dict
 
 MAX_RANK_LINES = 16
 
 
-def parallel_plan(parallelism: Any, model: Any, training: Any, optimizer: Any, world_size: int) -> list[str]:
+def parallel_plan(
+    parallelism: Any, model: Any, training: Any, optimizer: Any, world_size: int, recompute: Any = None
+) -> list[str]:
     """Lines describing the parallel plan; raises ConfigError for anything that would fail at start-up."""
     import torch
 
@@ -83,12 +85,14 @@ def parallel_plan(parallelism: Any, model: Any, training: Any, optimizer: Any, w
         compute_dtype=getattr(net, "compute_dtype", torch.float32),
         optimizer_type=str(section_to_dict(optimizer).get("type", "AdamW")),
         moment_bytes=2 if section_to_dict(optimizer).get("moment_dtype") == "bfloat16" else 4,
+        offload_states=bool(section_to_dict(optimizer).get("offload_states", False)),
         seq_length=cfg.seq_length,
         local_batch_size=lbs,
         hidden_size=cfg.hidden_size,
         num_layers=cfg.num_layers,
         vocab_size=cfg.vocab_size,
         accumulation_steps=accum,
+        recompute_select=selected_recompute_parts(net, recompute, cfg.num_layers),
     )
     lines.append(
         f"Per-rank memory estimate (most loaded rank, {est.local_parameter_count:,} parameters held):"

@@ -130,6 +130,11 @@ def _pieces_colwise(linear: nn.Linear, pieces: list[int], mesh: Any, group: Any)
         y = comm.reduce_scatter(partial.index_select(-1, perm), -1, group)
         if self.bias is not None:
             y = y + comm.all_reduce_grad(_local(self.bias), group).index_select(0, rows)
+        if getattr(self, "lora_A", None) is not None:
+            # LoRA: A and B are replicated; x is the full block input, so A(x) is whole on every rank and
+            # this rank applies B's rows of its own output pieces (gradients summed over tp).
+            a, b = _adapter_factors(self, group)
+            y = y + F.linear(F.linear(self.lora_dropout(x), a), b.index_select(0, rows)) * self.scaling
         return y
 
     linear.forward = types.MethodType(forward, linear)
@@ -148,13 +153,31 @@ def _rowwise_to_sequence(linear: nn.Linear, mesh: Any, group: Any) -> None:
     if linear.bias is not None:
         _distribute(linear, "bias", mesh, Replicate())
 
+    t, rank = mesh.size(), mesh.get_local_rank()
+    cols = slice(rank * linear.in_features // t, (rank + 1) * linear.in_features // t)
+
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        y = comm.reduce_scatter(F.linear(x, _local(self.weight)), 1, group)
+        partial = F.linear(x, _local(self.weight))
+        if getattr(self, "lora_A", None) is not None:
+            # LoRA: x is this rank's slice of the features, so A's matching columns give a partial A(x);
+            # B is linear, so the partial updates sum up in the same reduce-scatter as the base.
+            a, b = _adapter_factors(self, group)
+            partial = partial + F.linear(F.linear(self.lora_dropout(x), a[:, cols]), b) * self.scaling
+        y = comm.reduce_scatter(partial, 1, group)
         if self.bias is not None:
             y = y + comm.all_reduce_grad(_local(self.bias), group)
         return y
 
     linear.forward = types.MethodType(forward, linear)
+
+
+def _adapter_factors(linear: nn.Module, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A LoRA linear's ``A`` and ``B`` (replicated over tp, see ``apply_tp``) as local tensors whose
+    gradient is summed over tp: each rank's use covers only its own output rows or input columns."""
+    return (
+        comm.all_reduce_grad(_local(linear.lora_A.weight), group),
+        comm.all_reduce_grad(_local(linear.lora_B.weight), group),
+    )
 
 
 def _gather_block_input(block: nn.Module, group: Any) -> None:

@@ -206,11 +206,11 @@ def build_trainer(
 
         check_float8_supported(float8, ctx.device, dims.tp)
     lora = getattr(cfg, "lora_config", None)
-    if lora is not None and (dims.tp > 1 or dims.pp > 1):
+    if lora is not None and dims.pp > 1:
         raise ConfigError(
-            f"lora_config cannot be combined with parallelism.tensor_parallel ({dims.tp}) > 1 or "
-            f"parallelism.pipeline_parallel ({dims.pp}) > 1 yet: LoRA composes with data parallel (FSDP2/HSDP) "
-            "only. Remove lora_config or set those degrees to 1."
+            f"lora_config cannot be combined with parallelism.pipeline_parallel ({dims.pp}) > 1 yet: LoRA "
+            "composes with data parallel (FSDP2/HSDP) and tensor parallel only. Remove lora_config or set "
+            "parallelism.pipeline_parallel: 1."
         )
     if not dims.is_parallel:
         check_cpu_offload_on_one_process(cfg.parallelism, ctx.device)

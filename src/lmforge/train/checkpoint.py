@@ -58,7 +58,7 @@ from lmforge.train.safe_load import (
     read_dcp_metadata,
 )
 from lmforge.train.state import TrainState
-from lmforge.utils.atomic import check_output_dir, recover_dir, replace_dir
+from lmforge.utils.atomic import check_output_dir, fsync_dir, fsync_file, recover_dir, replace_dir
 from lmforge.utils.logging import get_logger
 
 logger = get_logger("lmforge.train.checkpoint")
@@ -240,6 +240,9 @@ class CheckpointManager:
         self.rank = dist.get_rank() if _distributed() else 0
         self.world_size = dist.get_world_size() if _distributed() else 1
         self.saved_this_run: list[Path] = []
+        # Set by the trainer for a LoRA run (train/lora_checkpoint.py): where the frozen base came from.
+        # With it, checkpoints hold the adapters, buffers and optimizer state only, not the base.
+        self.lora_base: dict[str, Any] | None = None
         self._pending: _PendingSave | None = None
         self.last_save_seconds: float = 0.0  # time the training loop was blocked by the last save
         # Async saves run their collectives on a process group of their own: sharing the default one
@@ -324,6 +327,11 @@ class CheckpointManager:
 
     def _build_state_dict(self, target: Checkpointable, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         model_sd = _model_state_dict(target.model)
+        from lmforge.train.lora_checkpoint import has_adapters, without_frozen
+
+        adapters_only = self.lora_base is not None and has_adapters(target.model)
+        if adapters_only:
+            model_sd = without_frozen(target.model, model_sd)
         if not self.no_save_optim:
             model_sd.update(
                 {k: m for k, m in _masters_by_key(target.model, target.optimizer).items() if k in model_sd}
@@ -358,6 +366,8 @@ class CheckpointManager:
             "prefix": self.prefix,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+        if adapters_only:
+            common["lora_base"] = self.lora_base
         return sd, common
 
     def _publish(self, pending: _PendingSave) -> None:
@@ -445,7 +455,7 @@ def write_tracker(save_path: str | os.PathLike, step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, tracker)
-    _fsync_dir(tracker.parent)
+    fsync_dir(tracker.parent)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -464,25 +474,8 @@ def _write_yaml(path: Path, data: dict[str, Any]) -> None:
 def _fsync_tree(root: Path) -> None:
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems do not support fsync on directories
-    finally:
-        os.close(fd)
+            fsync_file(os.path.join(dirpath, name))
+        fsync_dir(dirpath)
 
 
 @contextlib.contextmanager
@@ -685,6 +678,13 @@ def load_checkpoint(
             "Build the model with the run's lora_config (lmforge generate / eval read it from the checkpoint's "
             "config.yaml or --config), or export the merged model with 'lmforge convert --to-hf DIR --from CKPT'."
         )
+    lora_base = header.common.get("lora_base")
+    if lora_base and any(is_lora_param_name(k) for k in model_sd):
+        # A small LoRA checkpoint: the frozen base is rebuilt from its record, then the rest is loaded.
+        from lmforge.train.lora_checkpoint import restore_base, without_frozen
+
+        restore_base(lora_base, target.model, header.path, hf_loader)
+        model_sd = without_frozen(target.model, model_sd)
     if no_load_optim:
         # Fine-tuning with LoRA from a checkpoint of the base model: the adapters keep their fresh init.
         fresh = {k for k in model_sd if f"model.{k}" not in keys and is_lora_param_name(k)}

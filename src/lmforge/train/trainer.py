@@ -167,8 +167,9 @@ class Trainer:
         ):
             self.callbacks.add(cb)
         ck = self.checkpoint_cfg
+        self._checkpoint_manager: CheckpointManager | None = None
         if ck.get("enable_save", True):
-            manager = CheckpointManager(
+            manager = self._checkpoint_manager = CheckpointManager(
                 ck.get("save_path", ""),
                 prefix=ck.get("prefix", "checkpoint"),
                 save_max=int(ck.get("save_max", 5)),
@@ -271,6 +272,7 @@ class Trainer:
                         current,
                         self.state.global_step,
                     )
+        self._record_lora_base(header)
         self.state.max_steps = int(section_to_dict(self.config.training)["steps"])
         scaler = self.step_fn.loss_scaler
         if scaler is not None:
@@ -289,6 +291,19 @@ class Trainer:
         self._epoch_open = False
         # Micro-batches this rank has consumed (the data position in loader steps).
         self._micro_fetched = self.state.consumed_samples // self.batches.samples_per_micro_step
+
+    def _record_lora_base(self, header: Any) -> None:
+        """A LoRA run saves small checkpoints: the adapters plus where the frozen base came from."""
+        from lmforge.train.lora_checkpoint import base_record, has_adapters
+
+        manager = getattr(self, "_checkpoint_manager", None)
+        if manager is None or not has_adapters(self.model):
+            return
+        seed = int(section_to_dict(self.config.training).get("seed", 0))
+        if self.ctx.rank == 0:  # only rank 0 writes common.json
+            manager.lora_base = base_record(header, seed)
+        else:
+            manager.lora_base = {}  # every rank must leave the frozen base out of the state dict
 
     def _next_micro_batch(self) -> dict[str, torch.Tensor]:
         """The next micro-batch; epoch hooks fire at the loader's epoch boundaries.
