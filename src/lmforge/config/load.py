@@ -91,7 +91,7 @@ def validate_config(
         raise ConfigError(f"Top-level keys of {source} must be strings, got {non_str!r}.")
     schema_notes: list[str] = []
     try:
-        with _collected_log_warnings(schema_notes):
+        with collected_log_warnings(schema_notes):
             cfg = TrainConfig.model_validate(dict(raw))
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, source)) from None
@@ -104,9 +104,9 @@ def validate_config(
 
 
 @contextlib.contextmanager
-def _collected_log_warnings(notes: list[str]) -> Iterator[None]:
-    """The warnings the registered section schemas log (keys that change nothing, a warm-up longer
-    than training) become warnings of the configuration instead of log lines of their own."""
+def collected_log_warnings(notes: list[str]) -> Iterator[None]:
+    """The warnings the building blocks log under ``lmforge`` (keys that change nothing, a warm-up
+    longer than training) go to ``notes`` instead of log lines of their own (load_config, run plan)."""
 
     class _Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmforge.config.load import collected_log_warnings
 from lmforge.errors import ConfigError, LmforgeError
 from lmforge.parallel.dims import ParallelDims
 
@@ -238,24 +239,10 @@ def _strip(text: str) -> str:
 def collected_warnings(notes: list[str]) -> Iterator[None]:
     """Collect the building blocks' warnings (log records and ``warnings.warn``) instead of printing them."""
 
-    class _Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            notes.append(record.getMessage())
-
-    root = logging.getLogger("lmforge")
-    saved = (root.handlers[:], root.propagate, root.level)
-    root.handlers = [_Collect(level=logging.WARNING)]
-    root.propagate = False
-    if root.level == logging.NOTSET or root.level > logging.WARNING:
-        root.setLevel(logging.WARNING)
-    try:
-        with py_warnings.catch_warnings(record=True) as caught:
-            py_warnings.simplefilter("always")
-            yield
-        notes.extend(str(w.message) for w in caught)
-    finally:
-        root.handlers, root.propagate = saved[0], saved[1]
-        root.setLevel(saved[2])
+    with collected_log_warnings(notes), py_warnings.catch_warnings(record=True) as caught:
+        py_warnings.simplefilter("always")
+        yield
+    notes.extend(str(w.message) for w in caught)
 
 
 def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
