@@ -116,8 +116,9 @@ TINY_SECTIONS = {
 }
 
 
-def build_tiny(family: str, **overrides):
-    section = {
+def tiny_section(family: str, **overrides) -> dict:
+    """The ``model`` section of a tiny fp32 model of ``family``."""
+    return {
         "vocab_size": 128,
         "hidden_size": 64,
         "intermediate_size": 96,
@@ -128,8 +129,17 @@ def build_tiny(family: str, **overrides):
         **TINY_SECTIONS[family],
         **overrides,
     }
+
+
+def build_tiny(family: str, **overrides):
     torch.manual_seed(0)
-    return build_model(section).eval()
+    return build_model(tiny_section(family, **overrides)).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_section():
+    """``tiny_model_section(family, **overrides)``: the ``model`` section ``tiny`` builds."""
+    return tiny_section
 
 
 @pytest.fixture(scope="session")

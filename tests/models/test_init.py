@@ -11,35 +11,6 @@ from lmforge.models import build_model
 from lmforge.models.common import init
 
 
-def tiny_deepseek(**overrides):
-    """MLA, MoE with shared experts and a router with expert bias: every kind of parameter."""
-    section = {
-        "model_type": "deepseek_v3",
-        "architectures": "DeepseekV3ForCausalLM",
-        "num_hidden_layers": 2,
-        "hidden_size": 32,
-        "num_attention_heads": 4,
-        "intermediate_size": 48,
-        "moe_intermediate_size": 16,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "n_group": 2,
-        "topk_group": 1,
-        "vocab_size": 64,
-        "kv_lora_rank": 16,
-        "q_lora_rank": 24,
-        "qk_rope_head_dim": 4,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 8,
-        "first_k_dense_replace": 1,
-        "n_shared_experts": 1,
-        "num_nextn_predict_layers": 0,
-        "compute_dtype": "float32",
-    }
-    section.update(overrides)
-    return section
-
-
 def test_same_seed_same_values_whatever_the_rows_drawn_together():
     whole = torch.empty(1000, 300)
     init.normal_(whole, "w", seed=3, std=0.02)
@@ -62,8 +33,9 @@ def test_seed_and_name_change_the_values_wrapper_segments_do_not():
     assert torch.equal(a, d)
 
 
-def test_meta_build_then_init_equals_a_direct_build_and_fills_everything():
-    section = tiny_deepseek(num_nextn_predict_layers=1)
+def test_meta_build_then_init_equals_a_direct_build_and_fills_everything(tiny_model_section):
+    # MLA, MoE with shared experts, a router with expert bias and MTP: every kind of parameter.
+    section = tiny_model_section("deepseek_v3", n_shared_experts=1, num_nextn_predict_layers=1)
     direct = build_model(section, seed=7)
     late = build_model(section, device="meta")
     late.to_empty(device="cpu")
@@ -76,8 +48,8 @@ def test_meta_build_then_init_equals_a_direct_build_and_fills_everything():
         assert torch.equal(p, q), name
 
 
-def test_without_a_seed_torch_manual_seed_controls_the_init():
-    section = tiny_deepseek()
+def test_without_a_seed_torch_manual_seed_controls_the_init(tiny_model_section):
+    section = tiny_model_section("deepseek_v3")
     torch.manual_seed(5)
     a = build_model(section)
     torch.manual_seed(5)
