@@ -91,8 +91,6 @@ def _build_step(rank: int, world: int, raw: dict[str, Any]) -> tuple[Any, list[d
             world_size=world,
             dp_rank=info.dp_rank,
             dp_size=info.dp_size,
-            wrapper_reduces_grads=True,
-            grad_reduce_is_mean=False,
             dp_group=info.dp_group,
         )
         dp_rank = info.dp_rank

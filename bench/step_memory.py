@@ -85,7 +85,6 @@ def loss_only(chunk: int) -> dict:
 def step_lmforge(chunk: int) -> dict:
     from lmforge.models import build_model
     from lmforge.optim import build_optimizer
-    from lmforge.optim.master_weights import get_grad
     from lmforge.train.parallel_seam import ParallelContext
     from lmforge.train.step import TrainStep
 
@@ -102,7 +101,7 @@ def step_lmforge(chunk: int) -> dict:
     reset_peak()
     step([batch])
     params = list(model.parameters())
-    grads = nbytes([g for p in params if (g := get_grad(p)) is not None]) or 4 * sum(
+    grads = nbytes([g for p in params if (g := p.grad) is not None]) or 4 * sum(
         p.numel() for p in params
     )
     states = nbytes([v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0])

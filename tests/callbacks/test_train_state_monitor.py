@@ -119,33 +119,3 @@ def test_local_norms_under_fsdp2(tmp_path):
             assert value == pytest.approx(float((expected[0][name] + expected[1][name]).norm()), rel=1e-5)
     finally:
         dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("fp32_hooks_first", [True, False])
-def test_device_norm_with_fp32_main_grad_accumulation(tmp_path, fp32_hooks_first):
-    """bf16 parameters whose gradients the optimizer side moves into an fp32 ``main_grad``."""
-    from lmforge.optim.master_weights import attach_fp32_grad_accumulation
-
-    torch.manual_seed(0)
-    model = TinyLM().to(torch.bfloat16)
-    cb = TrainStateMonitorCallback({"device_norm": True}, tmp_path)
-    seen = {}
-
-    def keep_main_grads(step):
-        for name, p in model.named_parameters():
-            g = getattr(p, "main_grad", None)
-            seen[name] = (g if g is not None else p.grad).float().clone()
-            p.main_grad = None
-
-    if fp32_hooks_first:
-        attach_fp32_grad_accumulation(model.parameters())
-        drive([cb], model, steps=1, micro=3, work=keep_main_grads)
-    else:
-        cb.on_train_begin(None, None, model=model)  # monitor hooks first
-        attach_fp32_grad_accumulation(model.parameters())
-        cb.on_train_begin = lambda *a, **k: None
-        drive([cb], model, steps=1, micro=3, work=keep_main_grads)
-    device = next(r["device_norm"] for r in _records(cb.path) if "device_norm" in r)
-    assert set(device) == set(seen)
-    for name, grad in seen.items():
-        assert device[name] == pytest.approx(float(grad.norm()), rel=1e-6), name

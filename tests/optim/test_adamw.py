@@ -1,4 +1,4 @@
-"""AdamW (and Lion, LAMB) against torch's optimizers and the papers' formulas; masters; resume."""
+"""AdamW (and Lion, LAMB) against torch's optimizers and the papers' formulas; fp32 parameters; resume."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from lmforge.optim import build_optimizer, get_grad
+from lmforge.errors import ConfigError
+from lmforge.optim import build_optimizer
 
 from .optim_helpers import TinyLM, set_random_grads
 
@@ -44,68 +45,30 @@ def test_adamw_equals_torch_adamw_over_20_steps():
         ref.step()
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
-    # No fp32 parameter carries a redundant master copy.
-    assert all("master" not in s for s in opt.state.values())
+    # The parameters are the master weights: the state holds no second copy.
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in opt.state.values())
 
 
-def test_bf16_parameters_update_their_fp32_master_like_torch_in_fp32():
-    model = TinyLM(dtype=torch.bfloat16)
-    twin = TinyLM()
-    twin.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-    opt = build_optimizer(SECTION, model, 1e-2)
-    ref = _torch_twin(opt, model, twin, betas=(0.9, 0.95), eps=1e-8)
-    for step in range(5):
-        grads = set_random_grads(model, step)  # bf16 grads
-        for name, q in twin.named_parameters():
-            q.grad = grads[name].bfloat16().float()
-        opt.step()
-        ref.step()
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        master = opt.state[p]["master"]
-        assert master.dtype == torch.float32 and opt.state[p]["exp_avg"].dtype == torch.float32
-        torch.testing.assert_close(master, q, atol=1e-6, rtol=0, msg=name)
-        assert torch.equal(p, master.to(torch.bfloat16))
-
-
-def test_bf16_grads_accumulate_in_fp32_across_micro_batches():
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(8, 4, bias=False).to(torch.bfloat16)
-    opt = build_optimizer({}, lin, 1e-3)
-    xs = [torch.randn(3, 8).bfloat16() for _ in range(4)]
-    expected = torch.zeros(4, 8)
-    for x in xs:
-        lin(x).float().square().sum().backward()
-        expected += (2 * lin(x).float().detach()).T @ x.float()  # d/dW sum(y^2) = 2 y^T x
-    g = get_grad(lin.weight)
-    assert lin.weight.grad is None and g.dtype == torch.float32
-    # Each micro-batch's bf16 grad is exact up to bf16 rounding; the sum is kept in fp32.
-    torch.testing.assert_close(g, expected, rtol=2e-2, atol=2e-2)
-    opt.zero_grad()
-    assert get_grad(lin.weight) is None
-
-
-def test_reload_main_params_from_model_after_a_weights_only_load():
-    model = TinyLM(dtype=torch.bfloat16)
-    opt = build_optimizer({}, model, 1e-3)
-    fresh = TinyLM(dtype=torch.bfloat16)
-    model.load_state_dict(fresh.state_dict())
-    p = model.output_layer.weight
-    assert not torch.equal(opt.state[p]["master"].bfloat16(), p)
-    opt.reload_main_params_from_model()
-    assert torch.equal(opt.state[p]["master"], p.float())
+@pytest.mark.parametrize("kind", ["AdamW", "Lion", "LAMB", "Muon"])
+def test_low_precision_parameters_are_refused_naming_the_parameter(kind):
+    # Updating bf16 weights in place would round every step; the trainer keeps them fp32.
+    with pytest.raises(
+        ConfigError, match=r"parameter '.*word_embeddings.weight' is torch.bfloat16.*model.float\(\)"
+    ):
+        build_optimizer({"type": kind}, TinyLM(dtype=torch.bfloat16), 1e-3)
 
 
 @pytest.mark.parametrize(
     ("section", "dtype"),
     [
         (SECTION, torch.float32),
-        (SECTION, torch.bfloat16),
-        ({"type": "Lion", "weight_decay": 0.1}, torch.bfloat16),
+        ({"type": "AdamW", "moment_dtype": "bfloat16"}, torch.float32),
+        ({"type": "Lion", "weight_decay": 0.1}, torch.float32),
         ({"type": "LAMB"}, torch.float32),
-        ({"type": "AdamW", "offload_states": True}, torch.bfloat16),
-        ({"type": "Muon", "qk_clip_enabled": False}, torch.bfloat16),
+        ({"type": "AdamW", "offload_states": True}, torch.float32),
+        ({"type": "Muon", "qk_clip_enabled": False}, torch.float32),
     ],
-    ids=["adamw-fp32", "adamw-bf16", "lion-bf16", "lamb-fp32", "adamw-offload", "muon-bf16"],
+    ids=["adamw", "adamw-bf16-moments", "lion", "lamb", "adamw-offload", "muon"],
 )
 def test_checkpointed_state_resumes_bitwise(section, dtype, tmp_path):
     model = TinyLM(dtype=dtype)
@@ -123,10 +86,11 @@ def test_checkpointed_state_resumes_bitwise(section, dtype, tmp_path):
     resumed.load_state_dict(ckpt["model"])
     opt2 = build_optimizer(section, resumed, 1e-2)
     opt2.load_state_dict(ckpt["optim"])
+    moments = torch.bfloat16 if section.get("moment_dtype") == "bfloat16" else torch.float32
     for p in resumed.parameters():
         for key, value in opt2.state[p].items():
             if key != "step":
-                assert value.dtype == torch.float32, key
+                assert value.dtype == moments, key
     for step in range(3, 6):
         set_random_grads(resumed, step)
         opt2.step()
@@ -134,7 +98,9 @@ def test_checkpointed_state_resumes_bitwise(section, dtype, tmp_path):
         assert torch.equal(p, q), name
 
 
-def test_offloaded_states_live_on_cpu_and_step_like_the_resident_ones():
+def test_offloaded_states_live_with_parameters_in_host_memory():
+    """States live next to the parameters (the trainer offloads both with FSDP2's CPU offload): on the
+    CPU they step like the resident ones; parameters on an accelerator (meta here) are refused."""
     a, b = TinyLM(), TinyLM()
     b.load_state_dict(a.state_dict())
     opt_a = build_optimizer({"offload_states": True}, a, 1e-2)
@@ -145,9 +111,10 @@ def test_offloaded_states_live_on_cpu_and_step_like_the_resident_ones():
         opt_a.step()
         opt_b.step()
     for p, q in zip(a.parameters(), b.parameters()):
-        st = opt_a.state[p]
-        assert st["master"].device.type == "cpu" and st["exp_avg"].device.type == "cpu"
+        assert opt_a.state[p]["exp_avg"].device.type == "cpu"
         torch.testing.assert_close(p, q, atol=0, rtol=0)
+    with pytest.raises(ConfigError, match="optimizer.offload_states: true .* on meta"):
+        build_optimizer({"offload_states": True}, TinyLM().to("meta"), 1e-2)
 
 
 def test_lion_matches_the_paper_update():
@@ -201,18 +168,18 @@ def test_fqn_state_dict_of_torch_dcp_resumes_bitwise(section):
     # The trainer saves optimizer state through torch.distributed.checkpoint's FQN-keyed state dicts.
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    model = TinyLM(dtype=torch.bfloat16, tie=True)
+    model = TinyLM(tie=True)
     opt = build_optimizer(section, model, 1e-2)
     for step in range(2):
         set_random_grads(model, step)
         opt.step()
     saved = copy.deepcopy(get_optimizer_state_dict(model, opt))
     weights = copy.deepcopy(model.state_dict())
-    assert saved["state"]["embedding.word_embeddings.weight"]["master"].dtype == torch.float32
+    assert saved["state"]["embedding.word_embeddings.weight"]["exp_avg"].dtype == torch.float32
     for step in range(2, 4):
         set_random_grads(model, step)
         opt.step()
-    resumed = TinyLM(dtype=torch.bfloat16, tie=True)
+    resumed = TinyLM(tie=True)
     resumed.load_state_dict(weights)
     opt2 = build_optimizer(section, resumed, 1e-2)
     set_optimizer_state_dict(resumed, opt2, saved)

@@ -24,18 +24,16 @@ def _moment_bytes(opt) -> int:
 
 
 @pytest.mark.parametrize("kind", ["AdamW", "Muon"])
-def test_bf16_moments_take_half_the_bytes_and_masters_stay_fp32(kind):
-    model = TinyLM(dtype=torch.bfloat16)
+def test_bf16_moments_take_half_the_bytes_and_parameters_stay_fp32(kind):
+    model = TinyLM()
     n = sum(p.numel() for p in model.parameters())
     extra = {"qk_clip_enabled": False} if kind == "Muon" else {}
     full = build_optimizer({"type": kind, **extra}, model, 1e-3)
-    small = build_optimizer(
-        {"type": kind, "moment_dtype": "bfloat16", **extra}, TinyLM(dtype=torch.bfloat16), 1e-3
-    )
+    small = build_optimizer({"type": kind, "moment_dtype": "bfloat16", **extra}, TinyLM(), 1e-3)
     assert _moment_bytes(small) * 2 == _moment_bytes(full)
     if kind == "AdamW":
         assert _moment_bytes(full) == 8 * n and _moment_bytes(small) == 4 * n  # 2 moments x 4 / x 2 bytes
-    assert all(st["master"].dtype == torch.float32 for st in small.state.values())
+    assert all(p.dtype == torch.float32 for p in small.state)
     assert all(st[k].dtype == torch.bfloat16 for st in small.state.values() for k in MOMENTS if k in st)
 
 

@@ -171,15 +171,8 @@ def reference_run(
 
 @torch.no_grad()
 def _clip(model, max_norm: float) -> float:
-    """Global-norm clipping of the gradients the optimizer uses (fp32 ``main_grad`` when it keeps one)."""
-    grads = [
-        g
-        for g in (
-            getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
-            for p in model.parameters()
-        )
-        if g is not None
-    ]
+    """Global-norm clipping of the gradients the optimizer uses."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = float(torch.sqrt(sum(g.float().square().sum() for g in grads)))
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
@@ -267,8 +260,6 @@ def _train_case(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         world_size=world,
         dp_rank=info.dp_rank,
         dp_size=info.dp_size,
-        wrapper_reduces_grads=True,
-        grad_reduce_is_mean=False,
         dp_group=info.dp_group,
     )
     scaler = None
@@ -323,8 +314,6 @@ def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, An
         world_size=world,
         dp_rank=dp_rank,
         dp_size=dp_size,
-        wrapper_reduces_grads=world > 1,
-        grad_reduce_is_mean=False,
         dp_group=dp_group,
     )
     step = TrainStep(model, opt, None, max_norm=MAX_NORM, ctx=ctx)

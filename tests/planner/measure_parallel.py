@@ -86,8 +86,6 @@ def _measure_case(rank: int, world: int, raw: dict[str, Any]) -> int:
         world_size=world,
         dp_rank=info.dp_rank,
         dp_size=info.dp_size,
-        wrapper_reduces_grads=True,
-        grad_reduce_is_mean=False,
         dp_group=info.dp_group,
     )
     step = TrainStep(model, optimizer, ScheduleLR(optimizer, schedule), max_norm=1.0, ctx=ctx)

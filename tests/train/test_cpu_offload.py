@@ -1,24 +1,32 @@
-"""``parallelism.cpu_offload: true`` on one process: a stated no-op on a CPU, refused on an accelerator."""
+"""CPU offload on one process: FSDP2 wraps one process too, so ``parallelism.cpu_offload`` and
+``optimizer.offload_states`` are FSDP2's CPU offload there as well; on a CPU they change nothing (said so)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from lmforge.config import load_config
-from lmforge.errors import ConfigError
-from lmforge.train.builder import build_trainer, check_cpu_offload_on_one_process
+from lmforge.optim.options import parse_optimizer_section
+from lmforge.train.builder import (
+    _storage_device,
+    _with_offload,
+    build_trainer,
+    check_cpu_offload_on_one_process,
+)
 
 from .test_train_cli import ADAMW, write_config
 
 
-def test_on_an_accelerator_it_is_refused_with_the_reason_and_the_alternative():
-    with pytest.raises(ConfigError) as info:
-        check_cpu_offload_on_one_process({"cpu_offload": True}, torch.device("cuda", 0))
-    message = str(info.value)
-    assert message.startswith("parallelism.cpu_offload: true")
-    assert "optimizer.offload_states: true" in message and "torchrun" in message
-    check_cpu_offload_on_one_process({"cpu_offload": False}, torch.device("cuda", 0))  # off: nothing to say
+def test_on_an_accelerator_offload_states_is_fsdp2_cpu_offload():
+    cuda = torch.device("cuda", 0)
+    offload = parse_optimizer_section({"type": "AdamW", "offload_states": True})
+    section = _with_offload({"cpu_offload": False}, offload, cuda)
+    assert section["cpu_offload"] is True and _storage_device(section, cuda).type == "cpu"
+    resident = parse_optimizer_section({"type": "AdamW"})
+    assert _with_offload({"cpu_offload": False}, resident, cuda) == {"cpu_offload": False}
+    # On a CPU the parameters and states already are in host memory: nothing to change.
+    assert _with_offload({"cpu_offload": False}, offload, torch.device("cpu")) == {"cpu_offload": False}
+    check_cpu_offload_on_one_process({"cpu_offload": True}, cuda)  # accepted: FSDP2 offloads one process too
 
 
 def test_on_a_cpu_it_trains_and_says_it_changes_nothing(tmp_path):

@@ -69,7 +69,9 @@ class InjectOverflow(TrainerCallback):
     def on_step_begin(self, args, state, **kw):
         if state.global_step + 1 == self.step:
             p = next(p for p in kw["model"].parameters() if p.requires_grad)
-            self.handle = p.register_hook(lambda g: torch.full_like(g, float("inf")))
+            # After FSDP2's reduce-scatter into the (sharded) gradient: a tensor hook on the sharded
+            # parameter would never fire.
+            self.handle = p.register_post_accumulate_grad_hook(lambda q: q.grad.fill_(float("inf")))
 
     def on_step_end(self, args, state, **kw):
         if self.handle is not None:

@@ -1,4 +1,4 @@
-"""Optimizers: AdamW, Muon, Lion and LAMB on fp32 master weights, built from the ``optimizer`` section.
+"""Optimizers: AdamW, Muon, Lion and LAMB on fp32 parameters (the master weights), built from the ``optimizer`` section.
 
 ``build_optimizer(section, model, lr)`` returns a ``torch.optim.Optimizer``; see ``docs/optim.md``.
 """
@@ -7,21 +7,19 @@ from lmforge.optim.adamw import AdamW
 from lmforge.optim.builder import build_optimizer
 from lmforge.optim.lamb import LAMB
 from lmforge.optim.lion import Lion
-from lmforge.optim.master_weights import MasterWeightOptimizer, attach_fp32_grad_accumulation, get_grad
 from lmforge.optim.muon import Muon
 from lmforge.optim.newton_schulz import newton_schulz, normalize_ns_schedule
 from lmforge.optim.options import OptimizerOptions, parse_optimizer_section
+from lmforge.optim.update_rule import UpdateRuleOptimizer
 
 __all__ = [
     "LAMB",
     "AdamW",
     "Lion",
-    "MasterWeightOptimizer",
     "Muon",
     "OptimizerOptions",
-    "attach_fp32_grad_accumulation",
+    "UpdateRuleOptimizer",
     "build_optimizer",
-    "get_grad",
     "newton_schulz",
     "normalize_ns_schedule",
     "parse_optimizer_section",

@@ -1,7 +1,7 @@
-"""AdamW on fp32 masters: decoupled decay ``p <- p(1 - lr wd)``, bias correction with t from 1.
+"""AdamW on fp32 parameters: decoupled decay ``p <- p(1 - lr wd)``, bias correction with t from 1.
 
 The update is torch's fused AdamW kernel (one pass over memory per tensor list) applied to the
-masters, grouped per param group; optimizer states are fp32 and named ``exp_avg`` / ``exp_avg_sq``
+parameters, grouped per param group; optimizer states are fp32 and named ``exp_avg`` / ``exp_avg_sq``
 (the original's ``adam_m`` / ``adam_v``).
 """
 
@@ -12,21 +12,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.optim.master_weights import MasterWeightOptimizer, local
 from lmforge.optim.moment_dtype import narrow_, widen
+from lmforge.optim.update_rule import UpdateRuleOptimizer, local
 
 
-def init_adam_state(opt: MasterWeightOptimizer, p: torch.Tensor, state: dict, amsgrad: bool = False) -> None:
-    dev = opt._state_device(p)
-    state["step"] = torch.tensor(0.0, dtype=torch.float32, device=dev)
-    state["exp_avg"] = opt._zeros_like_master(p)
-    state["exp_avg_sq"] = opt._zeros_like_master(p)
+def init_adam_state(opt: UpdateRuleOptimizer, p: torch.Tensor, state: dict, amsgrad: bool = False) -> None:
+    state["step"] = opt._step_counter(p)
+    state["exp_avg"] = opt._zeros_like(p)
+    state["exp_avg_sq"] = opt._zeros_like(p)
     if amsgrad:
-        state["max_exp_avg_sq"] = opt._zeros_like_master(p)
+        state["max_exp_avg_sq"] = opt._zeros_like(p)
 
 
 def adam_update(
-    opt: MasterWeightOptimizer,
+    opt: UpdateRuleOptimizer,
     params: list[torch.Tensor],
     *,
     lr: float,
@@ -36,28 +35,28 @@ def adam_update(
     amsgrad: bool = False,
     maximize: bool = False,
 ) -> None:
-    """One AdamW step for ``params`` (their masters); parameters without a gradient are skipped."""
-    masters, grads, m, v, vmax, steps, ids = [], [], [], [], [], [], []
+    """One AdamW step for ``params``; parameters without a gradient are skipped."""
+    weights, grads, m, v, vmax, steps, ids = [], [], [], [], [], [], []
     for p in params:
-        g = opt._fp32_grad(p)
+        g = opt._grad(p)
         if g is None:
             continue
         ids.append(opt.param_index(p))
         st = opt.state[p]
-        masters.append(local(opt.master(p)))
+        weights.append(local(p))
         grads.append(local(g))
         m.append(local(st["exp_avg"]))
         v.append(local(st["exp_avg_sq"]))
         if amsgrad:
             vmax.append(local(st["max_exp_avg_sq"]))
         steps.append(st["step"])
-    if not masters:
+    if not weights:
         return
     torch._foreach_add_(steps, 1)
     # Compressed (bf16) moments: the update runs on fp32 copies, stored back stochastically rounded.
     m32, v32, vmax32 = widen(m), widen(v), widen(vmax)
     torch._fused_adamw_(
-        masters,
+        weights,
         grads,
         m32,
         v32,
@@ -78,7 +77,7 @@ def adam_update(
         narrow_(vmax, vmax32, step, [3 * i + 2 for i in ids])
 
 
-class AdamW(MasterWeightOptimizer):
+class AdamW(UpdateRuleOptimizer):
     def __init__(
         self,
         params: Any,
@@ -90,21 +89,12 @@ class AdamW(MasterWeightOptimizer):
         maximize: bool = False,
         *,
         model: nn.Module | None = None,
-        offload_states: bool = False,
-        accumulate_grads_in_fp32: bool = True,
         moment_dtype: torch.dtype = torch.float32,
     ) -> None:
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
         )
-        super().__init__(
-            params,
-            defaults,
-            model=model,
-            offload_states=offload_states,
-            accumulate_grads_in_fp32=accumulate_grads_in_fp32,
-            moment_dtype=moment_dtype,
-        )
+        super().__init__(params, defaults, model=model, moment_dtype=moment_dtype)
 
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
         init_adam_state(self, p, state, group["amsgrad"])

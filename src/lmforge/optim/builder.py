@@ -11,13 +11,13 @@ from lmforge.errors import ConfigError
 from lmforge.optim.adamw import AdamW
 from lmforge.optim.lamb import LAMB
 from lmforge.optim.lion import Lion
-from lmforge.optim.master_weights import MasterWeightOptimizer
 from lmforge.optim.matching import first_matching_glob
 from lmforge.optim.model_chunks import as_model
 from lmforge.optim.moment_dtype import MOMENT_DTYPES
 from lmforge.optim.muon import Muon, is_muon_shape
 from lmforge.optim.options import OptimizerOptions, parse_optimizer_section
 from lmforge.optim.param_groups import build_param_groups
+from lmforge.optim.update_rule import UpdateRuleOptimizer
 
 
 def initial_lr(lr: Any) -> float:
@@ -33,7 +33,7 @@ def build_optimizer(
     lr: Any,
     *,
     qk_clip_group: dist.ProcessGroup | None = None,
-) -> MasterWeightOptimizer:
+) -> UpdateRuleOptimizer:
     """Build the optimizer the section describes over ``model``'s trainable parameters.
 
     ``lr`` is a float or a schedule (``lr_at(step)``); each group's ``lr`` starts at
@@ -59,6 +59,8 @@ def build_optimizer(
     model = as_model(model)
     lr0 = initial_lr(lr)
     h = opts.hyper
+    if h.get("offload_states"):
+        _check_states_in_host_memory(model)
 
     if opts.type == "Muon":
         patterns = h["adamw_include"]
@@ -86,7 +88,6 @@ def build_optimizer(
             amsgrad=h["amsgrad"],
             maximize=h["maximize"],
             model=model,
-            offload_states=h["offload_states"],
             moment_dtype=MOMENT_DTYPES[h["moment_dtype"]],
         )
     if opts.type == "Lion":
@@ -96,7 +97,6 @@ def build_optimizer(
             betas=h["betas"],
             weight_decay=opts.grouping.weight_decay,
             model=model,
-            offload_states=h["offload_states"],
         )
     if opts.type == "LAMB":
         return LAMB(
@@ -106,7 +106,6 @@ def build_optimizer(
             eps=h["eps"],
             weight_decay=opts.grouping.weight_decay,
             model=model,
-            offload_states=h["offload_states"],
         )
     return Muon(
         groups,
@@ -127,3 +126,16 @@ def build_optimizer(
         qk_clip_group=qk_clip_group,
         moment_dtype=MOMENT_DTYPES[h["moment_dtype"]],
     )
+
+
+def _check_states_in_host_memory(model: nn.Module) -> None:
+    """``optimizer.offload_states``: states live where the parameters do, so the parameters must be in
+    host memory; the trainer puts them there with FSDP2's CPU offload (parallel/fsdp.py)."""
+    on_device = sorted({p.device.type for p in model.parameters() if p.device.type != "cpu"})
+    if on_device:
+        raise ConfigError(
+            f"optimizer.offload_states: true keeps the optimizer states in host memory next to the fp32 "
+            f"parameters, which the trainer offloads with FSDP2's CPU offload; this model's parameters are on "
+            f"{', '.join(on_device)}. Build the optimizer through the trainer (lmforge train) or move the "
+            "parameters to the CPU first."
+        )

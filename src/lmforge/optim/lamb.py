@@ -1,4 +1,4 @@
-"""LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning") on fp32 masters.
+"""LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning") on fp32 parameters.
 
 Per parameter: the bias-corrected Adam direction plus decoupled decay,
 ``r = m_hat / (sqrt(v_hat) + eps) + wd p``, scaled by the trust ratio ``||p|| / ||r||`` (1 when
@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lmforge.optim.adamw import init_adam_state
-from lmforge.optim.master_weights import MasterWeightOptimizer, local
+from lmforge.optim.update_rule import UpdateRuleOptimizer, local
 
 
 def _norm(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -26,7 +26,7 @@ def _norm(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t)
 
 
-class LAMB(MasterWeightOptimizer):
+class LAMB(UpdateRuleOptimizer):
     def __init__(
         self,
         params: Any,
@@ -36,17 +36,9 @@ class LAMB(MasterWeightOptimizer):
         weight_decay: float = 0.01,
         *,
         model: nn.Module | None = None,
-        offload_states: bool = False,
-        accumulate_grads_in_fp32: bool = True,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(
-            params,
-            defaults,
-            model=model,
-            offload_states=offload_states,
-            accumulate_grads_in_fp32=accumulate_grads_in_fp32,
-        )
+        super().__init__(params, defaults, model=model)
 
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
         init_adam_state(self, p, state)
@@ -55,12 +47,11 @@ class LAMB(MasterWeightOptimizer):
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         b1, b2 = group["betas"]
         for p in group["params"]:
-            g = self._fp32_grad(p)
+            g = self._grad(p)
             if g is None:
                 continue
             st = self.state[p]
-            master = self.master(p)
-            w, g = local(master), local(g)
+            w, g = local(p), local(g)
             m, v = local(st["exp_avg"]), local(st["exp_avg_sq"])
             st["step"] += 1
             t = st["step"].item()
@@ -70,6 +61,6 @@ class LAMB(MasterWeightOptimizer):
             r = (m / (1.0 - b1**t)).div_(denom)
             if wd != 0:
                 r.add_(w, alpha=wd)
-            w_norm, r_norm = _norm(w, master), _norm(r, master)
+            w_norm, r_norm = _norm(w, p), _norm(r, p)
             trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, torch.ones_like(w_norm))
             w.sub_(r * (lr * trust))

@@ -1,4 +1,4 @@
-"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") on fp32 masters.
+"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") on fp32 parameters.
 
 ``c = b1 m + (1 - b1) g``; ``p <- p (1 - lr wd) - lr sign(c)``; ``m <- b2 m + (1 - b2) g``.
 One state tensor (``exp_avg``) per parameter instead of Adam's two. Lion's update has RMS 1, so it
@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.optim.master_weights import MasterWeightOptimizer, local
+from lmforge.optim.update_rule import UpdateRuleOptimizer, local
 
 
-class Lion(MasterWeightOptimizer):
+class Lion(UpdateRuleOptimizer):
     def __init__(
         self,
         params: Any,
@@ -24,33 +24,25 @@ class Lion(MasterWeightOptimizer):
         weight_decay: float = 0.01,
         *,
         model: nn.Module | None = None,
-        offload_states: bool = False,
-        accumulate_grads_in_fp32: bool = True,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
-        super().__init__(
-            params,
-            defaults,
-            model=model,
-            offload_states=offload_states,
-            accumulate_grads_in_fp32=accumulate_grads_in_fp32,
-        )
+        super().__init__(params, defaults, model=model)
 
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32, device=self._state_device(p))
-        state["exp_avg"] = self._zeros_like_master(p)
+        state["step"] = self._step_counter(p)
+        state["exp_avg"] = self._zeros_like(p)
 
     def _update_group(self, group: dict) -> None:
-        masters, grads, m, steps = [], [], [], []
+        weights, grads, m, steps = [], [], [], []
         for p in group["params"]:
-            g = self._fp32_grad(p)
+            g = self._grad(p)
             if g is None:
                 continue
-            masters.append(local(self.master(p)))
+            weights.append(local(p))
             grads.append(local(g))
             m.append(local(self.state[p]["exp_avg"]))
             steps.append(self.state[p]["step"])
-        if not masters:
+        if not weights:
             return
         lr, wd = group["lr"], group["weight_decay"]
         b1, b2 = group["betas"]
@@ -58,6 +50,6 @@ class Lion(MasterWeightOptimizer):
         c = torch._foreach_lerp(m, grads, 1.0 - b1)
         torch._foreach_sign_(c)
         if wd != 0:
-            torch._foreach_mul_(masters, 1.0 - lr * wd)
-        torch._foreach_add_(masters, c, alpha=-lr)
+            torch._foreach_mul_(weights, 1.0 - lr * wd)
+        torch._foreach_add_(weights, c, alpha=-lr)
         torch._foreach_lerp_(m, grads, 1.0 - b2)

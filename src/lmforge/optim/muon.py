@@ -1,6 +1,6 @@
 """Muon (Newton-Schulz orthogonalised momentum) with a built-in AdamW branch and QK-Clip.
 
-Per Muon parameter (2-D weights, and 3-D expert stacks per expert), on the fp32 master:
+Per Muon parameter (2-D weights, and 3-D expert stacks per expert), on the fp32 parameter:
 
     m <- momentum * m + g                        (sum-form momentum, fp32, as the original)
     u <- g + momentum * m   if nesterov else m
@@ -11,7 +11,7 @@ Per Muon parameter (2-D weights, and 3-D expert stacks per expert), on the fp32 
 Pieces of the same shape (up to transposition) across all parameters are orthogonalised together
 in batched matmuls. Every other parameter (1-D, embeddings and output layer by ``adamw_include``)
 takes the AdamW branch with ``adamw_betas`` / ``adamw_eps``. After all updates, QK-Clip scales the
-query/key rows of heads whose max logit exceeded the threshold, on the masters.
+query/key rows of heads whose max logit exceeded the threshold, on the parameters.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lmforge.optim.adamw import adam_update, init_adam_state
-from lmforge.optim.master_weights import MasterWeightOptimizer, local
 from lmforge.optim.moment_dtype import narrow_
 from lmforge.optim.muon_comm import MuonWork, compute_updates
 from lmforge.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, Schedule
 from lmforge.optim.qk_clip import apply_qk_clip
+from lmforge.optim.update_rule import UpdateRuleOptimizer, local
 from lmforge.utils.logging import get_logger
 from lmforge.utils.qk_clip import QKClipLayer
 
@@ -63,7 +63,7 @@ def _split_by_route(params: Any) -> list[dict]:
     return out
 
 
-class Muon(MasterWeightOptimizer):
+class Muon(UpdateRuleOptimizer):
     """Param groups carry ``route`` ("muon" or "adamw"); groups without it are routed by shape."""
 
     def __init__(
@@ -86,7 +86,6 @@ class Muon(MasterWeightOptimizer):
         model: nn.Module | None = None,
         split_schema: dict[str, tuple[int, list[int]]] | None = None,
         qk_clip_group: dist.ProcessGroup | None = None,
-        accumulate_grads_in_fp32: bool = True,
         moment_dtype: torch.dtype = torch.float32,
     ) -> None:
         defaults = dict(
@@ -106,13 +105,7 @@ class Muon(MasterWeightOptimizer):
         self.qk_clip_threshold = qk_clip_threshold
         self.qk_clip_group = qk_clip_group
         self.model = model
-        super().__init__(
-            _split_by_route(params),
-            defaults,
-            model=model,
-            accumulate_grads_in_fp32=accumulate_grads_in_fp32,
-            moment_dtype=moment_dtype,
-        )
+        super().__init__(_split_by_route(params), defaults, model=model, moment_dtype=moment_dtype)
 
         self._names: dict[int, str] = {}
         for g in self.param_groups:
@@ -144,10 +137,10 @@ class Muon(MasterWeightOptimizer):
         if group["route"] == "muon":
             if not is_muon_shape(p):
                 raise ValueError(f"Muon takes 2-D and 3-D weights only; got shape {tuple(p.shape)}")
-            state["momentum_buffer"] = self._zeros_like_master(p)
+            state["momentum_buffer"] = self._zeros_like(p)
             if self.moment_dtype != torch.float32:
                 # Compressed momentum: a step count (checkpointed) picks the stochastic-rounding stream.
-                state["step"] = torch.tensor(0.0, dtype=torch.float32, device=self._state_device(p))
+                state["step"] = self._step_counter(p)
         else:
             init_adam_state(self, p, state)
 
@@ -204,14 +197,10 @@ class Muon(MasterWeightOptimizer):
         groups, self._pending = self._pending, []
         self._muon_update(groups)
         if self._qk_layers:
-            apply_qk_clip(self._qk_layers, self.qk_clip_threshold, self._master_by_name, self.qk_clip_group)
+            apply_qk_clip(self._qk_layers, self.qk_clip_threshold, self._by_name.get, self.qk_clip_group)
             reset = getattr(self.model, "reset_max_logits", None)
             if callable(reset):
                 reset()
-
-    def _master_by_name(self, name: str) -> torch.Tensor | None:
-        p = self._by_name.get(name)
-        return None if p is None else self.master(p)
 
     def _muon_update(self, groups: list[dict]) -> None:
         works: list[MuonWork] = []
@@ -219,13 +208,14 @@ class Muon(MasterWeightOptimizer):
         for group in groups:
             mu = group["momentum"]
             for p in group["params"]:
-                g = self._fp32_grad(p)
-                master = self.master(p)
+                g = self._grad(p)
+                # One rank holding the whole matrix (FSDP2 over one process) needs no collective.
+                sharded = isinstance(p, DTensor) and p.device_mesh.size() > 1
                 if g is None:
-                    if not isinstance(master, DTensor):
+                    if not sharded:
                         continue
                     # Sharded: every rank must take part in the same collectives, so a missing grad is zero.
-                    g = torch.zeros_like(master)
+                    g = torch.zeros_like(p)
                 stored = local(self.state[p]["momentum_buffer"])
                 m = stored.float() if stored.dtype != torch.float32 else stored  # compressed: fp32 math
                 g = local(g)
@@ -238,17 +228,17 @@ class Muon(MasterWeightOptimizer):
                 works.append(
                     MuonWork(
                         u=u,
-                        layout=master if isinstance(master, DTensor) else None,
+                        layout=p if sharded else None,
                         split=self.split_schema.get(self._names.get(id(p), "")),
                         lr_rms=group["lr"] * group["matched_adamw_rms"],
                     )
                 )
-                targets.append((master, group))
+                targets.append((p, group))
         if not works:
             return
         updates = compute_updates(works, self.comm_strategy, self.ns_schedule, self.ns_eps, self.ns_dtype)
-        for (master, group), up in zip(targets, updates):
-            w = local(master)
+        for (p, group), up in zip(targets, updates):
+            w = local(p)
             if group["weight_decay"] != 0:
                 w.mul_(1.0 - group["lr"] * group["weight_decay"])
             w.sub_(up)

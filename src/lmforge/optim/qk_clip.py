@@ -1,4 +1,4 @@
-"""QK-Clip (Kimi K2's MuonClip) applied to the fp32 masters after the optimizer update.
+"""QK-Clip (Kimi K2's MuonClip) applied to the fp32 parameters (the master weights) after the optimizer update.
 
 The rule is documented in :mod:`lmforge.utils.qk_clip`: per head ``gamma_h = min(1, tau / m_h)``
 from the step's maximum logit ``m_h`` (all-reduced with MAX over the data/context-parallel group

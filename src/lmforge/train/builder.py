@@ -1,7 +1,12 @@
 """From a validated ``TrainConfig`` to a ready :class:`Trainer` (DESIGN §4).
 
-config ─ preflight (RunPlan: every check, no process group) ─ build_model (meta when parallel) ─ parallelize ─ init weights
+config ─ preflight (RunPlan: every check, no process group) ─ process group (one process too)
+       ─ build_model on meta ─ parallelize (FSDP2 at every world size) ─ materialise ─ init weights
        ─ build_scheduler ─ build_optimizer ─ ScheduleLR ─ build_dataloader (at the resume position)
+
+One build and numerics path on every world size, one device included: the parameters are fp32 DTensors
+(the master weights) and the optimizer states fp32 next to them; FSDP2's ``MixedPrecisionPolicy``
+gathers each layer in ``compute_dtype`` for compute and reduces gradients in fp32.
 """
 
 from __future__ import annotations
@@ -70,12 +75,9 @@ def _with_compile(hook: Any, cfg: Any):
 
 
 def check_cpu_offload_on_one_process(section: Any, device: torch.device) -> None:
-    """``parallelism.cpu_offload`` is FSDP2's CPUOffloadPolicy, applied only when the run is parallel.
-
-    On one process there is nothing to shard: on a CPU the parameters, gradients and optimizer states
-    already live in host memory (a no-op, said so); on an accelerator it would do nothing, so it is
-    refused before anything is built, pointing at what does work on one device.
-    """
+    """``parallelism.cpu_offload`` is FSDP2's CPUOffloadPolicy, applied on every world size (FSDP2 wraps
+    one process too). On one CPU process the parameters, gradients and optimizer states already live in
+    host memory: a no-op, said so."""
     if section is None or not section.get("cpu_offload", False):  # a typed section or a mapping
         return
     if device.type == "cpu":
@@ -83,13 +85,24 @@ def check_cpu_offload_on_one_process(section: Any, device: torch.device) -> None
             "parallelism.cpu_offload: true has no effect on this run: it is one process on a CPU, where "
             "parameters, gradients and optimizer states are already in host memory."
         )
-        return
-    raise ConfigError(
-        f"parallelism.cpu_offload: true is FSDP2's CPU offload and needs a parallel run (torchrun with more "
-        f"than one process); on one {device.type} device it would leave everything on the accelerator. Set "
-        "it to false and use optimizer.offload_states: true to keep the fp32 masters and optimizer states "
-        "in host memory, or run under torchrun with --nproc_per_node >= 2."
-    )
+
+
+def _with_offload(section: Any, optimizer: Any, device: torch.device) -> Any:
+    """``optimizer.offload_states`` on an accelerator is FSDP2's CPU offload: the optimizer states live
+    next to the fp32 parameters, so both go to host memory and the update runs there (on a CPU they
+    already are)."""
+    if device.type == "cpu" or not optimizer.hyper.get("offload_states"):
+        return section
+    from lmforge.utils.sections import section_to_dict
+
+    return {**section_to_dict(section), "cpu_offload": True}
+
+
+def _storage_device(section: Any, device: torch.device) -> torch.device:
+    """Where the sharded parameters are materialised: host memory under FSDP2's CPU offload."""
+    from lmforge.utils.sections import section_to_dict
+
+    return torch.device("cpu") if section_to_dict(section).get("cpu_offload") else device
 
 
 def find_tokenizer(cfg: Any) -> Path | None:
@@ -214,48 +227,39 @@ def build_trainer(
         )
     if not dims.is_parallel:
         check_cpu_offload_on_one_process(cfg.parallelism, ctx.device)
-        model = build_from_config(model_cfg, plan.model_class, device=ctx.device, seed=int(training.seed))
-        _maybe_float8(model, float8)
-        if lora is not None:
-            _apply_lora(model, lora, int(training.seed), materialised=True)
-        if hook is not None:
-            hook(model)
-    else:
-        from lmforge.parallel import parallelize
+    from lmforge.parallel import parallelize
 
-        model = build_from_config(model_cfg, plan.model_class, device="meta")
-        _maybe_float8(model, float8)
-        if lora is not None:
-            _apply_lora(model, lora, int(training.seed), materialised=False)
-        mesh = dims.build_mesh(ctx.device.type)
-        model, info = parallelize(
-            model,
-            dims,
-            mesh,
-            cfg.parallelism,
-            num_microbatches=plan.accumulation_steps,
-            apply_activation=hook,
-            device=ctx.device,
-        )
-        model.to_empty(device=ctx.device)
-        with torch.no_grad():
-            model.init_weights(int(training.seed))  # layout-invariant: the same weights as one process
-        if lora is not None:
-            from lmforge.models.lora import init_lora_weights
+    model = build_from_config(model_cfg, plan.model_class, device="meta")
+    _maybe_float8(model, float8)
+    if lora is not None:
+        _apply_lora(model, lora, int(training.seed), materialised=False)
+    mesh = dims.build_mesh(ctx.device.type)
+    parallelism = _with_offload(cfg.parallelism, plan.optimizer, ctx.device)
+    model, info = parallelize(
+        model,
+        dims,
+        mesh,
+        parallelism,
+        num_microbatches=plan.accumulation_steps,
+        apply_activation=hook,
+        device=ctx.device,
+    )
+    model.to_empty(device=_storage_device(parallelism, ctx.device))
+    with torch.no_grad():
+        model.init_weights(int(training.seed))  # layout-invariant: the same weights on every layout
+    if lora is not None:
+        from lmforge.models.lora import init_lora_weights
 
-            init_lora_weights(model, int(training.seed))
-        ctx = ParallelContext(
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            local_rank=ctx.local_rank,
-            dp_rank=info.dp_rank,
-            dp_size=info.dp_size,
-            device=ctx.device,
-            # FSDP sums gradients over data-parallel ranks; the step divides by the global token count.
-            wrapper_reduces_grads=True,
-            grad_reduce_is_mean=False,
-            dp_group=info.dp_group,
-        )
+        init_lora_weights(model, int(training.seed))
+    ctx = ParallelContext(
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        local_rank=ctx.local_rank,
+        dp_rank=info.dp_rank,
+        dp_size=info.dp_size,
+        device=ctx.device,
+        dp_group=info.dp_group,
+    )
     logger.info(
         "Model %s: %.2fM parameters, %s; parallel: %s",
         getattr(cfg.model, "architectures", "?"),
@@ -265,8 +269,7 @@ def build_trainer(
     )
     schedule = plan.schedule
     # QK-Clip reduces max logits over the ranks holding the same layers (not across pipeline stages).
-    qk_group = info.qk_clip_group if dims.is_parallel else None
-    optimizer = build_optimizer(plan.optimizer, model, schedule, qk_clip_group=qk_group)
+    optimizer = build_optimizer(plan.optimizer, model, schedule, qk_clip_group=info.qk_clip_group)
     scheduler = ScheduleLR(optimizer, schedule)
 
     def dataloader_factory(consumed_samples: int) -> Any:

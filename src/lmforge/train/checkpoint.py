@@ -111,41 +111,20 @@ def _canonical_name(name: str) -> str:
     return name
 
 
-def _masters_by_key(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
-    """State-dict key -> the optimizer's fp32 master of that parameter, for parameters that have one.
-
-    A checkpoint stores each weight once, at full precision: the fp32 master where the optimizer keeps
-    one (a bf16 model on one device), else the parameter (FSDP keeps fp32 parameters). So a checkpoint
-    moves between layouts that keep masters and layouts that do not, without rounding the weights.
-    """
-    master_of = getattr(optimizer, "master", None)
-    if optimizer is None or not callable(master_of):
-        return {}
-    out = {}
-    for name, p in model.named_parameters():
-        if p in getattr(optimizer, "state", {}):
-            m = master_of(p)
-            if m is not p:
-                out[_canonical_name(name)] = m
-    return out
-
-
 def _optimizer_state_dict(model: nn.Module, optimizer: Any) -> tuple[str, dict[str, Any]]:
-    """(format, state dict). "fqn": keyed by parameter names, reshardable; "plain": the optimizer's own.
-
-    In "fqn" form the masters are left out: they are the checkpoint's model weights (see above).
-    """
+    """(format, state dict). "fqn": keyed by parameter names, reshardable; "plain": the optimizer's own."""
     if isinstance(optimizer, torch.optim.Optimizer) and _optimizer_holds_model_params(model, optimizer):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return "fqn", _without_masters(get_optimizer_state_dict(model, optimizer))
+        return "fqn", get_optimizer_state_dict(model, optimizer)
     return "plain", optimizer.state_dict()
 
 
-def _without_masters(sd: dict[str, Any]) -> dict[str, Any]:
-    # A new dict per parameter: torch's optimizer state dict shares them with the live optimizer state.
-    state = {k: {kk: vv for kk, vv in v.items() if kk != "master"} for k, v in sd.get("state", {}).items()}
-    return {**sd, "state": state}
+def _old_masters(model_sd: dict[str, Any], keys: Any) -> dict[str, Any]:
+    """Weights a checkpoint of the old single-device path holds as fp32 masters in the optimizer state
+    (``optimizer.state.<name>.master``; its ``model.<name>`` entry is the bf16 copy): name -> the
+    parameter they load into. Checkpoints written since 71445a7 store the fp32 weight as ``model.<name>``."""
+    return {k: v for k, v in model_sd.items() if f"optimizer.state.{k}.master" in keys}
 
 
 def _optimizer_holds_model_params(model: nn.Module, optimizer: Any) -> bool:
@@ -332,10 +311,6 @@ class CheckpointManager:
         adapters_only = self.lora_base is not None and has_adapters(target.model)
         if adapters_only:
             model_sd = without_frozen(target.model, model_sd)
-        if not self.no_save_optim:
-            model_sd.update(
-                {k: m for k, m in _masters_by_key(target.model, target.optimizer).items() if k in model_sd}
-            )
         sd: dict[str, Any] = {"model": model_sd}
         optimizer_format = None
         if target.optimizer is not None and not self.no_save_optim:
@@ -645,8 +620,7 @@ def load_checkpoint(
 ) -> None:
     """Restore ``target`` from ``header``.
 
-    With ``no_load_optim`` only the model weights are loaded (and the optimizer's fp32 masters are
-    re-synchronised from them); otherwise model, optimizer, scheduler, trainer counters, data position
+    With ``no_load_optim`` only the model weights are loaded; otherwise model, optimizer, scheduler, trainer counters, data position
     and RNG states are restored, so training continues exactly.
     """
     if header.kind == "hf":
@@ -658,7 +632,6 @@ def load_checkpoint(
                 f"weights. Use an lmforge checkpoint (iteration_XXXXXXXX) as checkpoint.load_path."
             )
         hf_loader(target.model, header.path)
-        _resync_optimizer_masters(target.optimizer)
         logger.info("Loaded Hugging Face weights from %s (optimizer state starts fresh).", header.path)
         return
     if not no_load_optim and target.optimizer is not None and not header.has_optimizer:
@@ -691,9 +664,18 @@ def load_checkpoint(
         model_sd = {k: v for k, v in model_sd.items() if k not in fresh}
     model_sd = _matching_parameters(header.path, model_sd, keys, partial_load, no_load_optim)
     _check_shapes(header.path, model_sd, keys)
-    # Weights with an fp32 master load straight into the master (no bf16 rounding on the way).
-    masters = {k: m for k, m in _masters_by_key(target.model, target.optimizer).items() if k in model_sd}
-    sd: dict[str, Any] = {"model": {**model_sd, **masters}}
+    masters = _old_masters(model_sd, keys)
+    if masters:
+        logger.warning(
+            "Checkpoint %s was written by the old single-device path (bf16 weights, fp32 masters in the "
+            "optimizer state): converting on load, its fp32 masters become the fp32 parameters. Checkpoints "
+            "saved from now on hold the fp32 weights themselves.",
+            header.path,
+        )
+    # The old path's masters load straight into the fp32 parameters (not its bf16 copies of them).
+    sd: dict[str, Any] = {"model": {k: v for k, v in model_sd.items() if k not in masters}}
+    if masters:
+        sd["optimizer"] = {"state": {k: {"master": v} for k, v in masters.items()}}
     optimizer_format = header.common.get("optimizer_format") or "plain"
     own_rng, own_loader = f"rank_{rank}", f"rank_{rank}"
     same_layout = int(header.common.get("world_size", 1)) == (dist.get_world_size() if _distributed() else 1)
@@ -702,7 +684,12 @@ def load_checkpoint(
             if optimizer_format == "fqn":
                 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-                sd["optimizer"] = _without_masters(get_optimizer_state_dict(target.model, target.optimizer))
+                state = get_optimizer_state_dict(target.model, target.optimizer)
+                # A new dict per parameter: torch's shares them with the live optimizer state.
+                per_param = {k: dict(v) for k, v in state.get("state", {}).items()}
+                for k, v in sd.get("optimizer", {}).get("state", {}).items():
+                    per_param.setdefault(k, {}).update(v)
+                sd["optimizer"] = {**state, "state": per_param}
             else:
                 sd["optimizer"] = _allocate_encoded(metadata, "optimizer")
         if target.scheduler is not None and _has_key(keys, "scheduler"):
@@ -718,14 +705,8 @@ def load_checkpoint(
 
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    master_tensors = {id(m) for m in masters.values()}
-    set_model_state_dict(
-        target.model, {k: v for k, v in sd["model"].items() if k not in masters}, options=_non_strict()
-    )
+    set_model_state_dict(target.model, {**sd["model"], **masters}, options=_non_strict())
     if no_load_optim:
-        _copy_masters_to_model(target.optimizer)
-        if not master_tensors:
-            _resync_optimizer_masters(target.optimizer)
         logger.info(
             "Loaded model weights from %s (no_load_optim: optimizer and step start fresh).", header.path
         )
@@ -734,15 +715,11 @@ def load_checkpoint(
         if optimizer_format == "fqn":
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-            saved_masters = {
-                p: target.optimizer.state[p]["master"]
-                for p in target.model.parameters()
-                if p in target.optimizer.state and "master" in target.optimizer.state[p]
+            state = {
+                k: {kk: vv for kk, vv in v.items() if kk != "master"}
+                for k, v in sd["optimizer"]["state"].items()
             }
-            set_optimizer_state_dict(target.model, target.optimizer, sd["optimizer"])
-            for p, m in saved_masters.items():  # loading replaced the state; the masters were loaded above
-                target.optimizer.state[p]["master"] = m
-            _copy_masters_to_model(target.optimizer)
+            set_optimizer_state_dict(target.model, target.optimizer, {**sd["optimizer"], "state": state})
         else:
             target.optimizer.load_state_dict(decode_state(sd["optimizer"]))
     if "scheduler" in sd:
@@ -896,29 +873,3 @@ def _non_strict():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(strict=False)
-
-
-@torch.no_grad()
-def _copy_masters_to_model(optimizer: Any) -> None:
-    """Cast the loaded fp32 masters into the (low-precision) model parameters."""
-    master_of = getattr(optimizer, "master", None)
-    if optimizer is None or not callable(master_of):
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            m = master_of(p)
-            if m is not p:
-                dst = p.to_local() if hasattr(p, "to_local") else p
-                src = m.to_local() if hasattr(m, "to_local") else m
-                dst.copy_(src)
-
-
-def _resync_optimizer_masters(optimizer: Any) -> None:
-    """After a weights-only load the optimizer's fp32 masters must be copied from the new weights."""
-    if optimizer is None:
-        return
-    for name in ("reload_main_params_from_model", "resync_masters", "sync_masters_from_model"):
-        method = getattr(optimizer, name, None)
-        if callable(method):
-            method()
-            return

@@ -163,8 +163,7 @@ class TrainStateMonitor:
 
     def _local_sharded_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
-            grad = getattr(param, "main_grad", None)
-            grad = param.grad if grad is None else grad
+            grad = param.grad
             if grad is None:
                 return
             now = _local(grad).detach().float()
@@ -177,14 +176,9 @@ class TrainStateMonitor:
 
     def _device_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
-            # Fires after every accumulation; the last value of the step is the full gradient. With
-            # fp32 accumulation (optim.master_weights) the sum lives in ``main_grad``: depending on
-            # hook order this backward's ``.grad`` may not have been moved into it yet.
-            main, grad = getattr(param, "main_grad", None), param.grad
-            parts = [_local(g).detach().float() for g in (main, grad) if g is not None]
-            if parts:
-                total = parts[0] if len(parts) == 1 else parts[0] + parts[1]
-                self._device[name] = float(torch.linalg.vector_norm(total))
+            # Fires after every accumulation; the last value of the step is the full gradient.
+            if param.grad is not None:
+                self._device[name] = float(torch.linalg.vector_norm(_local(param.grad).detach().float()))
 
         return hook
 

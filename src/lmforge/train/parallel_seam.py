@@ -1,19 +1,19 @@
 """The single seam between the trainer and parallelism.
 
-``distributed_env()`` reads the torchrun environment; ``ParallelContext`` tells the loop its data
-parallel rank/size and how gradients are reduced; ``parallelize(model, ctx, cfg)`` is where
-``lmforge.parallel`` (FSDP2 / TP / PP / CP / EP) plugs in. Until then, plain data parallelism is
-done here: replicas all-reduce (sum) their gradients after the backward passes.
+``distributed_env()`` sets up the process group (from torchrun's environment, or a one-process group
+when the run was started without torchrun: every run takes the same build path, FSDP2 included, see
+``lmforge.train.builder``); ``ParallelContext`` tells the loop its data-parallel rank/size and group.
+Gradients are always reduced by FSDP2 (a sum, in fp32); the step divides once, by the global token count.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lmforge.utils.elastic import DEFAULT_TIMEOUT_S, init_process_group
 
@@ -26,10 +26,6 @@ class ParallelContext:
     dp_rank: int = 0
     dp_size: int = 1
     device: torch.device = torch.device("cpu")
-    # True when a wrapper (FSDP/DDP) already reduces gradients across data-parallel ranks; then
-    # ``grad_reduce_is_mean`` says whether it averages (the step scales its objective to match).
-    wrapper_reduces_grads: bool = False
-    grad_reduce_is_mean: bool = True
     dp_group: Any = None
 
     @property
@@ -37,8 +33,20 @@ class ParallelContext:
         return self.world_size > 1
 
 
+def init_one_process_group(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """A process group of one rank on an in-memory store (no port, no environment variables), so that
+    a run started without torchrun builds its device mesh and FSDP2 like any other. Reused when one exists."""
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError(f"a process group of {dist.get_world_size()} ranks exists, expected one")
+        return
+    dist.init_process_group(
+        backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout_s)
+    )
+
+
 def distributed_env(device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelContext:
-    """Initialise torch.distributed from torchrun's environment (if launched that way).
+    """Initialise torch.distributed from torchrun's environment, or as one process without it.
 
     ``timeout_s`` is ``parallelism.process_group_timeout``: how long a collective (and start-up) may
     wait for the slowest rank before the job fails (and torchrun may restart it).
@@ -58,24 +66,11 @@ def distributed_env(device: str | None = None, timeout_s: float = DEFAULT_TIMEOU
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
     if world > 1 and not dist.is_initialized():
-        init_process_group("nccl" if use_cuda else "gloo", rank, world, timeout_s)
+        init_process_group(backend, rank, world, timeout_s)
+    elif world == 1:
+        init_one_process_group(backend, timeout_s)
     return ParallelContext(
         rank=rank, world_size=world, local_rank=local_rank, dp_rank=rank, dp_size=world, device=dev
     )
-
-
-def parallelize(model: nn.Module, ctx: ParallelContext, cfg: Any = None) -> nn.Module:
-    """Apply the configured parallelism to ``model`` (identity until lmforge.parallel lands)."""
-    return model
-
-
-def sync_gradients(model: nn.Module, ctx: ParallelContext) -> None:
-    """Sum gradients over data-parallel replicas when no wrapper does it (plain data parallelism)."""
-    if ctx.dp_size <= 1 or ctx.wrapper_reduces_grads:
-        return
-    for p in model.parameters():
-        g = getattr(p, "main_grad", None)
-        g = p.grad if g is None else g
-        if g is not None:
-            dist.all_reduce(g, group=ctx.dp_group)

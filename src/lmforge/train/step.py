@@ -19,7 +19,7 @@ from torch import nn
 
 from lmforge.errors import LmforgeError
 from lmforge.train.loss_scale import LossScaler
-from lmforge.train.parallel_seam import ParallelContext, sync_gradients
+from lmforge.train.parallel_seam import ParallelContext
 
 CLIP_EPS = 1e-6  # coef = max_norm / (norm + eps), as the original
 MODEL_INPUTS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask", "actual_seq_len")
@@ -92,19 +92,13 @@ def count_loss_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return weights.sum()
 
 
-def grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    """The gradient the optimizer will use: the fp32 ``main_grad`` when one is kept, else ``.grad``."""
-    g = getattr(p, "main_grad", None)
-    return p.grad if g is None else g
-
-
 def global_grad_norm(params: Iterable[torch.Tensor], ctx: ParallelContext) -> torch.Tensor:
     """One L2 norm over all gradients; DTensor-aware: a shard replicated on k ranks counts once."""
     # Squared norms grouped by how many ranks hold the same values (plain tensors: every rank);
     # per-tensor norms come from one fused kernel per group (as torch's clip_grad_norm_).
     groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:
-        g = grad_of(p)
+        g = p.grad
         if g is None:
             continue
         if hasattr(g, "to_local") and hasattr(g, "placements"):
@@ -122,7 +116,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], ctx: ParallelContext) -> to
     for (factor, _device, _dtype), tensors in groups.items():
         if _dtype in (torch.float32, torch.float64):
             norms = torch._foreach_norm(tensors)
-        else:  # low-precision grads (no fp32 main_grad): accumulate each norm in fp32
+        else:  # low-precision grads (a model outside the trainer's FSDP2): accumulate each norm in fp32
             norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
         sq = torch.stack([n.to(device=ctx.device, dtype=torch.float32) for n in norms]).square().sum()
         total = total + sq / factor
@@ -182,15 +176,15 @@ class TrainStep:
         if ctx.distributed:
             dist.all_reduce(local_stats, group=ctx.dp_group)
         n_global, input_tokens, samples = (float(x) for x in local_stats.tolist())
-        # Scale so that the reduced gradient is the gradient of the global-batch token mean.
-        reduce_scale = ctx.dp_size if (ctx.wrapper_reduces_grads and ctx.grad_reduce_is_mean) else 1
         # fp16: backpropagate loss x scale (gradients divided by it again before clipping).
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         runner = getattr(self.model, "pipeline_runner", None)
         if runner is not None:  # pipeline parallel: the schedule runs backward with its own objective
             runner.loss_scale = loss_scale
-        inv_tokens = loss_scale * reduce_scale / max(n_global, 1.0)
-        aux_scale = loss_scale * reduce_scale / (accum * ctx.dp_size)
+        # FSDP2 sums gradients over data-parallel ranks: each rank's objective is already divided by the
+        # global token count, so the sum is the gradient of the global-batch token mean.
+        inv_tokens = loss_scale / max(n_global, 1.0)
+        aux_scale = loss_scale / (accum * ctx.dp_size)
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         model_tokens = torch.zeros((), dtype=torch.float64, device=device)
@@ -216,7 +210,6 @@ class TrainStep:
                 f"the model counted {float(model_tokens)} loss tokens but the trainer counted {float(counts.sum())} "
                 "(labels >= 0, weighted by loss_mask): the model's loss masking disagrees with the trainer's"
             )
-        sync_gradients(self.model, ctx)
 
         reduced = torch.stack([loss_sum, *aux_totals.values()]) if aux_totals else loss_sum.reshape(1)
         if ctx.distributed:
@@ -256,14 +249,13 @@ class TrainStep:
             # Nothing is applied: gradients are dropped; the lr schedule and the optimizer's step
             # counter stay where they are, so the next update gets the lr this one would have had.
             self.optimizer.zero_grad(set_to_none=True)
-            _clear_main_grads(self.params)
             result.skipped, result.skip_reason = True, reason
             return result
 
         # One pass over the gradients: clipping and, under fp16, unscaling.
         coef = min(1.0, self.max_norm / (grad_norm + CLIP_EPS)) / loss_scale
         if coef != 1.0:
-            grads = [g for g in (grad_of(p) for p in self.params) if g is not None]
+            grads = [p.grad for p in self.params if p.grad is not None]
             torch._foreach_mul_(grads, coef)
         self.optimizer.step()
         if self.scheduler is not None:
@@ -273,7 +265,6 @@ class TrainStep:
             # Aux-loss-free balancing uses the token counts of the whole data-parallel batch.
             update_bias(self._reduce_over_dp if ctx.distributed else None)
         self.optimizer.zero_grad(set_to_none=True)
-        _clear_main_grads(self.params)
         return result
 
     def _reduce_over_dp(self, t: torch.Tensor) -> torch.Tensor:
@@ -301,9 +292,3 @@ class TrainStep:
                 f"monitor.health_checkpoint.embedding_local_norm_threshold {policy.embedding_norm_threshold:g}"
             )
         return None
-
-
-def _clear_main_grads(params: Sequence[torch.Tensor]) -> None:
-    for p in params:
-        if getattr(p, "main_grad", None) is not None:
-            p.main_grad = None
