@@ -101,9 +101,7 @@ def step_lmforge(chunk: int) -> dict:
     reset_peak()
     step([batch])
     params = list(model.parameters())
-    grads = nbytes([g for p in params if (g := p.grad) is not None]) or 4 * sum(
-        p.numel() for p in params
-    )
+    grads = nbytes([g for p in params if (g := p.grad) is not None]) or 4 * sum(p.numel() for p in params)
     states = nbytes([v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0])
     return _result(
         peak() - start, nbytes(params), max(grads, 4 * sum(p.numel() for p in params)), states, first
