@@ -50,10 +50,10 @@ from pathlib import Path
 import torch
 
 from benchdoc import replace_section
-from lmforge.models import build_model, save_hf_pretrained
+from lmforge.models import save_hf_pretrained
 from lmforge.optim import build_optimizer
+from lmforge.train.builder import build_training_model
 from lmforge.train.checkpoint import Checkpointable, CheckpointManager, load_checkpoint, resolve_checkpoint
-from lmforge.train.parallel_seam import ParallelContext
 from lmforge.train.perf import matmul_peak_flops
 from lmforge.train.step import TrainStep
 
@@ -95,16 +95,25 @@ ADAMW = {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0
 LR = 1.0e-4
 
 
-def lmforge_runner(section: dict, batch: dict, compiled: bool = False):
-    torch.manual_seed(0)
-    model = build_model({k: v for k, v in section.items() if k != "batch"})
+def lmforge_model(section: dict, compiled: bool = False):
+    """The trainer's build path: meta build, FSDP2 over this one process (fp32 parameters, compute in
+    bf16, fp32 gradient reduction), init with seed 0; compiled blocks before FSDP2, as in the trainer."""
+    hook = None
     if compiled:
         from lmforge.config.sections_speed import CompileConfig
         from lmforge.parallel.compile import compile_blocks
 
-        compile_blocks(model, CompileConfig(enable=True))
+        def hook(model):
+            compile_blocks(model, CompileConfig(enable=True))
+
+    model_section = {k: v for k, v in section.items() if k != "batch"}
+    return build_training_model(model_section, seed=0, device="cpu", before_fsdp=hook)
+
+
+def lmforge_runner(section: dict, batch: dict, compiled: bool = False):
+    model, ctx = lmforge_model(section, compiled)
     opt = build_optimizer(ADAMW, model, LR)
-    step = TrainStep(model, opt, None, max_norm=1.0, ctx=ParallelContext())
+    step = TrainStep(model, opt, None, max_norm=1.0, ctx=ctx)
     return model, opt, (lambda: step([batch]))
 
 
@@ -184,8 +193,7 @@ def bench_throughput(name: str, steps: int, rounds: int, workdir: Path, compiled
 
 def bench_checkpoint(name: str, workdir: Path, repeats: int = 3) -> dict:
     section = MODELS[name]
-    torch.manual_seed(0)
-    model = build_model({k: v for k, v in section.items() if k != "batch"})
+    model, _ = lmforge_model(section)
     opt = build_optimizer(ADAMW, model, LR)
     target = Checkpointable(model, opt)
     tensors = {f"p{i}": p.detach().clone() for i, p in enumerate(model.parameters())}

@@ -161,6 +161,50 @@ def _refuse_absurd_model(cfg: Any, device: str | None, world_size: int) -> None:
     check_model_fits(model_cfg, device, world_size)
 
 
+def build_training_model(
+    section: Any,
+    *,
+    seed: int,
+    device: str | None = None,
+    parallelism: Any = None,
+    before_fsdp: Any = None,
+) -> tuple[torch.nn.Module, ParallelContext]:
+    """A model built as the trainer builds it, for tools and benchmarks (``build_trainer`` adds recompute,
+    compile, float8 and LoRA): process group (one process too), meta build, ``parallelize`` (FSDP2 with
+    fp32 parameters, compute in ``compute_dtype``), materialise, ``init_weights(seed)``. Returns the model
+    and the ``ParallelContext`` for ``TrainStep``. ``before_fsdp(model)`` runs where ``build_trainer``
+    applies recompute and compile."""
+    from lmforge.models import build_model
+    from lmforge.parallel import parallelize
+    from lmforge.parallel.dims import ParallelDims
+
+    parallelism = parallelism if parallelism is not None else {}
+    ctx = distributed_env(device)
+    dims = ParallelDims.from_section(parallelism, ctx.world_size)
+    model = build_model(section, device="meta")
+    model, info = parallelize(
+        model,
+        dims,
+        dims.build_mesh(ctx.device.type),
+        parallelism,
+        apply_activation=before_fsdp,
+        device=ctx.device,
+    )
+    model.to_empty(device=_storage_device(parallelism, ctx.device))
+    with torch.no_grad():
+        model.init_weights(int(seed))
+    ctx = ParallelContext(
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        local_rank=ctx.local_rank,
+        dp_rank=info.dp_rank,
+        dp_size=info.dp_size,
+        device=ctx.device,
+        dp_group=info.dp_group,
+    )
+    return model, ctx
+
+
 def build_trainer(
     cfg: Any, *, output_dir: str | os.PathLike | None = None, device: str | None = None
 ) -> Trainer:
