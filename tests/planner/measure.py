@@ -23,7 +23,7 @@ from lmforge.models import build_model, build_model_config
 from lmforge.optim import build_optimizer
 from lmforge.parallel import ParallelDims
 from lmforge.parallel.memory import estimate_memory, selected_recompute_parts
-from lmforge.train.parallel_seam import ParallelContext
+from lmforge.train.builder import build_training_model
 from lmforge.train.step import TrainStep
 
 BASE: dict[str, Any] = {
@@ -125,18 +125,21 @@ def measure(raw: dict[str, Any], steps: int = 1) -> int:
     cfg = load_config(raw)
     torch.manual_seed(0)
     mc = build_model_config(cfg.model)
-    model = build_model(cfg.model, device="cpu")
-    rc = raw.get("recompute")
-    if rc:
+    hook = None
+    if raw.get("recompute"):
         from lmforge.parallel.activation import apply_activation_memory
 
-        apply_activation_memory(model, cfg.recompute, cfg.recompute_comm, cfg.swap, mc.num_layers)
+        def hook(model):
+            apply_activation_memory(model, cfg.recompute, cfg.recompute_comm, cfg.swap, mc.num_layers)
+
+    # As the trainer builds it: FSDP2 over this one process (fp32 parameters, compute-dtype gathers).
+    model, ctx = build_training_model(cfg.model, seed=0, device="cpu", before_fsdp=hook)
     schedule = build_scheduler(cfg.lr_scheduler, int(cfg.training.steps))
     optimizer = build_optimizer(cfg.optimizer, model, schedule)
     tracker = LiveStorageBytes()
     offload = bool(getattr(cfg.optimizer, "offload_states", False))
     if offload:
-        # optimizer.offload_states: the states, the fp32 masters and the update live in host memory.
+        # optimizer.offload_states: the states and the update live in host memory.
         # On a CPU-only machine the device's share is what remains: storages the optimizer holds or
         # allocates during its step are left out (they would be host memory on a GPU).
         host_step = optimizer.step
@@ -149,7 +152,7 @@ def measure(raw: dict[str, Any], steps: int = 1) -> int:
                 tracker.paused = False
 
         optimizer.step = step_on_host
-    step = TrainStep(model, optimizer, ScheduleLR(optimizer, schedule), max_norm=1.0, ctx=ParallelContext())
+    step = TrainStep(model, optimizer, ScheduleLR(optimizer, schedule), max_norm=1.0, ctx=ctx)
     lbs = int(cfg.training.local_batch_size)
     accum = max(1, int(cfg.training.global_batch_size) // lbs)
     g = torch.Generator().manual_seed(0)

@@ -10,10 +10,9 @@ backward (the gradients plus the kept layer inputs and one recomputed layer's ac
 optimizer step (all gradients).
 tests/planner compares the result with the measured peak of real CPU steps (docs/guide.md).
 
-Storage follows what :func:`lmforge.parallel.parallelize` does: under FSDP (any multi-process run) the
-sharded parameters are kept in fp32 and are themselves the master weights, the compute copy of one
-layer is gathered in the compute dtype; on one process the parameters are stored in the compute dtype
-and the optimizer keeps fp32 masters of bf16/fp16 parameters. Gradients are fp32 either way.
+Storage follows what :func:`lmforge.parallel.parallelize` does on every world size, one process
+included: FSDP2 keeps the sharded parameters in fp32 (they are the master weights) and gathers the
+compute copy of a layer in the compute dtype. Gradients are fp32.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ class MemoryEstimate:
     parameters: int
     gradients: int
     optimizer_states: int
-    master_weights: int
     gathered_parameters: int  # unsharded compute copies FSDP holds during a layer's forward/backward
     activations: int
     activations_recompute: int
@@ -65,16 +63,13 @@ class MemoryEstimate:
         dynamic = max(backward_start, self.gradients)
         if recompute:
             dynamic = max(dynamic, self.gradients + self.recompute_backward)
-        return (
-            self.parameters + self.optimizer_states + self.master_weights + self.gathered_parameters + dynamic
-        )
+        return self.parameters + self.optimizer_states + self.gathered_parameters + dynamic
 
     def rows(self) -> list[tuple[str, int]]:
         return [
             ("parameters", self.parameters),
             ("gradients (fp32)", self.gradients),
             (f"optimizer states ({'fp32' if self.moment_bytes == 4 else 'bf16'})", self.optimizer_states),
-            ("fp32 master weights", self.master_weights),
             ("gathered layer parameters", self.gathered_parameters),
             ("activations", self.activations),
             ("activations with full recompute", self.activations_recompute),
@@ -198,15 +193,15 @@ def estimate_memory(
     """Estimate what one rank holds when ``model`` (built on meta) is trained with ``dims``.
 
     ``moment_bytes``: bytes per optimizer-moment element (2 with ``optimizer.moment_dtype: bfloat16``).
-    ``offload_states``: the optimizer keeps its states and fp32
-    master weights in CPU memory (``optimizer.offload_states``), so they leave the device's count.
+    ``offload_states``: the optimizer keeps its states in CPU memory (``optimizer.offload_states``, FSDP2's
+    CPU offload), so they leave the device's count (the offloaded fp32 parameters and gradients are
+    still counted: a conservative figure).
     ``recompute_select``: per layer id, the modules ``recompute.mode: select`` recomputes
     (:func:`selected_recompute_parts`); their activations leave ``activations`` (the figure
     ``total(recompute=False)`` uses).
     """
     cbytes = _DTYPE_BYTES.get(compute_dtype, 4)
     notes: list[str] = []
-    sharded = dims.is_parallel  # parallelize() applies FSDP (possibly over 1 rank) whenever world > 1
     dense_local = expert_local = 0.0
     muon_local = 0.0
     largest_layer = 0
@@ -214,14 +209,12 @@ def estimate_memory(
     for name, p in model.named_parameters():
         n = p.numel()
         if _is_expert(name):
-            local = n / (dims.pp * dims.tp * dims.ep) / (dims.expert_fsdp_size if sharded else 1)
+            local = n / (dims.pp * dims.tp * dims.ep) / dims.expert_fsdp_size
             expert_local += local
         else:
-            local = n / (dims.pp * dims.tp) / (dims.fsdp_size if sharded else 1)
+            local = n / (dims.pp * dims.tp) / dims.fsdp_size
             if not _is_vocab(name) and "layers." not in name:
-                local = n / (
-                    dims.fsdp_size if sharded else 1
-                )  # norms outside the layers: replicated over tp/pp
+                local = n / dims.fsdp_size  # norms outside the layers: replicated over tp/pp
             dense_local += local
         if p.ndim == 2 and not _is_vocab(name):
             muon_local += local
@@ -231,17 +224,11 @@ def estimate_memory(
     largest_layer = max(per_layer.values(), default=0)
     outside_layers = sum(p.numel() for name, p in model.named_parameters() if "layers." not in name)
     local = dense_local + expert_local
-    if sharded:
-        params = int(local * 4)
-        masters = 0
-        notes.append("FSDP keeps the sharded parameters in fp32; they are the master weights.")
-        # The current layer and the prefetched next one, plus the root unit (embedding, output layer,
-        # final norm: a stage's share under pp), which FSDP keeps gathered from forward to backward.
-        gathered = int((2 * largest_layer + outside_layers / dims.pp) / dims.tp * cbytes)
-    else:
-        params = int(local * cbytes)
-        masters = int(local * 4) if cbytes < 4 else 0
-        gathered = 0
+    params = int(local * 4)
+    notes.append("FSDP2 keeps the (sharded) parameters in fp32; they are the master weights.")
+    # The current layer and the prefetched next one, plus the root unit (embedding, output layer,
+    # final norm: a stage's share under pp), which FSDP keeps gathered from forward to backward.
+    gathered = int((2 * largest_layer + outside_layers / dims.pp) / dims.tp * cbytes)
     grads = int(local * 4)
     opt = optimizer_type.lower()
     if opt == "muon":
@@ -252,8 +239,8 @@ def estimate_memory(
     else:
         states = int(local * 2 * moment_bytes)
     if offload_states:
-        notes.append("optimizer states and fp32 master weights are in CPU memory (optimizer.offload_states)")
-        states, masters = 0, 0
+        notes.append("optimizer states are in CPU memory (optimizer.offload_states)")
+        states = 0
     layers_here = -(-num_layers // dims.pp)
     tokens = seq_length * local_batch_size / dims.cp
     config = getattr(model, "config", None)
@@ -295,7 +282,6 @@ def estimate_memory(
         parameters=params,
         gradients=grads,
         optimizer_states=states,
-        master_weights=masters,
         gathered_parameters=gathered,
         activations=act,
         activations_recompute=act_rc,
