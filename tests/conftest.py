@@ -36,3 +36,15 @@ BASE_CONFIG: dict[str, Any] = {
 def base_config() -> dict[str, Any]:
     """A fresh deep copy of ``BASE_CONFIG`` for a test to modify."""
     return copy.deepcopy(BASE_CONFIG)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_one_process_group():
+    """Every run builds through FSDP2, on a one-process group when not under torchrun
+    (``lmforge.train.parallel_seam``); a test that built a trainer leaves it behind, and the next test
+    may set up its own group. Tests that run under torchrun-like groups of several ranks are untouched."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
+        dist.destroy_process_group()

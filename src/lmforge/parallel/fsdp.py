@@ -13,6 +13,12 @@ sees fp32 parameters and keeps no second master copy.
   step instead of two); gradients and optimizer states sharded.
 * ``optim`` (ZeRO-1): FSDP2 always shards gradients, so this runs as ``optim_grads``: the same
   numbers, less memory than asked for. Documented as "lifted".
+
+One process (or a shard group of one) is wrapped the same way: the parameters stay fp32, each layer's
+compute copy is cast from them. There the ``default`` policy keeps the compute copies from forward to
+backward (resharding would free nothing that is not cast again in backward; the memory is that of the
+former bf16 parameters), and the gradient divide factor is left alone (nothing is reduced; setting it
+would cost a division pass over every gradient).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ SHARD_STRATEGIES = ("optim_grads_params", "optim_grads", "optim")
 RESHARD_POLICIES = ("default", "always", "never")
 
 
-def _reshard_after_forward(opts: dict[str, Any]) -> bool | None:
+def _reshard_after_forward(opts: dict[str, Any], shard_size: int = 2) -> bool | None:
     policy = opts["reshard_after_forward_policy"]
     strategy = opts["data_parallel_shard_strategy"]
     if policy not in RESHARD_POLICIES:
@@ -44,8 +50,9 @@ def _reshard_after_forward(opts: dict[str, Any]) -> bool | None:
         return True
     if policy == "never":
         return False
-    # "default": ZeRO-3 reshards every layer but the root (FSDP2's own default); ZeRO-1/2 keep them.
-    return None if strategy == "optim_grads_params" else False
+    # "default": ZeRO-3 reshards every layer but the root (FSDP2's own default); ZeRO-1/2 keep them,
+    # and so does a shard group of one rank (see the module docstring).
+    return None if strategy == "optim_grads_params" and shard_size > 1 else False
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -78,7 +85,7 @@ def apply_fsdp(
         fully_shard,
     )
 
-    reshard = _reshard_after_forward(opts)
+    reshard = _reshard_after_forward(opts, mesh.size(mesh.ndim - 1))
     # Storage in fp32 (the masters); compute in compute_dtype; reductions in fp32.
     model.to(torch.float32)
     # No input casting: the hidden states are already in compute_dtype (the embedding runs in it), and
@@ -108,6 +115,8 @@ def apply_fsdp(
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **common)
     # Reduce with SUM whatever disable_gradient_division says: the loss each rank backpropagates is
     # already divided by the global token count (DESIGN §6), so a second division would be wrong.
+    if mesh.size() == 1:
+        return model  # nothing is reduced (see the module docstring)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
