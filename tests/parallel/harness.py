@@ -382,3 +382,25 @@ def run_workers(world: int, spec: dict[str, Any], timeout: float = 90.0) -> list
         if errors:
             raise AssertionError("\n".join(errors))
         return results
+
+
+def expert_bias_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """One MoE layer routes this rank's own tokens, then updates its expert bias as parallelize wires it."""
+    import torch.distributed as dist
+
+    from lmforge.models.common.moe import MoELayer, RouterSettings
+    from lmforge.parallel.api import _sum_expert_counts
+
+    torch.manual_seed(0)
+    layer = MoELayer(
+        16, 8, RouterSettings(num_experts=4, top_k=2, enable_expert_bias=True, bias_update_rate=0.1)
+    )
+    for p in layer.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(world, 6, 16, generator=torch.Generator().manual_seed(1)) + 0.5
+    with torch.no_grad():
+        layer(x[rank : rank + 1])
+    local = layer.bias_update_counts.tolist()
+    _sum_expert_counts(torch.nn.ModuleList([layer]), dist.group.WORLD)
+    layer.update_expert_bias()
+    return {"local_counts": local, "bias": layer.router.expert_bias.tolist()}

@@ -47,3 +47,22 @@ def test_context_parallel_attention_is_a_submodule_of_every_core_attention(one_r
     assert list(model.state_dict()) == keys
     ids = torch.randint(0, tiny_llama()["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_expert_bias_update_sums_the_counts_of_every_rank_without_a_bound_method():
+    from lmforge.models.common.moe import MoELayer, RouterSettings
+
+    from .harness import run_workers
+
+    results = run_workers(2, {"task": "expert_bias_task"}, timeout=60)
+    local = [torch.tensor(r["local_counts"]) for r in results]
+    assert not torch.equal(local[0], local[1])  # the ranks routed different tokens
+    # The bias one process computes from the summed counts, which both ranks must hold.
+    ref = MoELayer(
+        16, 8, RouterSettings(num_experts=4, top_k=2, enable_expert_bias=True, bias_update_rate=0.1)
+    )
+    ref.update_expert_bias(local[0] + local[1])
+    for r in results:
+        assert r["bias"] == ref.router.expert_bias.tolist()
