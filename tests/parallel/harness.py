@@ -238,10 +238,30 @@ def build_parallel(rank: int, world: int, spec: dict[str, Any]):
     mesh = dims.build_mesh("cpu")
     accum = accumulation_steps(spec["gbs"], spec["lbs"], dims.dp)
     model = build_model(spec["model"], device="meta")
-    model, info = parallelize(model, dims, mesh, par, num_microbatches=accum)
+    model, info = parallelize(
+        model, dims, mesh, par, num_microbatches=accum, apply_activation=_activation(spec, dims, model)
+    )
     model.to_empty(device="cpu")
     model.init_weights(INIT_SEED)
     return model, info, accum
+
+
+def _activation(spec: dict[str, Any], dims: Any, model: Any):
+    """Recompute / swap as the trainer applies them (``spec['activation']``: the three YAML sections)."""
+    sections = spec.get("activation")
+    if not sections:
+        return None
+    from lmforge.parallel.activation import apply_activation_memory
+
+    return lambda m: apply_activation_memory(
+        m,
+        sections.get("recompute"),
+        sections.get("recompute_comm"),
+        sections.get("swap"),
+        model.config.num_layers,
+        pipeline_parallel=dims.pp,
+        has_comm_ops=dims.tp * dims.cp * dims.ep > 1,
+    )
 
 
 def train_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
