@@ -8,17 +8,18 @@ the world size is above one) they apply on one device too.
 
 * Recompute makes a module a :class:`Recomputed` one, whose forward runs the original under
   non-reentrant ``torch.utils.checkpoint``. Like torch's ``fully_shard``, the wrapper is a subclass
-  of the module's own class (``RecomputedTransformerLayer``), so it shows in ``print(model)`` while the
-  module stays in place: parameter names, state_dict keys, optimizer name patterns and FSDP are
-  unaffected (no ``_checkpoint_wrapped_module`` segment, no method assigned to the instance). ``exclude_op`` turns this into selective activation checkpointing: ops whose
-  name contains an entry are saved (``MUST_SAVE``), everything else is recomputed.
+  of the module's own class (``RecomputedTransformerLayer``), so it shows in ``print(model)`` while
+  the module stays in place: parameter names, state_dict keys, optimizer name patterns and FSDP are
+  unaffected (no ``_checkpoint_wrapped_module`` segment, no method assigned to the instance).
+  ``exclude_op`` turns this into selective activation checkpointing: ops whose name contains an
+  entry are saved (``MUST_SAVE``), everything else is recomputed.
 * Communication recompute checkpoints the matched modules with a policy that saves every op except
   the collectives (``_c10d_functional`` / ``c10d`` ops), which are re-run in backward.
 * Swap makes a layer (``layer_swap``) or a submodule (``op_swap``) a :class:`Swapped` one, whose
-  forward runs in ``torch.autograd.graph.saved_tensors_hooks`` that move saved activations to pinned CPU memory on
-  a side stream and fetch them back in backward, ``default_prefetch`` swapped layers ahead. On a
-  CPU run the "move" is a no-op, but the bookkeeping is identical, so what is swapped can still be
-  measured as bytes no longer kept by autograd on the compute device.
+  forward runs in ``torch.autograd.graph.saved_tensors_hooks`` that move saved activations to pinned
+  CPU memory on a side stream and fetch them back in backward, ``default_prefetch`` swapped layers
+  ahead. On a CPU run the "move" is a no-op, but the bookkeeping is identical, so what is swapped
+  can still be measured as bytes no longer kept by autograd on the compute device.
 
 Recompute and swap only change where activations live, never the arithmetic: gradients are bitwise
 identical to a run without them (the recomputed forward re-runs the same kernels with the same RNG
