@@ -95,11 +95,10 @@ class Checks:
     # ---- training ---------------------------------------------------------------------------
     def train(self, compile_blocks: bool = False, float8: bool = False) -> dict:
         from lmforge.config.sections_speed import CompileConfig, Float8Config
-        from lmforge.models import build_model
         from lmforge.optim import build_optimizer
         from lmforge.parallel import compile as regional
         from lmforge.parallel.float8 import apply_float8, check_float8_supported
-        from lmforge.train.parallel_seam import ParallelContext
+        from lmforge.train.builder import build_training_model
         from lmforge.train.perf import mfu_peak
         from lmforge.train.step import TrainStep
 
@@ -110,13 +109,20 @@ class Checks:
             check_float8_supported(f8, self.device)
         self.reset_memory()
         torch.manual_seed(0)
-        model = build_model(self.model_section, device=self.device)
-        if float8:
-            apply_float8(model, f8)
-        if compile_blocks:
-            regional.compile_blocks(model, CompileConfig(enable=True))
+
+        def before_fsdp(model):
+            # Float8 layers first, then compiled blocks, both before FSDP2 wraps them (as build_trainer).
+            if float8:
+                apply_float8(model, f8)
+            if compile_blocks:
+                regional.compile_blocks(model, CompileConfig(enable=True))
+
+        # The trainer's one build path: meta, FSDP2 over this one process (fp32 parameters), init.
+        model, ctx = build_training_model(
+            self.model_section, seed=0, device=str(self.device), before_fsdp=before_fsdp
+        )
         opt = build_optimizer({"type": "AdamW", "betas": [0.9, 0.95], "weight_decay": 0.01}, model, 1e-4)
-        step = TrainStep(model, opt, None, max_norm=1.0, ctx=ParallelContext(device=self.device))
+        step = TrainStep(model, opt, None, max_norm=1.0, ctx=ctx)
         s, v = self.model_section["seq_length"], self.model_section["vocab_size"]
         g = torch.Generator().manual_seed(0)
         full = torch.randint(0, v, (self.batch, s + 1), generator=g).to(self.device)

@@ -95,8 +95,11 @@ def _build_step(rank: int, world: int, raw: dict[str, Any]) -> tuple[Any, list[d
         )
         dp_rank = info.dp_rank
     else:
-        model = build_model(cfg.model, device="cpu", seed=0)
-        ctx, dp_rank = ParallelContext(), 0
+        from lmforge.train.builder import build_training_model
+
+        # One process takes the trainer's one build path too (FSDP2 over this rank, fp32 parameters).
+        model, ctx = build_training_model(cfg.model, seed=0, device="cpu", parallelism=cfg.parallelism)
+        dp_rank = 0
     schedule = build_scheduler(cfg.lr_scheduler, int(cfg.training.steps))
     optimizer = build_optimizer(cfg.optimizer, model, schedule)
     step = TrainStep(model, optimizer, ScheduleLR(optimizer, schedule), max_norm=1.0, ctx=ctx)

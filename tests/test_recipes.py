@@ -72,7 +72,8 @@ def test_recipe_checks_and_builds(path: Path, capsys: Any) -> None:
         assert cfg.train_dataset.dataloader.data_path == ["data/demo/chat.jsonl"]
     else:
         assert model_cfg.seq_length == cfg.train_dataset.dataloader.config.seq_length
-    model = build_model(cfg.model, device="meta")  # full size: meta tensors hold no memory
+    # Full size: meta tensors hold no memory; fp32 as the trainer keeps parameters (optimizers refuse bf16).
+    model = build_model(cfg.model, device="meta").float()
     optimizer = build_optimizer(cfg.optimizer, model, schedule)
     assert type(optimizer).__name__ == cfg.optimizer.type
     in_groups = [id(p) for g in optimizer.param_groups for p in g["params"]]
@@ -114,7 +115,7 @@ def test_starting_template_is_within_the_articles_ranges() -> None:
     # "embedding and bias handled apart": they (and norms) must not decay; matrices must.
     small = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
     small |= {"head_dim": 16, "num_hidden_layers": 2, "attention_bias": True}
-    model = build_model({**cfg.model.to_dict(), **small}, device="meta")
+    model = build_model({**cfg.model.to_dict(), **small}, device="meta").float()
     decay = {
         n: g["weight_decay"] for g in build_optimizer(opt, model, 1e-3).param_groups for n in g["param_names"]
     }
@@ -195,16 +196,17 @@ def test_finetune_recipe_starts_from_the_hf_weights(tmp_path: Path) -> None:
     cfg = load_config(REPO / "configs" / "finetune_qwen3_hf.yaml", overrides)
     assert cfg.checkpoint.no_load_optim is True
     trainer = build_trainer(cfg, output_dir=tmp_path / "out", device="cpu")
-    before = trainer.model.embedding.word_embeddings.weight.detach().clone()
+    # Parameters are fp32 DTensors (FSDP2 over the one process): compare their full values.
+    before = trainer.model.embedding.word_embeddings.weight.full_tensor().detach().clone()
     trainer.fit()
-    ours = dict(trainer.model.named_parameters())
+    ours = {n: p.full_tensor() for n, p in trainer.model.named_parameters()}
     theirs = hf.state_dict()
     assert not torch.allclose(before, theirs["model.embed_tokens.weight"])  # fresh init differs
     torch.testing.assert_close(
-        ours["embedding.word_embeddings.weight"].detach(), theirs["model.embed_tokens.weight"]
+        ours["embedding.word_embeddings.weight"], theirs["model.embed_tokens.weight"].float()
     )
     torch.testing.assert_close(
-        ours["decoder.layers.1.mlp.linear_fc2.weight"].detach(), theirs["model.layers.1.mlp.down_proj.weight"]
+        ours["decoder.layers.1.mlp.linear_fc2.weight"], theirs["model.layers.1.mlp.down_proj.weight"].float()
     )
 
 

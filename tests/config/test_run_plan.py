@@ -170,7 +170,9 @@ def test_spec_literal_adamw_include_keeps_embedding_and_output_layer_on_adamw(
     base_config["optimizer"] = {"type": "Muon", "adamw_include": ["word_embeddings", "output_layer"]}
     plan = _plan(base_config)
     assert not any("matches no parameter" in w for w in plan.warnings)
-    model = build_from_config(plan.model_config, plan.model_class, "cpu")
+    model = build_from_config(
+        plan.model_config, plan.model_class, "cpu"
+    ).float()  # the trainer's fp32 parameters
     opt = build_optimizer(plan.optimizer, model, 1e-3)
     ids = {id(p): n for n, p in model.named_parameters()}
     routed = {
