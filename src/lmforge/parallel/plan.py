@@ -280,11 +280,10 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
         if opts is not None:
             warn_inert_fields(opts)
         if not dims.is_parallel and cfg.parallelism.cpu_offload:
-            # Device-dependent, so `train` decides (lmforge.train.builder.check_cpu_offload_on_one_process).
+            # Device-dependent (lmforge.train.builder.check_cpu_offload_on_one_process).
             logging.getLogger("lmforge.parallel").warning(
-                "parallelism.cpu_offload: true with one process: no effect on a CPU, refused by `lmforge "
-                "train` on an accelerator (FSDP2's offload needs a parallel run; use "
-                "optimizer.offload_states: true on one device)."
+                "parallelism.cpu_offload: true with one process: FSDP2's CPU offload on an accelerator "
+                "(one process is wrapped by FSDP2 too), no effect on a CPU."
             )
     rampup = tuple(training.rampup_batch_size) if training.rampup_batch_size else None
     batches = None
