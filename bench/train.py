@@ -5,8 +5,9 @@
 Throughput: for each model, the same Qwen3 architecture, weights, batch, sequence length and AdamW
 hyper-parameters run in
 
-* lmforge: ``build_model`` (bf16 parameters) + ``build_optimizer`` AdamW (fp32 masters, fp32 grad
-  accumulation) + the trainer's own ``TrainStep`` (token-mean loss, global-norm clipping);
+* lmforge: the trainer's build path (``build_training_model``: meta build, FSDP2 over this one process
+  with fp32 parameters, bf16 compute and fp32 gradient reduction) + ``build_optimizer`` AdamW on the
+  fp32 parameters + the trainer's own ``TrainStep`` (token-mean loss, global-norm clipping);
 * a plain Hugging Face loop: ``transformers`` ``Qwen3ForCausalLM`` loaded from the same weights
   (``save_hf_pretrained``), fp32 parameters under ``torch.autocast(bfloat16)`` (the usual bf16
   mixed-precision recipe, fp32 master weights like ours), ``torch.optim.AdamW``,
@@ -16,7 +17,7 @@ Rounds alternate between the two (background load hits both alike); tokens/s is 
 timed steps of all rounds. MFU = FLOPs/token (the model's ``flops_per_token``, forward + backward)
 x tokens/s / the bf16 matmul peak measured in this run.
 
-Checkpoints: the lmforge 100M-model training state (weights, fp32 masters, AdamW moments, RNG, ...)
+Checkpoints: the lmforge 100M-model training state (fp32 weights, AdamW moments, RNG, ...)
 saved with ``CheckpointManager`` (sync: until published; async: time the step is blocked), loaded
 with ``load_checkpoint``, against ``torch.save`` / ``torch.load`` of the same tensors to the same disk.
 
@@ -296,7 +297,7 @@ def memory_section(rows: list[dict], load: float) -> str:
         "",
         "A training step (second step, batch 1 x 2048) of a Qwen3-0.6B-shaped model cut to 2 layers "
         "(189M parameters, 155M of them the tied embedding): the peak minus parameters, fp32 gradients "
-        "and optimizer states (lmforge: fp32 masters + AdamW moments; HF loop: fp32 parameters, torch "
+        "and optimizer states (lmforge: AdamW moments; HF loop: fp32 parameters, torch "
         "AdamW moments, autocast bf16):",
         "",
         "| step | peak | params | grads | optimizer states | beyond those | vs HF loop |",
@@ -341,8 +342,8 @@ def throughput_section(rows: list[dict], load: float, steps: int, rounds: int) -
         f"`bench/train.py` (commit {commit()}). Machine: {machine()}. Load average at start: {load:.1f} "
         "(shared machine: absolute numbers are noisy; the two loops alternate, so the ratio is the result).",
         f"Median of {rounds} x {steps} timed steps each, after one warm-up step. Same Qwen3 weights, random "
-        "tokens, AdamW (0.9, 0.95, wd 0.01), clipping at 1.0. lmforge: bf16 parameters, fp32 masters and "
-        "fp32 gradient accumulation, the trainer's TrainStep. Peer: transformers Qwen3ForCausalLM, fp32 "
+        "tokens, AdamW (0.9, 0.95, wd 0.01), clipping at 1.0. lmforge: the trainer's build (FSDP2 over one "
+        "process: fp32 parameters, bf16 compute, fp32 gradients), the trainer's TrainStep. Peer: transformers Qwen3ForCausalLM, fp32 "
         "parameters + `torch.autocast(bfloat16)`, torch AdamW. MFU against the bf16 matmul peak measured "
         "in the same run.",
         "",
