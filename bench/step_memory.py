@@ -83,18 +83,18 @@ def loss_only(chunk: int) -> dict:
 
 
 def step_lmforge(chunk: int) -> dict:
-    from lmforge.models import build_model
     from lmforge.optim import build_optimizer
-    from lmforge.train.parallel_seam import ParallelContext
+    from lmforge.train.builder import build_training_model
     from lmforge.train.step import TrainStep
 
     start = reset_peak()
     torch.manual_seed(0)
-    model = build_model({**QWEN3_06B_2L, "loss_chunk_size": chunk})
+    # The trainer's build: FSDP2 over this one process, fp32 parameters (the masters), bf16 compute.
+    model, ctx = build_training_model({**QWEN3_06B_2L, "loss_chunk_size": chunk}, seed=0, device="cpu")
     opt = build_optimizer(
         {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}, model, 1e-4
     )
-    step = TrainStep(model, opt, None, max_norm=1.0, ctx=ParallelContext())
+    step = TrainStep(model, opt, None, max_norm=1.0, ctx=ctx)
     batch = _batch()
     batch = {"input_ids": batch[:, :-1], "labels": batch[:, 1:].clone()}
     first = step([batch]).loss
