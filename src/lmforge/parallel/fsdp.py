@@ -15,9 +15,10 @@ sees fp32 parameters and keeps no second master copy.
   numbers, less memory than asked for. Documented as "lifted".
 
 One process (or a shard group of one) is wrapped the same way: the parameters stay fp32, each layer's
-compute copy is cast from them. There the ``default`` policy keeps the compute copies from forward to
-backward (resharding would free nothing that is not cast again in backward; the memory is that of the
-former bf16 parameters), and the gradient divide factor is left alone (nothing is reduced; setting it
+compute copy is cast from them. There, with a 16-bit ``compute_dtype``, the ``default`` policy keeps the
+compute copies from forward to backward (resharding would only cast every layer again in backward; the
+memory is that of the former bf16 parameters); in fp32 the copy would double the parameters' memory, so
+layers are resharded as usual. The gradient divide factor is left alone (nothing is reduced; setting it
 would cost a division pass over every gradient).
 """
 
@@ -34,7 +35,9 @@ SHARD_STRATEGIES = ("optim_grads_params", "optim_grads", "optim")
 RESHARD_POLICIES = ("default", "always", "never")
 
 
-def _reshard_after_forward(opts: dict[str, Any], shard_size: int = 2) -> bool | None:
+def _reshard_after_forward(
+    opts: dict[str, Any], shard_size: int = 2, low_precision: bool = False
+) -> bool | None:
     policy = opts["reshard_after_forward_policy"]
     strategy = opts["data_parallel_shard_strategy"]
     if policy not in RESHARD_POLICIES:
@@ -51,8 +54,9 @@ def _reshard_after_forward(opts: dict[str, Any], shard_size: int = 2) -> bool | 
     if policy == "never":
         return False
     # "default": ZeRO-3 reshards every layer but the root (FSDP2's own default); ZeRO-1/2 keep them,
-    # and so does a shard group of one rank (see the module docstring).
-    return None if strategy == "optim_grads_params" and shard_size > 1 else False
+    # and so does a shard group of one rank computing in 16 bits (see the module docstring).
+    keep = strategy != "optim_grads_params" or (shard_size == 1 and low_precision)
+    return False if keep else None
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -85,7 +89,7 @@ def apply_fsdp(
         fully_shard,
     )
 
-    reshard = _reshard_after_forward(opts, mesh.size(mesh.ndim - 1))
+    reshard = _reshard_after_forward(opts, mesh.size(mesh.ndim - 1), compute_dtype != torch.float32)
     # Storage in fp32 (the masters); compute in compute_dtype; reductions in fp32.
     model.to(torch.float32)
     # No input casting: the hidden states are already in compute_dtype (the embedding runs in it), and

@@ -229,8 +229,9 @@ def estimate_memory(
     # The current layer and the prefetched next one, plus the root unit (embedding, output layer,
     # final norm: a stage's share under pp), which FSDP keeps gathered from forward to backward.
     gathered = int((2 * largest_layer + outside_layers / dims.pp) / dims.tp * cbytes)
-    if dims.fsdp_size == 1:
-        # A shard group of one keeps every layer's compute copy from forward to backward (parallel/fsdp.py).
+    if dims.fsdp_size == 1 and cbytes < 4:
+        # A shard group of one computing in 16 bits keeps every layer's compute copy from forward to
+        # backward (parallel/fsdp.py).
         gathered = int(local * cbytes)
     grads = int(local * 4)
     opt = optimizer_type.lower()
