@@ -197,11 +197,12 @@ def bench_checkpoint(name: str, workdir: Path, repeats: int = 3) -> dict:
     model, _ = lmforge_model(section)
     opt = build_optimizer(ADAMW, model, LR)
     target = Checkpointable(model, opt)
-    tensors = {f"p{i}": p.detach().clone() for i, p in enumerate(model.parameters())}
+    # The peer saves the same tensors as plain ones (the one process's DTensors hold them whole).
+    tensors = {f"p{i}": p.to_local().detach().clone() for i, p in enumerate(model.parameters())}
     for i, st in enumerate(opt.state.values()):
         for k, v in st.items():
             if torch.is_tensor(v) and v.dim() > 0:
-                tensors[f"s{i}.{k}"] = v.detach().clone()
+                tensors[f"s{i}.{k}"] = (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     sync_s, async_block_s, async_total_s, load_s, raw_save_s, raw_load_s = [], [], [], [], [], []
     for r in range(repeats):
