@@ -120,3 +120,20 @@ def test_gathered_kv_attention_matches_the_dense_path_with_max_logits(with_docs)
     assert max_rel(got_m, ref_m) <= 1e-6
     for a, r in zip(got_g, ref_g, strict=True):
         assert max_rel(a, r) <= 1e-6
+
+
+def test_shard_batch_keeps_spans_not_a_dense_mask():
+    from lmforge.models.common.masks import DocumentSegments
+    from lmforge.parallel.cp import DocumentMask, shard_batch
+
+    ids = torch.arange(32).view(2, 16)
+    doc = DocumentMask()
+    out = shard_batch({"input_ids": ids, "actual_seq_len": torch.tensor([[5, 16], [9, 16]])}, 2, 1, doc)
+    assert "actual_seq_len" not in out and out["input_ids"][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert isinstance(doc.layout, DocumentSegments)
+    assert doc.layout.spans == (((0, 5), (5, 16)), ((0, 9), (9, 16)))
+    shard_batch({"input_ids": ids, "actual_seq_len": torch.tensor([[16], [16]])}, 2, 0, doc)
+    assert doc.layout is None  # one document per row: plain causal
+    dense = torch.zeros(2, 1, 16, 16, dtype=torch.bool)
+    shard_batch({"input_ids": ids, "attention_mask": dense}, 2, 0, doc)
+    assert isinstance(doc.layout, torch.Tensor) and doc.layout.shape == (2, 1, 16, 16)
