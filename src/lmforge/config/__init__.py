@@ -14,6 +14,7 @@ from lmforge.config.load import (
     load_config,
     read_raw,
     validate_config,
+    validate_section,
 )
 from lmforge.config.schema import (
     SECTION_CLASSES,
@@ -74,4 +75,5 @@ __all__ = [
     "parse_layer_specs",
     "read_raw",
     "validate_config",
+    "validate_section",
 ]

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from lmforge.config.inert import collect_warnings
-from lmforge.config.schema import TrainConfig
+from lmforge.config.schema import SECTION_CLASSES, TrainConfig
 from lmforge.config.yaml_io import dump_yaml_text, parse_yaml_text, read_yaml_file
 from lmforge.errors import ConfigError
 from lmforge.utils.logging import get_logger
@@ -101,6 +101,17 @@ def validate_config(
         for line in warnings:
             _log.warning(line)
     return cfg
+
+
+def validate_section(name: str, data: Mapping[str, Any]) -> Any:
+    """One top-level section (``train_dataset``, ...) validated on its own, as ``load_config`` would:
+    for builders called with a plain mapping instead of the typed section. One ConfigError names every
+    problem by its dotted key."""
+    cls = SECTION_CLASSES[name]
+    try:
+        return cls.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, f"the {name} section", prefix=(name,))) from None
 
 
 @contextlib.contextmanager
@@ -324,12 +335,12 @@ def _suggest(key: str, valid: Sequence[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _format_errors(exc: ValidationError, source: str) -> str:
+def _format_errors(exc: ValidationError, source: str, prefix: tuple[str, ...] = ()) -> str:
     unknown: dict[tuple[str | int, ...], list[str]] = {}
     messages: list[str] = []
     wrong_type: dict[str, tuple[list[str], Any]] = {}
     for err in exc.errors():
-        loc = _clean_loc(err["loc"])
+        loc = _clean_loc((*prefix, *err["loc"]))
         path = _dotted(loc)
         kind = err["type"]
         value = err.get("input")

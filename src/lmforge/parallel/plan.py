@@ -246,7 +246,6 @@ def collected_warnings(notes: list[str]) -> Iterator[None]:
 
 
 def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
-    from lmforge.data import validate_dataset_section
     from lmforge.lr import build_scheduler
     from lmforge.models.registry import resolve
     from lmforge.optim import parse_optimizer_section
@@ -264,14 +263,6 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
     typed_schedule = getattr(cfg.lr_scheduler, "typed", None)
     schedule = typed_schedule or _attempt(
         problems, lambda: build_scheduler(cfg.lr_scheduler, int(training.steps))
-    )
-    _attempt(
-        problems,
-        lambda: validate_dataset_section(
-            cfg.train_dataset,
-            vocab_size=getattr(model_config, "vocab_size", None),
-            seq_length=getattr(model_config, "seq_length", None),
-        ),
     )
     dims = _attempt(problems, lambda: ParallelDims.from_section(cfg.parallelism, world_size))
     opts = None
