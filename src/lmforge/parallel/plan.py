@@ -270,13 +270,6 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
         opts = _attempt(problems, lambda: validate_options(cfg.parallelism, dims))
         if opts is not None:
             warn_inert_fields(opts)
-        if not dims.is_parallel and cfg.parallelism.cpu_offload:
-            # Device-dependent, so `train` decides (lmforge.train.builder.check_cpu_offload_on_one_process).
-            logging.getLogger("lmforge.parallel").warning(
-                "parallelism.cpu_offload: true with one process: no effect on a CPU, refused by `lmforge "
-                "train` on an accelerator (FSDP2's offload needs a parallel run; use "
-                "optimizer.offload_states: true on one device)."
-            )
     rampup = tuple(training.rampup_batch_size) if training.rampup_batch_size else None
     batches = None
     if dims is not None:
