@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from lmforge.config.inert import collect_warnings
-from lmforge.config.schema import SECTION_CLASSES, TrainConfig
+from lmforge.config.schema import TrainConfig
 from lmforge.config.yaml_io import dump_yaml_text, parse_yaml_text, read_yaml_file
 from lmforge.errors import ConfigError
 from lmforge.utils.logging import get_logger
@@ -103,15 +103,35 @@ def validate_config(
     return cfg
 
 
-def validate_section(name: str, data: Mapping[str, Any]) -> Any:
-    """One top-level section (``train_dataset``, ...) validated on its own, as ``load_config`` would:
-    for builders called with a plain mapping instead of the typed section. One ConfigError names every
-    problem by its dotted key."""
-    cls = SECTION_CLASSES[name]
+def validate_section(path: str, data: Mapping[str, Any]) -> Any:
+    """One section (``train_dataset``, ``monitor.tensorboard``, ``callbacks``: an item) validated on its
+    own, as ``load_config`` validates it. One ConfigError names every problem by its dotted key."""
+    loc = tuple(path.split("."))
+    cls = _class_at(loc)
+    if cls is None:
+        raise ValueError(f"{path!r} is not a section of TrainConfig")
     try:
         return cls.model_validate(dict(data))
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, f"the {name} section", prefix=(name,))) from None
+        raise ConfigError(_format_errors(exc, f"the {path} section", prefix=loc)) from None
+
+
+def as_section(path: str, section: Any) -> Any:
+    """The typed section at ``path`` for a builder: ``section`` itself when ``load_config`` made it, or a
+    plain mapping (None: all defaults) validated by the same schema. Builders read typed attributes
+    and never validate a section themselves."""
+    cls = _class_at(tuple(path.split(".")))
+    if cls is not None and isinstance(section, cls):
+        return section
+    if section is None:
+        section = {}
+    elif isinstance(section, BaseModel):
+        section = section.model_dump()
+    if not isinstance(section, Mapping):
+        raise ConfigError(
+            f"{path} must be a mapping (a section of key: value lines), got {_describe(section)}"
+        )
+    return validate_section(path, section)
 
 
 @contextlib.contextmanager

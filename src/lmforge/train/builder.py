@@ -160,11 +160,10 @@ def build_trainer(
 
         check_output_dir(run_dir, "output_dir")
         from lmforge.utils.run_lock import lock_dirs, run_dirs
-        from lmforge.utils.sections import section_to_dict
 
         # Refuse now, before anything is written, if another run uses these directories (the
         # trainer holds the locks while it runs).
-        for lock in lock_dirs(run_dirs(run_dir, section_to_dict(cfg.checkpoint))):
+        for lock in lock_dirs(run_dirs(run_dir, cfg.checkpoint)):
             lock.release()
         run_dir.mkdir(parents=True, exist_ok=True)
     # Logging first, so that model / optimizer construction messages reach train.log too.
