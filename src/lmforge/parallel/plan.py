@@ -1,8 +1,8 @@
 """The run plan: every check of a configuration that needs no process, and what the run will do.
 
 ``RunPlan.from_config(cfg, world_size)`` is the second half of validation (``load_config`` is the
-first): it types the component sections through their building blocks (the model's
-``TransformerConfig``, the optimizer's options, the lr schedule, the data section), computes the
+first, and types every section: the model's ``TransformerConfig``, the optimizer's options, the lr
+schedule and the data loader are ``cfg.<section>.typed``, which the plan reads), computes the
 parallel degrees, the data-parallel size, the batch schedule (ramp-up included) and the
 accumulation steps once, and runs the checks that need the model's structure (degrees against
 heads and layers, recompute/swap module patterns) on a model built on the meta device, so that no
@@ -252,8 +252,8 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
     from lmforge.parallel.api import validate_options, warn_inert_fields
 
     training = cfg.training
-    # load_config typed the model and lr_scheduler sections (lmforge.config.registry); a TrainConfig
-    # built without the registered schemas is resolved here.
+    # load_config typed the model, optimizer and lr_scheduler sections (lmforge.config.registry); a
+    # section no registered schema typed (a plugin's schema that returns nothing) runs the same schema here.
     typed_model = getattr(cfg.model, "typed", None)
     resolved = typed_model or _attempt(problems, lambda: resolve(cfg.model.to_dict()))
     model_config, model_class = resolved if resolved is not None else (None, None)
