@@ -1,4 +1,4 @@
-"""Callbacks around :mod:`lmforge.train.monitor`: train_state, moe_monitor and per-step peak memory."""
+"""Callbacks around :mod:`lmforge.train.callbacks.monitor_hooks`: train_state, moe_monitor and per-step peak memory."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from lmforge.config.load import as_section
 from lmforge.train.callbacks.base import TrainerCallback
-from lmforge.train.monitor import MoeTokenMonitor, PeakMemory, TrainStateMonitor, format_bytes
+from lmforge.train.callbacks.monitor_hooks import MoeTokenMonitor, PeakMemory, TrainStateMonitor, format_bytes
 from lmforge.utils.logging import get_logger
 
 log = get_logger("lmforge.train")
