@@ -1,23 +1,21 @@
 """CPU offload on one process: FSDP2 wraps one process too, so ``parallelism.cpu_offload`` and
-``optimizer.offload_states`` are FSDP2's CPU offload there as well; on a CPU they change nothing (said so)."""
+``optimizer.offload_states`` are FSDP2's CPU offload there as well; on a CPU they change nothing (said
+so, by preflight, so `lmforge check` and `lmforge train` agree)."""
 
 from __future__ import annotations
 
 import torch
 
+from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.optim.options import parse_optimizer_section
-from lmforge.train.builder import (
-    _storage_device,
-    _with_offload,
-    build_trainer,
-    check_cpu_offload_on_one_process,
-)
+from lmforge.train.builder import _storage_device, _with_offload, build_trainer
+from lmforge.train.preflight import check_cpu_offload_on_one_process
 
 from .test_train_cli import ADAMW, write_config
 
 
-def test_on_an_accelerator_offload_states_is_fsdp2_cpu_offload():
+def test_on_an_accelerator_offload_states_is_fsdp2_cpu_offload(tmp_path):
     cuda = torch.device("cuda", 0)
     offload = parse_optimizer_section({"type": "AdamW", "offload_states": True})
     section = _with_offload({"cpu_offload": False}, offload, cuda)
@@ -26,7 +24,17 @@ def test_on_an_accelerator_offload_states_is_fsdp2_cpu_offload():
     assert _with_offload({"cpu_offload": False}, resident, cuda) == {"cpu_offload": False}
     # On a CPU the parameters and states already are in host memory: nothing to change.
     assert _with_offload({"cpu_offload": False}, offload, torch.device("cpu")) == {"cpu_offload": False}
-    check_cpu_offload_on_one_process({"cpu_offload": True}, cuda)  # accepted: FSDP2 offloads one process too
+    path = write_config(tmp_path, ADAMW, steps=1)
+    on = load_config(path, ["parallelism.cpu_offload=true"]).parallelism
+    assert check_cpu_offload_on_one_process(on, "cuda") is None  # accepted: FSDP2 offloads one process too
+    assert "has no effect" in check_cpu_offload_on_one_process(on, "cpu")
+
+
+def test_check_and_train_agree_on_a_cpu(tmp_path, capsys):
+    path = write_config(tmp_path, ADAMW, steps=1)
+    argv = ["check", "--config", str(path), "--set", "parallelism.cpu_offload=true", "--device", "cpu"]
+    assert main(argv) == 0
+    assert "cpu_offload: true has no effect" in capsys.readouterr().out
 
 
 def test_on_a_cpu_it_trains_and_says_it_changes_nothing(tmp_path):

@@ -74,35 +74,22 @@ def _with_compile(hook: Any, cfg: Any):
     return apply
 
 
-def check_cpu_offload_on_one_process(section: Any, device: torch.device) -> None:
-    """``parallelism.cpu_offload`` is FSDP2's CPUOffloadPolicy, applied on every world size (FSDP2 wraps
-    one process too). On one CPU process the parameters, gradients and optimizer states already live in
-    host memory: a no-op, said so."""
-    if section is None or not section.get("cpu_offload", False):  # a typed section or a mapping
-        return
-    if device.type == "cpu":
-        logger.warning(
-            "parallelism.cpu_offload: true has no effect on this run: it is one process on a CPU, where "
-            "parameters, gradients and optimizer states are already in host memory."
-        )
-
-
 def _with_offload(section: Any, optimizer: Any, device: torch.device) -> Any:
     """``optimizer.offload_states`` on an accelerator is FSDP2's CPU offload: the optimizer states live
     next to the fp32 parameters, so both go to host memory and the update runs there (on a CPU they
     already are)."""
     if device.type == "cpu" or not optimizer.hyper.get("offload_states"):
         return section
-    from lmforge.utils.sections import section_to_dict
+    from lmforge.parallel.dims import parallelism_options
 
-    return {**section_to_dict(section), "cpu_offload": True}
+    return {**parallelism_options(section), "cpu_offload": True}
 
 
 def _storage_device(section: Any, device: torch.device) -> torch.device:
     """Where the sharded parameters are materialised: host memory under FSDP2's CPU offload."""
-    from lmforge.utils.sections import section_to_dict
+    from lmforge.parallel.dims import parallelism_options
 
-    return torch.device("cpu") if section_to_dict(section).get("cpu_offload") else device
+    return torch.device("cpu") if parallelism_options(section)["cpu_offload"] else device
 
 
 def find_tokenizer(cfg: Any) -> Path | None:
@@ -226,7 +213,7 @@ def build_trainer(
 
     world_size = env_int("WORLD_SIZE", 1, minimum=1)
     _refuse_absurd_model(cfg, device, world_size)
-    plan = preflight(cfg, world_size)
+    plan = preflight(cfg, world_size, device)
     missing = missing_data_files(cfg.train_dataset, TRAINING_KEYS)
     if missing:
         raise DataError(
@@ -240,11 +227,10 @@ def build_trainer(
 
         check_output_dir(run_dir, "output_dir")
         from lmforge.utils.run_lock import lock_dirs, run_dirs
-        from lmforge.utils.sections import section_to_dict
 
         # Refuse now, before anything is written, if another run uses these directories (the
         # trainer holds the locks while it runs).
-        for lock in lock_dirs(run_dirs(run_dir, section_to_dict(cfg.checkpoint))):
+        for lock in lock_dirs(run_dirs(run_dir, cfg.checkpoint)):
             lock.release()
         run_dir.mkdir(parents=True, exist_ok=True)
     # Logging first, so that model / optimizer construction messages reach train.log too.
@@ -269,8 +255,6 @@ def build_trainer(
             "composes with data parallel (FSDP2/HSDP) and tensor parallel only. Remove lora_config or set "
             "parallelism.pipeline_parallel: 1."
         )
-    if not dims.is_parallel:
-        check_cpu_offload_on_one_process(cfg.parallelism, ctx.device)
     from lmforge.parallel import parallelize
 
     model = build_from_config(model_cfg, plan.model_class, device="meta")

@@ -6,6 +6,7 @@ run plan (:mod:`lmforge.parallel.plan`) and the trainer's own lists (callbacks).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from lmforge.parallel.plan import RunPlan
@@ -19,6 +20,27 @@ def check_callbacks(cfg: Any) -> None:
         check_callback(item, i)
 
 
-def preflight(cfg: Any, world_size: int) -> RunPlan:
-    """The run plan of ``cfg`` for ``world_size`` processes; one ConfigError naming every problem."""
-    return RunPlan.from_config(cfg, world_size, extra_checks=(check_callbacks,))
+def check_cpu_offload_on_one_process(section: Any, device_type: str) -> str | None:
+    """``parallelism.cpu_offload`` is FSDP2's CPUOffloadPolicy, applied on every world size (one process
+    is wrapped by FSDP2 too, lmforge.train.builder), so on one accelerator it offloads. On one CPU process
+    the parameters, gradients and optimizer states already live in host memory: a no-op, and the warning
+    returned says so."""
+    if not section.cpu_offload or device_type != "cpu":
+        return None
+    return (
+        "parallelism.cpu_offload: true has no effect on this run: it is one process on a CPU, where "
+        "parameters, gradients and optimizer states are already in host memory."
+    )
+
+
+def preflight(cfg: Any, world_size: int, device: str | None = None) -> RunPlan:
+    """The run plan of ``cfg`` for ``world_size`` processes on ``device`` (``--device``; None: CUDA when
+    available); one ConfigError naming every problem."""
+    from lmforge.utils.device import run_device_type
+
+    plan = RunPlan.from_config(cfg, world_size, extra_checks=(check_callbacks,))
+    if not plan.dims.is_parallel:
+        note = check_cpu_offload_on_one_process(cfg.parallelism, run_device_type(device))
+        if note is not None:
+            plan = dataclasses.replace(plan, warnings=(*plan.warnings, note))
+    return plan
