@@ -117,13 +117,12 @@ def find_tokenizer(cfg: Any) -> Path | None:
     return None
 
 
-def _apply_lora(model: torch.nn.Module, section: Any, seed: int, *, materialised: bool) -> None:
-    """Adapters from ``lora_config`` on the freshly built model (before any parallel wrapping)."""
-    from lmforge.models.lora import apply_lora, init_lora_weights, lora_summary
+def _apply_lora(model: torch.nn.Module, section: Any) -> None:
+    """Adapters from ``lora_config`` on the model built on meta (before any parallel wrapping; they are
+    initialised with the rest, after materialising)."""
+    from lmforge.models.lora import apply_lora, lora_summary
 
     apply_lora(model, section)
-    if materialised:
-        init_lora_weights(model, seed)
     logger.info(lora_summary(model))
 
 
@@ -260,7 +259,7 @@ def build_trainer(
     model = build_from_config(model_cfg, plan.model_class, device="meta")
     _maybe_float8(model, float8)
     if lora is not None:
-        _apply_lora(model, lora, int(training.seed), materialised=False)
+        _apply_lora(model, lora)
     mesh = dims.build_mesh(ctx.device.type)
     parallelism = _with_offload(cfg.parallelism, plan.optimizer, ctx.device)
     model, info = parallelize(
