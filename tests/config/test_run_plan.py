@@ -242,10 +242,9 @@ def test_cpu_offload_on_one_process_is_decided_by_preflight_for_the_device(
     cfg = load_config(base_config)
     # On a CPU: a no-op, said so in the plan's warnings (check prints them, train logs them).
     assert any("cpu_offload: true has no effect" in w for w in preflight(cfg, 1, "cpu").warnings)
-    # On an accelerator, given or found (CUDA available, faked here): refused before anything is built.
-    with pytest.raises(ConfigError, match=r"parallelism\.cpu_offload: true is FSDP2's CPU offload"):
-        preflight(cfg, 1, "cuda")
+    # On an accelerator, given or found (CUDA available, faked here): FSDP2 wraps one process too and
+    # offloads, nothing to say.
+    assert not any("cpu_offload" in w for w in preflight(cfg, 1, "cuda").warnings)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ConfigError, match="optimizer.offload_states: true"):
-        preflight(cfg, 1)
+    assert not any("cpu_offload" in w for w in preflight(cfg, 1).warnings)
     assert not any("cpu_offload" in w for w in preflight(cfg, 2, "cuda").warnings)  # FSDP2 applies it
