@@ -270,6 +270,7 @@ def _train_case(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         wrapper_reduces_grads=True,
         grad_reduce_is_mean=False,
         dp_group=info.dp_group,
+        pipeline=info.pipeline,
     )
     scaler = None
     if spec["model"].get("compute_dtype") == "float16":
@@ -303,11 +304,12 @@ def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, An
     if world > 1:
         model, info, _ = build_parallel(rank, world, spec)
         dp_rank, dp_size, dp_group = info.dp_rank, info.dp_size, info.dp_group
+        pipeline = info.pipeline
     else:
         from lmforge.models import build_model
 
         model = build_model(spec["model"], seed=INIT_SEED)
-        dp_rank, dp_size, dp_group = 0, 1, None
+        dp_rank, dp_size, dp_group, pipeline = 0, 1, None, None
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     state = TrainState()
     target = Checkpointable(model=model, optimizer=opt, state=state)
@@ -326,6 +328,7 @@ def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, An
         wrapper_reduces_grads=world > 1,
         grad_reduce_is_mean=False,
         dp_group=dp_group,
+        pipeline=pipeline,
     )
     step = TrainStep(model, opt, None, max_norm=MAX_NORM, ctx=ctx)
     data = torch.load(spec["data"], weights_only=True)
