@@ -310,7 +310,7 @@ def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, An
 
         model = build_model(spec["model"], seed=INIT_SEED)
         dp_rank, dp_size, dp_group, pipeline = 0, 1, None, None
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    opt = make_optimizer(model, spec.get("optimizer"))
     state = TrainState()
     target = Checkpointable(model=model, optimizer=opt, state=state)
     first = 0
