@@ -9,7 +9,7 @@ modules over slices of that copy, each wrapped in a ``PipelineStage``.
 The train step runs the schedule itself (as torchtitan's ``if pp: schedule.step(...)``):
 :meth:`Pipeline.step_inputs` gives the whole-batch arguments of this rank's stages (micro-batches =
 accumulation steps, as in the original), ``pipeline.schedule.step(...)`` runs forward and backward of
-every micro-batch, and :meth:`Pipeline.step_loss` returns the loss. The loss function
+every micro-batch, and :meth:`Pipeline.finish_step` returns the tied gradient and the loss. The loss function
 (:class:`TokenLoss`) backpropagates each micro-batch's ``loss_sum × scale`` with ``scale = 1/N_global``
 (times the fp16 loss scale): the global-batch token mean of DESIGN §6, with ``scale_grads=False``.
 MoE balancing losses are added to the gradient where they arise (their layer's output), as
@@ -175,7 +175,7 @@ def split_for_pipeline(
 
 class Pipeline:
     """This rank's stages and their schedule; the train step calls ``schedule.step`` between
-    :meth:`step_inputs` and :meth:`step_loss`."""
+    :meth:`step_inputs` and :meth:`finish_step`."""
 
     def __init__(
         self,
@@ -267,7 +267,7 @@ class Pipeline:
         ``scale`` multiplies each micro-batch's loss sum (``1/N_global`` × the fp16 loss scale);
         ``aux_scale`` weighs the balancing losses as the non-pipelined step does (under context
         parallel each rank's chunk pair contributes ``1/cp`` of it). With tied embeddings this sends
-        the weight to the last stage (see :meth:`step_loss` for its gradient).
+        the weight to the last stage (see :meth:`finish_step` for its gradient).
         """
         if len(micro_batches) != self.n_micro:
             raise ConfigError(
@@ -297,7 +297,7 @@ class Pipeline:
         args = (torch.cat([b["input_ids"] for b in local]),) if self.has_first else ()
         return args, kwargs
 
-    def step_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def finish_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """After ``schedule.step``: the tied weight's gradient goes back to the first stage, and
         ``(loss_sum, tokens)`` of this data-parallel rank's micro-batches is returned (from the last
         stage, summed over context-parallel ranks; the same on every pipeline rank)."""
@@ -366,8 +366,9 @@ def refuse_direct_calls(model: nn.Module) -> None:
 
     def pre_hook(mod, args, kwargs):
         raise ConfigError(
-            "a pipeline-parallel model is run by its pipeline schedule (the train step and evaluation do "
-            "this); generation and logits need parallelism.pipeline_parallel: 1."
+            "a pipeline-parallel model is run by its pipeline schedule (parallelize's ParallelInfo.pipeline, "
+            "which the train step and evaluation take from ParallelContext.pipeline), not called directly; "
+            "generation and logits need parallelism.pipeline_parallel: 1."
         )
 
     model.register_forward_pre_hook(pre_hook, with_kwargs=True)

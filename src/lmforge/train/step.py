@@ -198,7 +198,7 @@ class TrainStep:
             # backpropagates loss_sum × inv_tokens, and the balancing losses enter where they arise.
             args, kwargs = pipeline.step_inputs(batches, scale=inv_tokens, aux_scale=aux_scale)
             pipeline.schedule.step(*args, **kwargs)
-            pipe_loss, pipe_tokens = pipeline.step_loss()
+            pipe_loss, pipe_tokens = pipeline.finish_step()  # (tied embedding gradients summed here)
             loss_sum += pipe_loss
             model_tokens += pipe_tokens
         for batch in batches if pipeline is None else ():  # (the pipeline ran them above)
