@@ -14,7 +14,7 @@ import pytest
 
 from lmforge.cli import main
 from lmforge.errors import LmforgeError
-from lmforge.train.doctor import diagnose, read_run_dir
+from lmforge.train.callbacks.doctor import diagnose, read_run_dir
 
 CONFIG = """\
 training: {steps: 40, max_norm: 1.0, local_batch_size: 4, global_batch_size: 8}

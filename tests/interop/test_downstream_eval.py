@@ -47,7 +47,7 @@ def test_adapter_agrees_with_the_harness_hf_model(setup, tokenizer_dir, sample_t
     from lm_eval.models.huggingface import HFLM
     from tokenizers import Tokenizer
 
-    from lmforge.train.harness import LmforgeLM
+    from lmforge.train.callbacks.lm_eval_harness import LmforgeLM
 
     model, hf, _ = setup
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
@@ -92,7 +92,7 @@ def test_accuracy_is_the_argmax_of_the_choice_loglikelihoods(setup, tokenizer_di
     """acc recomputed by hand from lmforge's own forward pass (the harness's scoring rule)."""
     from tokenizers import Tokenizer
 
-    from lmforge.train.harness import evaluate_tasks
+    from lmforge.train.callbacks.lm_eval_harness import evaluate_tasks
 
     model, _, task = setup
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
@@ -187,7 +187,7 @@ def test_shipped_example_task_runs(setup, tokenizer_dir):
 
     from tokenizers import Tokenizer
 
-    from lmforge.train.harness import _check_jsonl_task, evaluate_tasks
+    from lmforge.train.callbacks.lm_eval_harness import _check_jsonl_task, evaluate_tasks
 
     task = Path(__file__).resolve().parents[2] / "configs" / "tasks" / "kjv_cloze.jsonl"
     assert _check_jsonl_task(task) == 16
@@ -203,7 +203,7 @@ def test_evaluation_leaves_the_random_state_alone(setup, tokenizer_dir):
     import numpy as np
     from tokenizers import Tokenizer
 
-    from lmforge.train.harness import evaluate_tasks
+    from lmforge.train.callbacks.lm_eval_harness import evaluate_tasks
 
     model, _, task = setup
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
@@ -220,7 +220,7 @@ def test_unknown_task_name_is_named(setup, tokenizer_dir):
     """Slow (~30 s): a task name makes the harness index its thousands of built-in task files."""
     from tokenizers import Tokenizer
 
-    from lmforge.train.harness import evaluate_tasks
+    from lmforge.train.callbacks.lm_eval_harness import evaluate_tasks
 
     model, _, task = setup
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))

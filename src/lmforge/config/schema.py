@@ -96,7 +96,7 @@ class TrainConfig(OpenSection):
     lora_config: LoraConfig | None = None
     # lmforge's own top-level key: where logs, TensorBoard events and plots go.
     output_dir: str = "./output"
-    # Validation during training (lmforge.train.evaluate): every eval_interval steps (0: never),
+    # Validation during training (lmforge.train.callbacks.validation): every eval_interval steps (0: never),
     # eval_steps micro-batches per rank (null: the whole validation split).
     eval_interval: int = 0
     eval_steps: int | None = None

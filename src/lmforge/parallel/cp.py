@@ -20,7 +20,6 @@ the batch has none), so rotary embeddings stay correct. A document mask (``atten
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -239,36 +238,62 @@ def track_max_logits(core: nn.Module, q, k, allowed, scale, head_offset: int = 0
     torch.maximum(target, per_head.to(target.device), out=target)
 
 
+class ContextParallelAttention(nn.Module):
+    """The attention of one ``CoreAttention`` across the context-parallel ranks.
+
+    Set as the core's ``context_parallel`` submodule by :func:`apply_cp`; the core then hands its
+    ``(q, k, v)`` of the local chunks to it (``print(model)`` shows it under every core attention). It
+    reads the core's ``scale``, ``dropout`` and max-logit tracking, and holds no parameters or buffers,
+    so no name changes.
+    """
+
+    def __init__(
+        self, method: str, group: Any, cp: int, rank: int, doc_mask: DocumentMask | None = None
+    ) -> None:
+        super().__init__()
+        self.method, self.group, self.cp, self.rank = method, group, cp, rank
+        self.doc_mask = doc_mask
+        self._attend = _ATTEND[method]
+
+    def extra_repr(self) -> str:
+        return (
+            f"method={self.method}, cp={self.cp}, rank={self.rank}, document_mask={self.doc_mask is not None}"
+        )
+
+    def forward(self, core: nn.Module, q, k, v, allowed=None) -> torch.Tensor:
+        if allowed is not None:
+            raise DataError(
+                "context parallel got an attention mask built from the local chunks; document masks must "
+                "reach the model through the batch (attention_mask / actual_seq_len)."
+            )
+        doc = None if self.doc_mask is None else self.doc_mask.allowed
+        return self._attend(core, q, k, v, self.group, self.cp, self.rank, doc)
+
+
+_ATTEND = {"ulysses": _attend_ulysses, "colossal": _attend_gathered_kv, "hybrid": _attend_hybrid}
+
+
 def apply_cp(
     model: nn.Module, cp_mesh: Any, method: str, split_mesh: Any = None, doc_mask: DocumentMask | None = None
 ) -> None:
-    """Replace every ``core_attention`` forward by its context-parallel version (in place).
+    """Give every ``CoreAttention`` of ``model`` a :class:`ContextParallelAttention` (in place).
 
     ``split_mesh`` (hybrid only) has the cp ranks as ``(cp_ring, cp_uly)`` dimensions.
     """
+    from lmforge.models.common.attention import CoreAttention
+
     group = cp_mesh.get_group()
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    attend = {"ulysses": _attend_ulysses, "colossal": _attend_gathered_kv, "hybrid": _attend_hybrid}[method]
     if method == "hybrid":
         group = (split_mesh["cp_uly"].get_group(), split_mesh["cp_ring"].get_group())
-    found = False
-    for module in model.modules():
-        core = getattr(module, "core_attention", None)
-        if core is None:
-            continue
-        found = True
-
-        def forward(self, q, k, v, allowed=None, _attend=attend):
-            if allowed is not None:
-                raise DataError(
-                    "context parallel got an attention mask built from the local chunks; document masks must "
-                    "reach the model through the batch (attention_mask / actual_seq_len)."
-                )
-            return _attend(self, q, k, v, group, cp, rank, None if doc_mask is None else doc_mask.allowed)
-
-        core.forward = types.MethodType(forward, core)
-    if not found:
+    cores = [m for m in model.modules() if isinstance(m, CoreAttention)]
+    if not cores:
         raise ConfigError(
-            "parallelism.context_parallel > 1 needs attention modules with a 'core_attention' submodule "
-            "(lmforge's model families); this model has none."
+            "parallelism.context_parallel > 1 needs attention built on lmforge's CoreAttention (the "
+            "'core_attention' of lmforge's model families); this model has none."
         )
+    for core in cores:
+        # Tensor parallel still binds a forward of its own to the core (its max-logit head offset, which
+        # the context-parallel attention reads too); the class's forward must run to reach ours.
+        vars(core).pop("forward", None)
+        core.context_parallel = ContextParallelAttention(method, group, cp, rank, doc_mask)

@@ -174,6 +174,22 @@ class ParallelDims:
         return " ".join(parts)
 
     # ------------------------------------------------------------------ model checks
+    def check_transformer(self, cfg: Any, opts: dict[str, Any], *, seq_length: int | None = None) -> None:
+        """:meth:`check_model` with the facts of a ``TransformerConfig`` (train, check and plan read them here).
+
+        Multi-latent attention has no key/value heads to split (its latent K/V are replicated over tp).
+        """
+        self.check_model(
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=None if cfg.multi_latent_attention else cfg.num_key_value_heads,
+            num_experts=cfg.num_experts or None,
+            seq_length=seq_length,
+            interleave=opts["pipeline_parallel_interleave_num"],
+            layers_per_stage=opts["pipeline_parallel_layers_per_stage"],
+            vocab_size=cfg.vocab_size,
+        )
+
     def check_model(
         self,
         *,

@@ -353,16 +353,7 @@ def _check_model_structure(
     mc = model_config
     _attempt(
         problems,
-        lambda: dims.check_model(
-            num_layers=mc.num_layers,
-            num_heads=mc.num_attention_heads,
-            num_kv_heads=None if mc.multi_latent_attention else mc.num_key_value_heads,
-            num_experts=getattr(mc, "num_experts", None) or None,
-            seq_length=mc.seq_length,
-            interleave=opts["pipeline_parallel_interleave_num"],
-            layers_per_stage=opts["pipeline_parallel_layers_per_stage"],
-            vocab_size=mc.vocab_size,
-        ),
+        lambda: dims.check_transformer(mc, opts, seq_length=mc.seq_length),
     )
     patterns = _parameter_patterns(cfg, optimizer)
     lora = getattr(cfg, "lora_config", None)

@@ -38,16 +38,7 @@ def parallel_plan(
     else:
         unsupported = None
     cfg = net.config
-    dims.check_model(
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=None if cfg.multi_latent_attention else cfg.num_key_value_heads,
-        num_experts=getattr(cfg, "num_experts", None) or None,
-        seq_length=cfg.seq_length,
-        interleave=opts["pipeline_parallel_interleave_num"],
-        layers_per_stage=opts["pipeline_parallel_layers_per_stage"],
-        vocab_size=cfg.vocab_size,
-    )
+    dims.check_transformer(cfg, opts, seq_length=cfg.seq_length)
     train = section_to_dict(training)
     lbs = int(train.get("local_batch_size", 1))
     accum = accumulation_steps(int(train.get("global_batch_size", 1)), lbs, dims.dp)

@@ -17,7 +17,6 @@ from torch import nn
 
 from lmforge.errors import ConfigError
 from lmforge.parallel.plan import BatchSchedule
-from lmforge.train.auto_resume import auto_resume_path
 from lmforge.train.callbacks import (
     CallbackHandler,
     CheckpointCallback,
@@ -35,6 +34,7 @@ from lmforge.train.checkpoint import (
     read_tracker,
     resolve_checkpoint,
 )
+from lmforge.train.checkpoint.resume import auto_resume_path
 from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext
 from lmforge.train.perf import device_memory_gib, mfu_peak
@@ -294,7 +294,7 @@ class Trainer:
 
     def _record_lora_base(self, header: Any) -> None:
         """A LoRA run saves small checkpoints: the adapters plus where the frozen base came from."""
-        from lmforge.train.lora_checkpoint import base_record, has_adapters
+        from lmforge.train.checkpoint.lora import base_record, has_adapters
 
         manager = getattr(self, "_checkpoint_manager", None)
         if manager is None or not has_adapters(self.model):

@@ -1,4 +1,4 @@
-"""Callbacks around :mod:`lmforge.train.monitor`: train_state, moe_monitor and per-step peak memory."""
+"""Callbacks around :mod:`lmforge.train.callbacks.monitor_hooks`: train_state, moe_monitor and per-step peak memory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.train.callbacks.base import TrainerCallback
-from lmforge.train.monitor import MoeTokenMonitor, PeakMemory, TrainStateMonitor, format_bytes
+from lmforge.train.callbacks.monitor_hooks import MoeTokenMonitor, PeakMemory, TrainStateMonitor, format_bytes
 from lmforge.utils.logging import get_logger
 from lmforge.utils.sections import section_to_dict
 

@@ -13,14 +13,14 @@ import os
 from typing import Any
 
 from lmforge.train.callbacks.base import TrainerCallback
-from lmforge.train.callbacks.doctor import doctor_callback
+from lmforge.train.callbacks.doctor.live import doctor_callback
 from lmforge.train.callbacks.evaluation import EvaluationCallback
 from lmforge.train.callbacks.max_logits import MaxLogitsMonitor
 from lmforge.train.callbacks.monitor import MemoryCallback, MoeMonitorCallback, TrainStateMonitorCallback
+from lmforge.train.callbacks.monitor_hooks import norm_filters
 from lmforge.train.callbacks.profiler import ProfilerCallback
 from lmforge.train.callbacks.tensorboard import TensorBoardCallback
 from lmforge.train.callbacks.trackers import tracker_callbacks
-from lmforge.train.monitor import norm_filters
 from lmforge.utils.sections import section_to_dict
 
 
