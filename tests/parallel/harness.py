@@ -308,6 +308,38 @@ def _train_case(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     return {"loss": losses, "grad_norm": norms}
 
 
+def buffers_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """One training step with max-logit tracking on; this rank's MoE token counts and max logits."""
+    from lmforge.train.parallel_seam import ParallelContext
+    from lmforge.train.step import TrainStep
+
+    model, info, _ = build_parallel(rank, world, spec)
+    model.track_max_logits = True
+    ctx = ParallelContext(
+        rank=rank,
+        world_size=world,
+        dp_rank=info.dp_rank,
+        dp_size=info.dp_size,
+        wrapper_reduces_grads=True,
+        grad_reduce_is_mean=False,
+        dp_group=info.dp_group,
+        pipeline=info.pipeline,
+    )
+    step = TrainStep(model, make_optimizer(model, None), None, max_norm=MAX_NORM, ctx=ctx)
+    data = torch.load(spec["data"], weights_only=True)
+    per_rank = spec["gbs"] // info.dp_size
+    step(
+        micro_batches(
+            data, 0, list(range(info.dp_rank * per_rank, (info.dp_rank + 1) * per_rank)), spec["lbs"]
+        )
+    )
+    return {
+        name: buf.tolist()
+        for name, buf in model.named_buffers()
+        if name.endswith(("tokens_per_expert", "max_logits"))
+    }
+
+
 def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Train on this layout; save after ``save_at`` steps, or resume from ``resume`` and continue."""
     from lmforge.train.checkpoint import (

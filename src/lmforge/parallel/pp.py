@@ -19,6 +19,7 @@ Megatron's auto-scaler. Evaluation runs the stages forward-only, one micro-batch
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,8 @@ from torch import nn
 
 from lmforge.errors import ConfigError, NotSupportedError
 from lmforge.parallel.pp_layout import stage_layers, stages_of_rank
+
+logger = logging.getLogger(__name__)
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 IGNORE_INDEX = -100
@@ -73,6 +76,12 @@ class StageModule(nn.Module):
         self.tied_output: nn.Module | None = None  # set on the last stage when embeddings are tied
         object.__setattr__(self, "_model", model)  # not a submodule: no second name for its parameters
         self.aux_scale = 0.0  # weight of the MoE balancing losses in this step's objective
+        # The schedule's first step infers the stage's shapes with one extra forward (on the first
+        # micro-batch, or on uninitialised activations past the first stage). The pipeline sets this
+        # flag before that step so that the extra run leaves no trace in the buffers (MoE token
+        # counts, tracked max logits); ``calls`` lets it check that the extra run happened.
+        self.restore_buffers_after_next_call = False
+        self.calls = 0
 
     def forward(
         self,
@@ -80,6 +89,25 @@ class StageModule(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         actual_seq_len: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        self.calls += 1
+        if not self.restore_buffers_after_next_call:
+            return self._run(x, position_ids, attention_mask, actual_seq_len)
+        self.restore_buffers_after_next_call = False
+        saved = [(b, _local(b).detach().clone()) for b in self.buffers()]
+        out = self._run(x, position_ids, attention_mask, actual_seq_len)
+        with torch.no_grad():
+            for b, before in saved:
+                if not torch.equal(_local(b), before):  # only counters change (in-place copy is safe)
+                    _local(b).copy_(before)
+        return out
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        actual_seq_len: torch.Tensor | None,
     ) -> torch.Tensor:
         from lmforge.models.common.masks import attention_layout
 
@@ -98,6 +126,10 @@ class StageModule(nn.Module):
         if self.tied_output is not None:
             return F.linear(normed, self.tied_output.weight.to(self.tied_output.compute_dtype))
         return F.linear(normed, model._output_weight())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class TokenLoss:
@@ -209,6 +241,7 @@ class Pipeline:
         self._n_stages = n_stages
         self._schedule_name = schedule
         self._schedule: Any = None
+        self._first_step = False
         # Global rank of the last stage in this rank's pipeline (for broadcasting the loss).
         last_pp_rank = (n_stages - 1) % pp_mesh.size()
         self.last_stage_global_rank = dist.get_global_rank(self.pp_group, last_pp_rank)
@@ -275,8 +308,11 @@ class Pipeline:
                 f"built for), got {len(micro_batches)}; the global batch must not change during the run."
             )
         local = [self._local_batch(b) for b in micro_batches]
+        self._first_step = self._schedule is None
         for m in self.stage_modules:
             m.aux_scale = aux_scale / self.cp_size
+            m.calls = 0
+            m.restore_buffers_after_next_call = self._first_step  # the schedule's shape inference
         self.loss.sums.clear()
         self.loss.tokens.clear()
         kwargs: dict[str, Any] = {
@@ -303,6 +339,15 @@ class Pipeline:
         stage, summed over context-parallel ranks; the same on every pipeline rank)."""
         if self.tied is not None:
             self.tied.return_grad()
+        if self._first_step and any(m.calls != self.n_micro + 1 for m in self.stage_modules):
+            logger.warning(
+                "torch.distributed.pipelining ran %s stage forwards in its first step, not one per micro-batch "
+                "(%d) plus one to infer shapes: the buffers restored after the first forward (MoE token counts, "
+                "max logits) missed one micro-batch; lmforge.parallel.pp must follow this torch version.",
+                [m.calls for m in self.stage_modules],
+                self.n_micro,
+            )
+        self._first_step = False
         # Only the last n_micro loss calls are the micro-batches (the first step infers shapes with one more).
         sums, tokens = self.loss.sums[-self.n_micro :], self.loss.tokens[-self.n_micro :]
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
