@@ -333,11 +333,17 @@ def buffers_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             data, 0, list(range(info.dp_rank * per_rank, (info.dp_rank + 1) * per_rank)), spec["lbs"]
         )
     )
-    return {
+    out: dict[str, Any] = {
         name: buf.tolist()
         for name, buf in model.named_buffers()
         if name.endswith(("tokens_per_expert", "max_logits"))
     }
+    # Pipeline parallel runs visible stage modules; nothing is bound to the model's modules.
+    modules = [*model.modules(), *(m for s in info.pipeline.stage_modules for m in s.modules())]
+    out["bound_methods"] = sorted(
+        {f"{type(m).__name__}.{k}" for m in modules for k, v in vars(m).items() if hasattr(v, "__self__")}
+    )
+    return out
 
 
 def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:

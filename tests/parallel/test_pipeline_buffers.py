@@ -5,7 +5,7 @@ once more (past the first stage on uninitialised activations). Those runs must n
 tokens (the aux-loss-free expert bias is updated from the counts) nor raise the tracked max logits
 (QK-Clip clips from them). Two ranks, Qwen3-MoE with one MoE layer per stage, 1F1B: after one step
 every buffer equals the single-process run's over the same micro-batches (counts exactly; max logits
-within fp32 rounding).
+within fp32 rounding). The stages and the pruned model carry no method bound to a live module.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def test_first_pipelined_step_counts_tokens_and_max_logits_like_one_process(tmp_
     results = run_workers(2, spec)
     seen = set()
     for rank, got in enumerate(results):
+        assert got.pop("bound_methods") == [], f"rank {rank}: methods bound to live modules"
         got = {k: v for k, v in got.items() if k != "ok"}
         assert got, f"rank {rank} holds no MoE layer"
         for name, values in got.items():
