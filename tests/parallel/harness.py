@@ -328,12 +328,13 @@ def buffers_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     step = TrainStep(model, make_optimizer(model, None), None, max_norm=MAX_NORM, ctx=ctx)
     data = torch.load(spec["data"], weights_only=True)
     per_rank = spec["gbs"] // info.dp_size
-    step(
+    result = step(
         micro_batches(
             data, 0, list(range(info.dp_rank * per_rank, (info.dp_rank + 1) * per_rank)), spec["lbs"]
         )
     )
-    out: dict[str, Any] = {
+    out: dict[str, Any] = {"aux_losses": result.aux_losses}
+    out |= {
         name: buf.tolist()
         for name, buf in model.named_buffers()
         if name.endswith(("tokens_per_expert", "max_logits"))

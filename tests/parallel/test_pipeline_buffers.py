@@ -5,7 +5,8 @@ once more (past the first stage on uninitialised activations). Those runs must n
 tokens (the aux-loss-free expert bias is updated from the counts) nor raise the tracked max logits
 (QK-Clip clips from them). Two ranks, Qwen3-MoE with one MoE layer per stage, 1F1B: after one step
 every buffer equals the single-process run's over the same micro-batches (counts exactly; max logits
-within fp32 rounding). The stages and the pruned model carry no method bound to a live module.
+within fp32 rounding), and the step logs the same balancing loss. The stages and the pruned model
+carry no method bound to a live module.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ def test_first_pipelined_step_counts_tokens_and_max_logits_like_one_process(tmp_
     torch.save(data, tmp_path / "data.pt")
     reference = build_model(section, seed=INIT_SEED)
     reference.track_max_logits = True
+    balancing = []
     for batch in micro_batches(data, 0, list(range(GBS)), 1):
-        reference(**batch).loss.backward()
+        out = reference(**batch)
+        out.loss.backward()
+        balancing.append(float(out.aux_losses["load_balancing_loss"].detach()))
     expected = {
         name: buf
         for name, buf in reference.named_buffers()
@@ -47,6 +51,9 @@ def test_first_pipelined_step_counts_tokens_and_max_logits_like_one_process(tmp_
     seen = set()
     for rank, got in enumerate(results):
         assert got.pop("bound_methods") == [], f"rank {rank}: methods bound to live modules"
+        # The step's logged balancing loss: every stage's layers, averaged over micro-batches.
+        reported = got.pop("aux_losses")["load_balancing_loss"]
+        assert reported == pytest.approx(sum(balancing) / len(balancing), rel=1e-5)
         got = {k: v for k, v in got.items() if k != "ok"}
         assert got, f"rank {rank} holds no MoE layer"
         for name, values in got.items():

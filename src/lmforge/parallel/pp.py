@@ -76,6 +76,8 @@ class StageModule(nn.Module):
         self.tied_output: nn.Module | None = None  # set on the last stage when embeddings are tied
         object.__setattr__(self, "_model", model)  # not a submodule: no second name for its parameters
         self.aux_scale = 0.0  # weight of the MoE balancing losses in this step's objective
+        self.aux_sum: torch.Tensor | float = 0.0  # this step's balancing losses (for the log)
+        self.moe_layers = 0  # layers of this stage that produced a balancing loss in its last call
         # The schedule's first step infers the stage's shapes with one extra forward (on the first
         # micro-batch, or on uninitialised activations past the first stage). The pipeline sets this
         # flag before that step so that the extra run leaves no trace in the buffers (MoE token
@@ -95,7 +97,9 @@ class StageModule(nn.Module):
             return self._run(x, position_ids, attention_mask, actual_seq_len)
         self.restore_buffers_after_next_call = False
         saved = [(b, _local(b).detach().clone()) for b in self.buffers()]
+        aux_before = self.aux_sum
         out = self._run(x, position_ids, attention_mask, actual_seq_len)
+        self.aux_sum = aux_before
         with torch.no_grad():
             for b, before in saved:
                 if not torch.equal(_local(b), before):  # only counters change (in-place copy is safe)
@@ -115,11 +119,14 @@ class StageModule(nn.Module):
         cos, sin = model.rotary_pos_emb(position_ids)
         allowed = attention_layout(position_ids.shape[-1], x.device, attention_mask, actual_seq_len)
         h = self.embedding.word_embeddings(x) if self.first else x
+        self.moe_layers = 0
         for layer in self.layers:
             h = layer(h, cos, sin, allowed)
             aux = getattr(getattr(layer, "mlp", None), "last_aux_loss", None)
             if aux is not None and torch.is_grad_enabled():
                 h = _AttachAux.apply(h, aux * self.aux_scale)
+                self.aux_sum = self.aux_sum + aux.detach().to(torch.float64)
+                self.moe_layers += 1
         if not self.last:
             return h
         normed = self.final_layernorm(h)
@@ -311,6 +318,7 @@ class Pipeline:
         self._first_step = self._schedule is None
         for m in self.stage_modules:
             m.aux_scale = aux_scale / self.cp_size
+            m.aux_sum = 0.0
             m.calls = 0
             m.restore_buffers_after_next_call = self._first_step  # the schedule's shape inference
         self.loss.sums.clear()
@@ -333,10 +341,12 @@ class Pipeline:
         args = (torch.cat([b["input_ids"] for b in local]),) if self.has_first else ()
         return args, kwargs
 
-    def finish_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def finish_step(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """After ``schedule.step``: the tied weight's gradient goes back to the first stage, and
-        ``(loss_sum, tokens)`` of this data-parallel rank's micro-batches is returned (from the last
-        stage, summed over context-parallel ranks; the same on every pipeline rank)."""
+        ``(loss_sum, tokens, aux_losses)`` of this data-parallel rank's micro-batches is returned, the
+        same on every pipeline rank: the loss sum and token count from the last stage (summed over
+        context-parallel ranks), ``aux_losses`` the MoE balancing losses of every stage's layers,
+        summed over micro-batches (averaged over cp chunks), for the log, as the model reports them."""
         if self.tied is not None:
             self.tied.return_grad()
         if self._first_step and any(m.calls != self.n_micro + 1 for m in self.stage_modules):
@@ -350,11 +360,19 @@ class Pipeline:
         self._first_step = False
         # Only the last n_micro loss calls are the micro-batches (the first step infers shapes with one more).
         sums, tokens = self.loss.sums[-self.n_micro :], self.loss.tokens[-self.n_micro :]
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
         if self.has_last:
             totals[0] = torch.stack(sums).to(torch.float64).sum()
             totals[1] = torch.stack(tokens).to(torch.float64).sum()
-        return self._share_totals(totals)
+        for m in self.stage_modules:
+            totals[2] += torch.as_tensor(m.aux_sum, device=self.device) / self.cp_size
+        totals[3] = sum(m.moe_layers for m in self.stage_modules)
+        if self.cp_group is not None:
+            dist.all_reduce(totals, group=self.cp_group)
+        # Loss and tokens are zero outside the last stage, so the sum over pp ranks is its value.
+        dist.all_reduce(totals, group=self.pp_group)
+        aux = {"load_balancing_loss": totals[2]} if totals[3] > 0 else {}
+        return totals[0], totals[1], aux
 
     def _share_totals(self, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cp_group is not None:

@@ -198,9 +198,12 @@ class TrainStep:
             # backpropagates loss_sum × inv_tokens, and the balancing losses enter where they arise.
             args, kwargs = pipeline.step_inputs(batches, scale=inv_tokens, aux_scale=aux_scale)
             pipeline.schedule.step(*args, **kwargs)
-            pipe_loss, pipe_tokens = pipeline.finish_step()  # (tied embedding gradients summed here)
+            pipe_loss, pipe_tokens, pipe_aux = (
+                pipeline.finish_step()
+            )  # (tied embedding gradients summed here)
             loss_sum += pipe_loss
             model_tokens += pipe_tokens
+            aux_totals = {name: value / accum for name, value in pipe_aux.items()}
         for batch in batches if pipeline is None else ():  # (the pipeline ran them above)
             out = self.model(**{k: v for k, v in batch.items() if k in MODEL_INPUTS})
             objective = out.loss_sum * inv_tokens
