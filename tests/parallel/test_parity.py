@@ -164,6 +164,14 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         _case("tp_tied_embeddings", "llama_tied", tensor_parallel=2),
         _case("pp_tied_embeddings", "llama_tied", pipeline_parallel=2),
         _case("pp_moe", "qwen3_moe", pipeline_parallel=2),  # balancing loss inside the schedule's backward
+        _case(
+            "pp_interleaved_recompute",
+            "llama",
+            activation={"recompute": ACTIVATION["recompute"]},  # (swap is refused with pipeline parallel)
+            pipeline_parallel=2,
+            pipeline_parallel_schedule="interleaved_1f1b",
+            pipeline_parallel_interleave_num=2,
+        ),
         _case("ep_alltoall", "qwen3_moe", expert_parallel=2),
         _case("tp_moe", "qwen3_moe", tensor_parallel=2),
         _case("tp_mla_shared_experts", "deepseek", tensor_parallel=2),
