@@ -193,6 +193,7 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         _case("cp_x_tp", "llama", context_parallel=2, tensor_parallel=2),
         _case("pp_x_cp", "llama", context_parallel=2, pipeline_parallel=2),
         _case("pp_x_fsdp_tied_embeddings", "llama_tied", pipeline_parallel=2),
+        _case("pp_x_tp", "llama", pipeline_parallel=2, tensor_parallel=2),
         _case("ep_x_fsdp", "qwen3_moe", expert_parallel=2),
         _case("ep_x_tp", "qwen3_moe", expert_parallel=2, tensor_parallel=2),
         _case("muon_qkclip_fsdp_x_tp", "deepseek", MUON, tensor_parallel=2),
