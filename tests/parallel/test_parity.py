@@ -164,6 +164,7 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         _case("tp_tied_embeddings", "llama_tied", tensor_parallel=2),
         _case("pp_tied_embeddings", "llama_tied", pipeline_parallel=2),
         _case("pp_moe", "qwen3_moe", pipeline_parallel=2),  # balancing loss inside the schedule's backward
+        _case("pp_documents", "llama_docs", pipeline_parallel=2),  # masks reach every stage as step kwargs
         _case(
             "pp_interleaved_recompute",
             "llama",
