@@ -167,6 +167,7 @@ def test_cli_results_go_to_the_run_trackers(
     monkeypatch.setenv("WANDB_SILENT", "true")
     _, hf, task = setup
     cfg = dict(base_config, model=tiny_section("llama", seq_length=64), output_dir=str(tmp_path / "run"))
+    cfg["train_dataset"]["dataloader"]["config"]["seq_length"] = 64  # the data's length is the model's
     cfg["monitor"] = {"wandb": {"enable": True, "offline": True, "project": "tests"}}
     (tmp_path / "train.yaml").write_text(yaml.safe_dump(cfg))
     args = ["eval", "--checkpoint", str(hf), "--config", str(tmp_path / "train.yaml"), "--tasks", str(task)]

@@ -181,6 +181,7 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         _case(
             "muon_qkclip_cp_ulysses", "deepseek", MUON, context_parallel=2, context_parallel_method="ulysses"
         ),
+        _case("muon_qkclip_cp_allgather_kv", "deepseek", MUON, context_parallel=2),
     ]
     _run_cases(cases, 2, tmp_path)
 
@@ -200,6 +201,7 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         _case("muon_qkclip_fsdp_x_tp", "deepseek", MUON, tensor_parallel=2),
         _case("muon_deredundency_fsdp", "deepseek", {**MUON, "comm_strategy": "allgather_deredundency"}),
         _case("cp_hybrid_documents", "llama_docs", context_parallel=4, ulysses_degree_in_cp=2),
+        _case("cp4_allgather_kv_documents", "llama_docs", context_parallel=4),
         _case("muon_qkclip_cp_hybrid_ulysses", "deepseek", MUON, context_parallel=4, ulysses_degree_in_cp=2),
     ]
     _run_cases(cases, 4, tmp_path)

@@ -147,6 +147,14 @@ class TrainConfig(OpenSection):
         return section
 
     @model_validator(mode="after")
+    def _check_data_against_model(self) -> TrainConfig:
+        # The loader's sequence length and token ids must be the model's; both sections are typed now.
+        data, model = self.train_dataset.dataloader.typed, self.model.typed
+        if data is not None and model is not None:
+            data.check_against_model(model.config.seq_length, model.config.vocab_size)
+        return self
+
+    @model_validator(mode="after")
     def _check_eval(self) -> TrainConfig:
         if self.eval_interval < 0:
             raise ValueError(

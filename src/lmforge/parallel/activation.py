@@ -44,9 +44,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from lmforge.config.load import as_section
 from lmforge.errors import ConfigError
 from lmforge.utils.name_patterns import NamePattern
-from lmforge.utils.sections import section_to_dict
 
 # The spec's examples use MindSpore-Transformers graph-mode names ("attention"); lmforge models use
 # Megatron names ("self_attention"). A pattern may use either: each path is also offered with these
@@ -623,9 +623,9 @@ def plan_activation_memory(
     has_comm_ops: bool = False,
 ) -> ActivationPlan:
     """Like :func:`apply_activation_memory`, returning the :class:`ActivationPlan`."""
-    recompute = section_to_dict(recompute_section)
-    recompute_comm = section_to_dict(recompute_comm_section)
-    swap = section_to_dict(swap_section)
+    recompute = as_section("recompute", recompute_section).to_dict()
+    recompute_comm = as_section("recompute_comm", recompute_comm_section).to_dict()
+    swap = as_section("swap", swap_section).to_dict()
     mode = recompute.get("mode", "None")
     if mode is None:
         mode = "None"

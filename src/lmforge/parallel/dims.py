@@ -19,7 +19,6 @@ from typing import Any
 
 from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.errors import ConfigError
-from lmforge.utils.sections import section_to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +34,8 @@ PARALLELISM_DEFAULTS: dict[str, Any] = {
 def parallelism_options(section: Any) -> dict[str, Any]:
     """The ``parallelism`` section as a plain dict with every default filled in."""
     opts = dict(PARALLELISM_DEFAULTS)
-    opts.update({k: v for k, v in section_to_dict(section).items() if v is not None or k in opts})
+    plain = section.to_dict() if hasattr(section, "to_dict") else dict(section or {})
+    opts.update({k: v for k, v in plain.items() if v is not None or k in opts})
     return opts
 
 
