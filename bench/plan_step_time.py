@@ -95,6 +95,7 @@ def _build_step(rank: int, world: int, raw: dict[str, Any]) -> tuple[Any, list[d
             dp_rank=info.dp_rank,
             dp_size=info.dp_size,
             dp_group=info.dp_group,
+            pipeline=info.pipeline,
         )
         dp_rank = info.dp_rank
     else:

@@ -87,6 +87,7 @@ def _measure_case(rank: int, world: int, raw: dict[str, Any]) -> int:
         dp_rank=info.dp_rank,
         dp_size=info.dp_size,
         dp_group=info.dp_group,
+        pipeline=info.pipeline,
     )
     step = TrainStep(model, optimizer, ScheduleLR(optimizer, schedule), max_norm=1.0, ctx=ctx)
     g = torch.Generator().manual_seed(info.dp_rank)

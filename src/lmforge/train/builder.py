@@ -286,6 +286,7 @@ def build_trainer(
         dp_size=info.dp_size,
         device=ctx.device,
         dp_group=info.dp_group,
+        pipeline=info.pipeline,
     )
     logger.info(
         "Model %s: %.2fM parameters, %s; parallel: %s",

@@ -27,6 +27,8 @@ class ParallelContext:
     dp_size: int = 1
     device: torch.device = torch.device("cpu")
     dp_group: Any = None
+    # pp > 1: the ``lmforge.parallel.pp.Pipeline`` whose schedule the step and evaluation run.
+    pipeline: Any = None
 
     @property
     def distributed(self) -> bool:

@@ -112,12 +112,23 @@ def _canonical_name(name: str) -> str:
 
 
 def _optimizer_state_dict(model: nn.Module, optimizer: Any) -> tuple[str, dict[str, Any]]:
-    """(format, state dict). "fqn": keyed by parameter names, reshardable; "plain": the optimizer's own."""
+    """(format, state dict). "fqn_flat": keyed by parameter names, reshardable; "plain": the optimizer's own.
+
+    "fqn_flat" is torch's flattened form: param-group settings are stored per parameter name too
+    (``param_groups.<name>.lr``), because ranks that hold different parameters (pipeline stages) have
+    different groups, in different orders; the nested form ("fqn", still read) kept one rank's groups.
+    """
     if isinstance(optimizer, torch.optim.Optimizer) and _optimizer_holds_model_params(model, optimizer):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return "fqn", get_optimizer_state_dict(model, optimizer)
+        return "fqn_flat", get_optimizer_state_dict(model, optimizer, options=_optimizer_options("fqn_flat"))
     return "plain", optimizer.state_dict()
+
+
+def _optimizer_options(optimizer_format: str) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=optimizer_format == "fqn_flat")
 
 
 def _old_masters(model_sd: dict[str, Any], keys: Any) -> dict[str, Any]:
@@ -125,6 +136,26 @@ def _old_masters(model_sd: dict[str, Any], keys: Any) -> dict[str, Any]:
     (``optimizer.state.<name>.master``; its ``model.<name>`` entry is the bf16 copy): name -> the
     parameter they load into. Checkpoints written since 71445a7 store the fp32 weight as ``model.<name>``."""
     return {k: v for k, v in model_sd.items() if f"optimizer.state.{k}.master" in keys}
+
+
+def _with_old_masters(sd: dict[str, Any], masters: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` (either optimizer form) plus the old masters' entries, which DCP loads into the parameters.
+    New dicts: torch's optimizer state dict shares them with the live optimizer state."""
+    if not isinstance(sd.get("state"), dict):  # flattened: "state.<name>.<key>"
+        return {**sd, **{f"state.{k}.master": v for k, v in masters.items()}}
+    state = {k: dict(v) for k, v in sd["state"].items()}
+    for k, v in masters.items():
+        state.setdefault(k, {})["master"] = v
+    return {**sd, "state": state}
+
+
+def _without_old_masters(sd: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(sd.get("state"), dict):
+        return {k: v for k, v in sd.items() if not (k.startswith("state.") and k.endswith(".master"))}
+    return {
+        **sd,
+        "state": {k: {kk: vv for kk, vv in v.items() if kk != "master"} for k, v in sd["state"].items()},
+    }
 
 
 def _optimizer_holds_model_params(model: nn.Module, optimizer: Any) -> bool:
@@ -679,17 +710,18 @@ def load_checkpoint(
     optimizer_format = header.common.get("optimizer_format") or "plain"
     own_rng, own_loader = f"rank_{rank}", f"rank_{rank}"
     same_layout = int(header.common.get("world_size", 1)) == (dist.get_world_size() if _distributed() else 1)
+    local_param_names = None
     if not no_load_optim:
         if target.optimizer is not None:
-            if optimizer_format == "fqn":
+            if optimizer_format in ("fqn", "fqn_flat"):
                 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-                state = get_optimizer_state_dict(target.model, target.optimizer)
-                # A new dict per parameter: torch's shares them with the live optimizer state.
-                per_param = {k: dict(v) for k, v in state.get("state", {}).items()}
-                for k, v in sd.get("optimizer", {}).get("state", {}).items():
-                    per_param.setdefault(k, {}).update(v)
-                sd["optimizer"] = {**state, "state": per_param}
+                state = get_optimizer_state_dict(
+                    target.model, target.optimizer, options=_optimizer_options(optimizer_format)
+                )
+                sd["optimizer"] = _with_old_masters(state, masters)
+                if optimizer_format == "fqn":
+                    local_param_names = [group["params"] for group in sd["optimizer"]["param_groups"]]
             else:
                 sd["optimizer"] = _allocate_encoded(metadata, "optimizer")
         if target.scheduler is not None and _has_key(keys, "scheduler"):
@@ -702,6 +734,11 @@ def load_checkpoint(
 
     with _quiet_single_process():
         load_dcp(sd, header.path, no_dist=not _distributed())
+    if local_param_names is not None:
+        # The nested form saved a group's parameter names once, from one rank; pipeline stages hold
+        # different parameters, so each rank keeps its own names.
+        for group, names in zip(sd["optimizer"]["param_groups"], local_param_names):
+            group["params"] = names
 
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -712,14 +749,15 @@ def load_checkpoint(
         )
         return
     if target.optimizer is not None:
-        if optimizer_format == "fqn":
+        if optimizer_format in ("fqn", "fqn_flat"):
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-            state = {
-                k: {kk: vv for kk, vv in v.items() if kk != "master"}
-                for k, v in sd["optimizer"]["state"].items()
-            }
-            set_optimizer_state_dict(target.model, target.optimizer, {**sd["optimizer"], "state": state})
+            set_optimizer_state_dict(
+                target.model,
+                target.optimizer,
+                _without_old_masters(sd["optimizer"]),
+                options=_optimizer_options(optimizer_format),
+            )
         else:
             target.optimizer.load_state_dict(decode_state(sd["optimizer"]))
     if "scheduler" in sd:
