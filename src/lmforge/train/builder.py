@@ -187,6 +187,7 @@ def build_training_model(
         dp_size=info.dp_size,
         device=ctx.device,
         dp_group=info.dp_group,
+        pipeline=info.pipeline,
     )
     return model, ctx
 
