@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StoragePr
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmforge.errors import CheckpointError
+from lmforge.models.common.fused_layout import WEIGHT_LAYOUT
 from lmforge.train.rng import capture_rng_state, restore_rng_state
 from lmforge.train.safe_load import TensorRef as _TensorRef
 from lmforge.train.safe_load import (
@@ -360,6 +361,7 @@ class CheckpointManager:
             "ckpt_status": None,
             # lmforge's additions.
             "format": FORMAT,
+            "weight_layout": WEIGHT_LAYOUT,  # rows of the fused weights (models/common/fused_layout.py)
             "world_size": self.world_size,
             "has_optimizer": "optimizer" in sd,
             "optimizer_format": optimizer_format,
@@ -722,10 +724,12 @@ def load_checkpoint(
     set_model_state_dict(
         target.model, {k: v for k, v in sd["model"].items() if k not in masters}, options=_non_strict()
     )
+    adapters_only = bool(lora_base and any(is_lora_param_name(k) for k in model_sd))
     if no_load_optim:
         _copy_masters_to_model(target.optimizer)
         if not master_tensors:
             _resync_optimizer_masters(target.optimizer)
+        _upgrade_layout(header, target, adapters_only)
         logger.info(
             "Loaded model weights from %s (no_load_optim: optimizer and step start fresh).", header.path
         )
@@ -745,6 +749,7 @@ def load_checkpoint(
             _copy_masters_to_model(target.optimizer)
         else:
             target.optimizer.load_state_dict(decode_state(sd["optimizer"]))
+    _upgrade_layout(header, target, adapters_only)
     if "scheduler" in sd:
         target.scheduler.load_state_dict(decode_state(sd["scheduler"]))
     target.state.load_dict(decode_state(sd["trainer"]))
@@ -760,6 +765,14 @@ def load_checkpoint(
     if "dataloader" in sd and hasattr(target.dataloader, "load_state_dict"):
         target.dataloader.load_state_dict(decode_state(sd["dataloader"][own_loader]))
     logger.info("Resumed from %s at step %d.", header.path, target.state.global_step)
+
+
+def _upgrade_layout(header: CheckpointHeader, target: Checkpointable, adapters_only: bool) -> None:
+    from lmforge.train.layout_upgrade import checkpoint_layout, upgrade_fused_layout
+
+    layout = checkpoint_layout(header.common)
+    if layout != WEIGHT_LAYOUT:
+        upgrade_fused_layout(target.model, target.optimizer, layout, header.path, adapters_only)
 
 
 def load_model_weights(path: str | os.PathLike, model: nn.Module) -> CheckpointHeader:

@@ -6,8 +6,8 @@ import anything distributed. Modules a plan does not name stay replicated over t
 rank's sequence shard (right for token-wise blocks such as routed experts; attention must be named).
 Styles are applied in the plan's order.
 
-The fused weights are stored as contiguous logical pieces (``[Q; K; V]``, ``[gate; up]``), so a
-projection declares its pieces and each is split over the ranks (see ``parallel/tp.py``).
+The fused weights are stored so that a plain row split gives whole units (``models/common/fused_layout.py``):
+one piece each.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def gqa_attention_plan(cfg: TransformerConfig, prefix: str = "self_attention") -
     q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     return {
         prefix: (GatherSequence(), PerRankCounts(("num_heads", "num_kv_heads", "q_rows", "kv_rows"))),
-        f"{prefix}.linear_qkv": (FusedColwise((q_rows, kv_rows, kv_rows)),),
+        f"{prefix}.linear_qkv": (FusedColwise((q_rows + 2 * kv_rows,)),),  # whole kv groups per rank
         f"{prefix}.core_attention": (PerRankCounts(("num_heads",)), LocalHeads()),
         f"{prefix}.linear_proj": (RowwiseToSequence(),),
     }
@@ -72,8 +72,8 @@ def mla_attention_plan(cfg: TransformerConfig, prefix: str = "self_attention") -
     q_name = "linear_q_up_proj" if cfg.q_lora_rank else "linear_q_proj"
     return {
         prefix: (GatherSequence(), PerRankCounts(("num_heads",))),
-        f"{prefix}.{q_name}": (FusedColwise((n * dn, n * dr)),),
-        f"{prefix}.linear_kv_up_proj": (FusedColwise((n * dn, n * dv)),),
+        f"{prefix}.{q_name}": (FusedColwise((n * (dn + dr),)),),  # whole heads per rank
+        f"{prefix}.linear_kv_up_proj": (FusedColwise((n * (dn + dv),)),),
         f"{prefix}.core_attention": (PerRankCounts(("num_heads",)), LocalHeads()),
         f"{prefix}.linear_proj": (RowwiseToSequence(),),
     }
@@ -83,7 +83,7 @@ def swiglu_plan(ffn_hidden_size: int, prefix: str = "mlp") -> TPPlan:
     f = ffn_hidden_size
     return {
         prefix: (GatherSequence(),),
-        f"{prefix}.linear_fc1": (FusedColwise((f, f)),),
+        f"{prefix}.linear_fc1": (FusedColwise((2 * f,)),),  # whole gate/up pairs per rank
         f"{prefix}.linear_fc2": (RowwiseToSequence(),),
     }
 
