@@ -8,14 +8,11 @@ Layout over the ``tp`` mesh dimension (size t):
   the FFN width, and reduce-scatter back to sequence shards at their output projection.
 * The embedding and the output layer are split by vocabulary rows; the output gathers full logits.
 
-The fused weights of lmforge's models are stored as contiguous logical pieces (``linear_qkv`` =
-``[Q; K; V]``, SwiGLU ``linear_fc1`` = ``[gate; up]``, MLA's up projections), so a plain row split
-(``Shard(0)``) would hand a rank rows of the wrong piece. Those weights are split by **input
-columns** instead (``Shard(1)``): each rank computes a partial product for every output row, the
-output columns are permuted so each rank's pieces are adjacent, and one reduce-scatter leaves rank r
-with ``[Q_r; K_r; V_r]`` (its heads). The stored weight keeps the checkpoint layout of every other
-parallel layout (resharding works), at the price of a reduce-scatter of the fused activations
-instead of an all-gather of the block input.
+The input projections (``linear_qkv``, SwiGLU ``linear_fc1``, MLA's up projections) are split by
+output rows (``Shard(0)``, Megatron's column parallel): their stored layout puts whole units (key-value
+groups, gate/up pairs, heads) in every equal chunk of rows (``models/common/fused_layout.py``), so rank r
+computes exactly its heads / FFN width from the gathered block input, and the blocks find their local
+head counts from the width they get. One all-gather in, one reduce-scatter out per block.
 
 Parameters keep their DTensor placements (FSDP, checkpoints, gradient clipping and optimizers see
 them), while the computation runs on local tensors with explicit, differentiable collectives
@@ -34,10 +31,9 @@ from torch import nn
 
 from lmforge.errors import ConfigError
 from lmforge.models.common.tp_plan import (
-    FusedColwise,
+    Colwise,
     GatherSequence,
     LocalHeads,
-    PerRankCounts,
     RowwiseToSequence,
     SequenceAuxLoss,
 )
@@ -94,47 +90,32 @@ def _replicate_params(module: nn.Module, mesh: Any, group: Any, caller: nn.Modul
 # ------------------------------------------------------------------ linear layers
 
 
-def _pieces_colwise(linear: nn.Linear, pieces: list[int], mesh: Any, group: Any) -> None:
-    """Output rows split piece by piece over tp (see the module docstring); input is the full block input."""
-    from torch.distributed.tensor import Replicate, Shard
+def _colwise(linear: nn.Linear, style: Colwise, mesh: Any, group: Any) -> None:
+    """Output rows split in ``t`` equal chunks of whole units; the input is the full (gathered) block input,
+    identical on every rank, so the weight's gradient is local and the input's a partial sum (the
+    gather's backward reduce-scatters it)."""
+    from torch.distributed.tensor import Shard
 
-    t = mesh.size()
-    rank = mesh.get_local_rank()
-    in_features = linear.in_features
-    if in_features % t or any(p % t for p in pieces):
+    t, rank = mesh.size(), mesh.get_local_rank()
+    if style.units % t:
         raise ConfigError(
-            f"parallelism.tensor_parallel={t} must divide the input width ({in_features}) and every fused piece "
-            f"{pieces} of a fused projection."
+            f"parallelism.tensor_parallel={t} must divide the {style.what} ({style.units}): each rank computes "
+            "whole ones."
         )
-    _distribute(linear, "weight", mesh, Shard(1))
+    _distribute(linear, "weight", mesh, Shard(0))
     if linear.bias is not None:
-        _distribute(linear, "bias", mesh, Replicate())
-    cols = slice(rank * in_features // t, (rank + 1) * in_features // t)
-    # perm lists the global output rows in the order [pieces of rank 0, pieces of rank 1, ...].
-    starts = [sum(pieces[:i]) for i in range(len(pieces))]
-    order: list[int] = []
-    for j in range(t):
-        for start, size in zip(starts, pieces):
-            order.extend(range(start + j * size // t, start + (j + 1) * size // t))
-    local_rows = order[rank * sum(pieces) // t : (rank + 1) * sum(pieces) // t]
-    cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        _distribute(linear, "bias", mesh, Shard(0))
+    out = linear.out_features
+    rows = slice(rank * out // t, (rank + 1) * out // t)
 
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.device not in cache:
-            cache[x.device] = (
-                torch.tensor(order, device=x.device),
-                torch.tensor(local_rows, device=x.device),
-            )
-        perm, rows = cache[x.device]
-        partial = F.linear(x[..., cols], _local(self.weight))
-        y = comm.reduce_scatter(partial.index_select(-1, perm), -1, group)
-        if self.bias is not None:
-            y = y + comm.all_reduce_grad(_local(self.bias), group).index_select(0, rows)
+        bias = _local(self.bias) if self.bias is not None else None
+        y = F.linear(x, _local(self.weight), bias)
         if getattr(self, "lora_A", None) is not None:
             # LoRA: A and B are replicated; x is the full block input, so A(x) is whole on every rank and
-            # this rank applies B's rows of its own output pieces (gradients summed over tp).
+            # this rank applies B's rows of its own outputs (gradients summed over tp).
             a, b = _adapter_factors(self, group)
-            y = y + F.linear(F.linear(self.lora_dropout(x), a), b.index_select(0, rows)) * self.scaling
+            y = y + F.linear(F.linear(self.lora_dropout(x), a), b[rows]) * self.scaling
         return y
 
     linear.forward = types.MethodType(forward, linear)
@@ -226,51 +207,16 @@ def _vocab_split_output(linear: nn.Linear, mesh: Any) -> None:
 # ------------------------------------------------------------------ blocks
 
 
-def _localise(module: nn.Module, t: int, names: tuple[str, ...]) -> None:
-    """The attention code reads head counts and row sizes from attributes: make them per rank.
-
-    The hooks that describe the *stored* (global) weights to the optimizer and monitors
-    (``muon_split_schema``, ``qk_clip_layer``, ``flops_per_token``) keep seeing the global values.
-    """
-    global_values = {}
-    for name in names:
-        value = getattr(module, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            if value % t:
-                raise ConfigError(
-                    f"parallelism.tensor_parallel={t} must divide {type(module).__name__}.{name}={value} "
-                    "(attention heads / key-value groups)."
-                )
-            global_values[name] = value
-            setattr(module, name, value // t)
-    for method in ("muon_split_schema", "qk_clip_layer", "flops_per_token"):
-        if hasattr(type(module), method):
-            setattr(
-                module,
-                method,
-                types.MethodType(_with_values(getattr(type(module), method), global_values), module),
-            )
-
-
-def _with_values(fn, values: dict[str, int]):
-    def call(self, *args, **kwargs):
-        local = {k: getattr(self, k) for k in values}
-        for k, v in values.items():
-            setattr(self, k, v)
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            for k, v in local.items():
-                setattr(self, k, v)
-
-    return call
-
-
-def _tp_core_attention(core: nn.Module, tp_rank: int) -> None:
+def _tp_core_attention(core: nn.Module, mesh: Any) -> None:
     """Local heads: track their max logits at their global positions (QK-Clip reduces with MAX)."""
     from lmforge.parallel.cp import track_max_logits
 
-    core.head_offset = tp_rank * core.num_heads
+    t = mesh.size()
+    if core.num_heads % t:
+        raise ConfigError(
+            f"parallelism.tensor_parallel={t} must divide the attention heads ({core.num_heads})."
+        )
+    core.head_offset = mesh.get_local_rank() * (core.num_heads // t)
 
     def forward(self, q, k, v, allowed=None):
         from lmforge.models.common.attention import segment_attention
@@ -320,14 +266,12 @@ def _sequence_aux_loss(router: nn.Module, group: Any) -> None:
 def _apply_style(module: nn.Module, style: Any, mesh: Any, group: Any) -> None:
     if isinstance(style, GatherSequence):
         _gather_block_input(module, group)
-    elif isinstance(style, FusedColwise):
-        _pieces_colwise(module, list(style.pieces), mesh, group)
+    elif isinstance(style, Colwise):
+        _colwise(module, style, mesh, group)
     elif isinstance(style, RowwiseToSequence):
         _rowwise_to_sequence(module, mesh, group)
-    elif isinstance(style, PerRankCounts):
-        _localise(module, mesh.size(), style.attributes)
     elif isinstance(style, LocalHeads):
-        _tp_core_attention(module, mesh.get_local_rank())
+        _tp_core_attention(module, mesh)
     elif isinstance(style, SequenceAuxLoss):
         _sequence_aux_loss(module, group)
     else:

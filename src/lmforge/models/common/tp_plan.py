@@ -23,23 +23,17 @@ class GatherSequence:
 
 
 @dataclass(frozen=True)
-class FusedColwise:
-    """A Linear whose output rows are ``pieces`` (sizes); every piece is split over the tp ranks."""
+class Colwise:
+    """A Linear whose output rows are ``units`` equal whole units (``what``: key-value groups, heads,
+    gate/up pairs), split by rows over the tp ranks; its input is the full block input."""
 
-    pieces: tuple[int, ...]
+    units: int
+    what: str
 
 
 @dataclass(frozen=True)
 class RowwiseToSequence:
     """A Linear whose input is this rank's slice of the features; output reduce-scattered to sequence shards."""
-
-
-@dataclass(frozen=True)
-class PerRankCounts:
-    """Integer attributes (head counts, row sizes) divided by the tp degree; optimizer and monitor hooks
-    (``muon_split_schema``, ``qk_clip_layer``, ``flops_per_token``) still see the global values."""
-
-    attributes: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -52,38 +46,36 @@ class SequenceAuxLoss:
     """A router whose balancing loss must see the whole sequence, not this rank's shard."""
 
 
-Style = GatherSequence | FusedColwise | RowwiseToSequence | PerRankCounts | LocalHeads | SequenceAuxLoss
+Style = GatherSequence | Colwise | RowwiseToSequence | LocalHeads | SequenceAuxLoss
 TPPlan = dict[str, tuple[Style, ...]]
 
 
 def gqa_attention_plan(cfg: TransformerConfig, prefix: str = "self_attention") -> TPPlan:
-    q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    groups = Colwise(cfg.num_key_value_heads, "key-value groups (num_key_value_heads)")
     return {
-        prefix: (GatherSequence(), PerRankCounts(("num_heads", "num_kv_heads", "q_rows", "kv_rows"))),
-        f"{prefix}.linear_qkv": (FusedColwise((q_rows + 2 * kv_rows,)),),  # whole kv groups per rank
-        f"{prefix}.core_attention": (PerRankCounts(("num_heads",)), LocalHeads()),
+        prefix: (GatherSequence(),),
+        f"{prefix}.linear_qkv": (groups,),
+        f"{prefix}.core_attention": (LocalHeads(),),
         f"{prefix}.linear_proj": (RowwiseToSequence(),),
     }
 
 
 def mla_attention_plan(cfg: TransformerConfig, prefix: str = "self_attention") -> TPPlan:
-    n = cfg.num_attention_heads
-    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    heads = Colwise(cfg.num_attention_heads, "attention heads (num_attention_heads)")
     q_name = "linear_q_up_proj" if cfg.q_lora_rank else "linear_q_proj"
     return {
-        prefix: (GatherSequence(), PerRankCounts(("num_heads",))),
-        f"{prefix}.{q_name}": (FusedColwise((n * (dn + dr),)),),  # whole heads per rank
-        f"{prefix}.linear_kv_up_proj": (FusedColwise((n * (dn + dv),)),),
-        f"{prefix}.core_attention": (PerRankCounts(("num_heads",)), LocalHeads()),
+        prefix: (GatherSequence(),),
+        f"{prefix}.{q_name}": (heads,),
+        f"{prefix}.linear_kv_up_proj": (heads,),
+        f"{prefix}.core_attention": (LocalHeads(),),
         f"{prefix}.linear_proj": (RowwiseToSequence(),),
     }
 
 
 def swiglu_plan(ffn_hidden_size: int, prefix: str = "mlp") -> TPPlan:
-    f = ffn_hidden_size
     return {
         prefix: (GatherSequence(),),
-        f"{prefix}.linear_fc1": (FusedColwise((2 * f,)),),  # whole gate/up pairs per rank
+        f"{prefix}.linear_fc1": (Colwise(ffn_hidden_size, f"gate/up pairs ({prefix} FFN width)"),),
         f"{prefix}.linear_fc2": (RowwiseToSequence(),),
     }
 
