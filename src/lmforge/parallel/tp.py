@@ -6,7 +6,8 @@ Layout over the ``tp`` mesh dimension (size t):
   norms on it run locally with replicated weights.
 * Attention and MLP blocks gather the sequence at their input, compute on ``1/t`` of the heads / of
   the FFN width, and reduce-scatter back to sequence shards at their output projection.
-* The embedding and the output layer are split by vocabulary rows; the output gathers full logits.
+* The embedding (torch's ``RowwiseParallel``) and the output layer are split by vocabulary rows; the
+  output gathers full logits.
 
 The input projections (``linear_qkv``, SwiGLU ``linear_fc1``, MLA's up projections) are split by
 output rows (``Shard(0)``, Megatron's column parallel): their stored layout puts whole units (key-value
@@ -170,23 +171,16 @@ def _gather_block_input(block: nn.Module, group: Any) -> None:
     block.register_forward_pre_hook(pre_hook)
 
 
-def _vocab_parallel_embedding(emb: nn.Embedding, mesh: Any, group: Any) -> None:
-    from torch.distributed.tensor import Shard
+def _vocab_parallel_embedding(emb: nn.Embedding, mesh: Any) -> None:
+    """Rows split by vocabulary (torch's ``RowwiseParallel`` on an embedding): each rank looks up the ids
+    in its rows, and the partial sums are reduce-scattered to this rank's sequence shard."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-    t, rank = mesh.size(), mesh.get_local_rank()
-    vocab = emb.num_embeddings
+    t, vocab = mesh.size(), emb.num_embeddings
     if vocab % t:
         raise ConfigError(f"parallelism.tensor_parallel={t} must divide the vocabulary size ({vocab}).")
-    _distribute(emb, "weight", mesh, Shard(0))
-    lo, hi = rank * vocab // t, (rank + 1) * vocab // t
-
-    def forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-        outside = (ids < lo) | (ids >= hi)
-        local = F.embedding((ids - lo).masked_fill(outside, 0), _local(self.weight))
-        local = local.masked_fill(outside[..., None], 0.0)
-        return comm.reduce_scatter(local, 1, group)  # sum of the ranks' rows, then sequence shards
-
-    emb.forward = types.MethodType(forward, emb)
+    parallelize_module(emb, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
 
 
 def _vocab_split_output(linear: nn.Linear, mesh: Any) -> None:
@@ -303,7 +297,7 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
     out = getattr(model, "output_layer", None)
     tied = emb is not None and out is not None and out.weight is emb.weight
     if emb is not None:
-        _vocab_parallel_embedding(emb, tp_mesh, group)
+        _vocab_parallel_embedding(emb, tp_mesh)
     for layer in decoder_layers(model):
         layer = getattr(layer, "transformer_layer", layer)  # an MTP depth wraps a transformer layer
         _apply_layer_plan(layer, family.tp_plan(cfg, layer.layer_id), tp_mesh, group)

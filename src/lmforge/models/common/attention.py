@@ -148,8 +148,10 @@ class SelfAttention(nn.Module):
         b, s, _ = x.shape
         r, d = self.heads_per_group, self.head_dim
         qkv = self.linear_qkv(x).unflatten(-1, (-1, r + 2, d))  # [b, s, groups, r + 2, d]
-        q = qkv[..., :r, :].flatten(2, 3)  # head g*r + j is the j-th query head of group g
-        k, v = qkv[..., r, :], qkv[..., r + 1, :].transpose(1, 2)
+        # split, not slices: its backward is one concatenation, not a zero-filled gradient per piece.
+        q, k, v = qkv.split([r, 1, 1], dim=-2)
+        q = q.flatten(2, 3)  # head g*r + j is the j-th query head of group g
+        k, v = k.squeeze(-2), v.squeeze(-2).transpose(1, 2)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)

@@ -14,8 +14,9 @@ from lmforge.utils.muon_split import MuonSplit
 
 def swiglu(fused: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a fused gate/up activation whose last dim holds (gate, up) pairs."""
-    pairs = fused.unflatten(-1, (-1, 2))
-    return F.silu(pairs[..., 0]) * pairs[..., 1]
+    # unbind, not two selects: its backward is one stack, not a zero-filled gradient per half.
+    gate, up = fused.unflatten(-1, (-1, 2)).unbind(-1)
+    return F.silu(gate) * up
 
 
 class SwiGLUMLP(nn.Module):
