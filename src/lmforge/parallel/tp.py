@@ -15,10 +15,19 @@ groups, gate/up pairs, heads) in every equal chunk of rows (``models/common/fuse
 computes exactly its heads / FFN width from the gathered block input, and the blocks find their local
 head counts from the width they get. One all-gather in, one reduce-scatter out per block.
 
-Parameters keep their DTensor placements (FSDP, checkpoints, gradient clipping and optimizers see
-them), while the computation runs on local tensors with explicit, differentiable collectives
-(:mod:`lmforge.parallel.comm`). A replicated weight that sees only this rank's tokens or heads gets
-its gradient summed over the tp group.
+Two mechanisms, per the family's plan (``models/<family>/parallelize.py``):
+
+* DTensor styles (GQA attention, SwiGLU MLPs including shared experts): ``parallelize_module`` with
+  torch's ``ColwiseParallel`` / ``RowwiseParallel`` (LoRA-aware subclasses: the adapters' factors are
+  replicated DTensors and the adapter's own forward runs on DTensors) and a first-input
+  ``PrepareModuleInput`` (sequence shard → replicated DTensor); DTensor's autograd does the collectives.
+* Hand-written (MLA attention; next to convert): the block input is all-gathered with
+  :mod:`lmforge.parallel.comm`, the projections' forwards compute on local shards (replaced forwards).
+
+Either way the parameters keep their DTensor placements (FSDP, checkpoints, gradient clipping and
+optimizers see them). A replicated weight that sees only this rank's tokens or heads (norms, routers,
+routed experts, MLA down projections) stays a plain computation on local tensors whose gradient is
+summed over the tp group.
 """
 
 from __future__ import annotations
@@ -33,8 +42,11 @@ from torch import nn
 from lmforge.errors import ConfigError
 from lmforge.models.common.tp_plan import (
     Colwise,
+    ColwiseShard,
     GatherSequence,
     LocalHeads,
+    ReplicateInput,
+    RowwiseShard,
     RowwiseToSequence,
     SequenceAuxLoss,
 )
@@ -98,11 +110,7 @@ def _colwise(linear: nn.Linear, style: Colwise, mesh: Any, group: Any) -> None:
     from torch.distributed.tensor import Shard
 
     t, rank = mesh.size(), mesh.get_local_rank()
-    if style.units % t:
-        raise ConfigError(
-            f"parallelism.tensor_parallel={t} must divide the {style.what} ({style.units}): each rank computes "
-            "whole ones."
-        )
+    _check_units(style, t)
     _distribute(linear, "weight", mesh, Shard(0))
     if linear.bias is not None:
         _distribute(linear, "bias", mesh, Shard(0))
@@ -171,6 +179,86 @@ def _gather_block_input(block: nn.Module, group: Any) -> None:
     block.register_forward_pre_hook(pre_hook)
 
 
+# ------------------------------------------------------------------ DTensor styles (dense blocks)
+
+
+def _shard_linear(linear: nn.Module, mesh: Any, weight: Any, bias: Any) -> None:
+    """Weight and bias as DTensors with the given placements; LoRA factors (``lora_A``/``lora_B``)
+    replicated, so the adapter's own forward runs on DTensors too."""
+    from torch.distributed.tensor import Replicate
+
+    _distribute(linear, "weight", mesh, weight)
+    if linear.bias is not None:
+        _distribute(linear, "bias", mesh, bias)
+    for name in ("lora_A", "lora_B"):
+        factor = getattr(linear, name, None)
+        if factor is not None:
+            _distribute(factor, "weight", mesh, Replicate())
+
+
+def _styles() -> tuple[type, type, type]:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+    class LinearColwise(ColwiseParallel):
+        """``ColwiseParallel`` that also takes a ``LoRALinear`` (torch's would register its adapters' dotted
+        parameter names on the linear itself)."""
+
+        def _partition_linear_fn(self, name, module, device_mesh):
+            if (
+                name == ""
+            ):  # distribute_module calls this for every submodule: the adapters come with the root
+                _shard_linear(module, device_mesh, Shard(0), Shard(0))
+
+    class LinearRowwise(RowwiseParallel):
+        def _partition_linear_fn(self, name, module, device_mesh):
+            if name == "":
+                _shard_linear(module, device_mesh, Shard(1), Replicate())
+
+    class FirstInputReplicated(ParallelStyle):
+        """``PrepareModuleInput`` for the first positional input only (blocks differ in their other
+        arguments: cos/sin/mask for attention, none for an MLP): sequence shard → replicated DTensor."""
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            def pre_hook(mod: nn.Module, args: tuple) -> tuple:
+                x = args[0]
+                if not isinstance(x, DTensor):
+                    x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+                return (x.redistribute(device_mesh, (Replicate(),)), *args[1:])
+
+            module.register_forward_pre_hook(pre_hook)
+            return module
+
+    return LinearColwise, LinearRowwise, FirstInputReplicated
+
+
+def _check_units(style: ColwiseShard | Colwise, t: int) -> None:
+    if style.units % t:
+        raise ConfigError(
+            f"parallelism.tensor_parallel={t} must divide the {style.what} ({style.units}): each rank computes "
+            "whole ones."
+        )
+
+
+def _apply_dtensor_style(module: nn.Module, style: Any, mesh: Any) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    colwise, rowwise, first_input = _styles()
+    if isinstance(style, ReplicateInput):
+        parallelize_module(module, mesh, first_input())
+    elif isinstance(style, ColwiseShard):
+        _check_units(style, mesh.size())
+        parallelize_module(module, mesh, colwise(input_layouts=Replicate()))
+    elif isinstance(style, RowwiseShard):
+        if module.in_features % mesh.size():
+            raise ConfigError(
+                f"parallelism.tensor_parallel={mesh.size()} must divide the input width {module.in_features} "
+                "of an output projection."
+            )
+        parallelize_module(module, mesh, rowwise(output_layouts=Shard(1)))
+
+
 def _vocab_parallel_embedding(emb: nn.Embedding, mesh: Any) -> None:
     """Rows split by vocabulary (torch's ``RowwiseParallel`` on an embedding): each rank looks up the ids
     in its rows, and the partial sums are reduce-scattered to this rank's sequence shard."""
@@ -202,43 +290,14 @@ def _vocab_split_output(linear: nn.Linear, mesh: Any) -> None:
 
 
 def _tp_core_attention(core: nn.Module, mesh: Any) -> None:
-    """Local heads: track their max logits at their global positions (QK-Clip reduces with MAX)."""
-    from lmforge.parallel.cp import track_max_logits
-
+    """Local heads: ``CoreAttention`` tracks their max logits at their global positions from its
+    ``head_offset`` (QK-Clip reduces them with MAX over the ranks)."""
     t = mesh.size()
     if core.num_heads % t:
         raise ConfigError(
             f"parallelism.tensor_parallel={t} must divide the attention heads ({core.num_heads})."
         )
     core.head_offset = mesh.get_local_rank() * (core.num_heads // t)
-
-    def forward(self, q, k, v, allowed=None):
-        from lmforge.models.common.attention import segment_attention
-        from lmforge.models.common.masks import DocumentSegments
-
-        if isinstance(allowed, DocumentSegments):
-            if getattr(self, "track_max_logits", False):
-                mask = allowed.dense(q.device)
-                track_max_logits(self, q, k, mask, self.scale, head_offset=self.head_offset)
-            dropout = self.dropout if self.training else 0.0
-            return segment_attention(q, k, v, allowed, self.scale, dropout)
-        if getattr(self, "track_max_logits", False):
-            mask = allowed
-            if mask is None:
-                s = q.shape[2]
-                mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-            track_max_logits(self, q, k, mask, self.scale, head_offset=self.head_offset)
-        dropout = self.dropout if self.training else 0.0
-        gqa = q.shape[1] != k.shape[1]
-        if allowed is None:
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout, enable_gqa=gqa
-            )
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=self.scale, dropout_p=dropout, enable_gqa=gqa
-        )
-
-    core.forward = types.MethodType(forward, core)
 
 
 def _sequence_aux_loss(router: nn.Module, group: Any) -> None:
@@ -260,6 +319,8 @@ def _sequence_aux_loss(router: nn.Module, group: Any) -> None:
 def _apply_style(module: nn.Module, style: Any, mesh: Any, group: Any) -> None:
     if isinstance(style, GatherSequence):
         _gather_block_input(module, group)
+    elif isinstance(style, (ReplicateInput, ColwiseShard, RowwiseShard)):
+        _apply_dtensor_style(module, style, mesh)
     elif isinstance(style, Colwise):
         _colwise(module, style, mesh, group)
     elif isinstance(style, RowwiseToSequence):

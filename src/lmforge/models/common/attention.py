@@ -72,6 +72,9 @@ class CoreAttention(nn.Module):
         self.scale = scale
         self.dropout = dropout
         self.track_max_logits = False
+        # The global index of the first head this module computes: 0, or this rank's first head when
+        # tensor parallel hands it a slice of the heads (max_logits stays indexed by global head).
+        self.head_offset = 0
         self.register_buffer("max_logits", torch.zeros(num_heads, dtype=torch.float32), persistent=False)
 
     def reset_parameters(self) -> None:
@@ -113,7 +116,8 @@ class CoreAttention(nn.Module):
             allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()[None, None]
         logits = logits.masked_fill(~allowed, float("-inf"))
         per_head = logits.amax(dim=(0, 2, 3))
-        torch.maximum(self.max_logits, per_head.to(self.max_logits.device), out=self.max_logits)
+        target = self.max_logits[self.head_offset : self.head_offset + per_head.shape[0]]
+        torch.maximum(target, per_head.to(target.device), out=target)
 
 
 class SelfAttention(nn.Module):

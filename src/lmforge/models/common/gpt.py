@@ -90,6 +90,15 @@ class MTPLayer(nn.Module):
         self.transformer_layer = TransformerLayer(cfg, layer_id, blocks)
         self.final_layernorm = RMSNorm(h, cfg.rms_norm_eps)
 
+    def forward(
+        self, hidden: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this depth's hidden states, their final norm). One call of the depth, so wrappers of it
+        (FSDP's per-layer unshard, tensor-parallel styles) run around all of its parameters."""
+        hidden = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
+        hidden = self.transformer_layer(hidden, cos, sin, allowed)
+        return hidden, self.final_layernorm(hidden)
+
 
 class MultiTokenPrediction(nn.Module):
     def __init__(self, cfg: TransformerConfig, blocks: LayerBlocks) -> None:
@@ -247,9 +256,8 @@ class GPTModel(nn.Module):
         for k, mtp in enumerate(self.mtp.layers, start=1):
             ids, lab, mask = _shift_left(ids, 0), _shift_left(lab, -100), _shift_left(mask, 0.0)
             emb = self.embedding.word_embeddings(ids)
-            hidden = mtp.eh_proj(torch.cat([mtp.enorm(emb), mtp.hnorm(hidden)], dim=-1))
-            hidden = mtp.transformer_layer(hidden, cos, sin, allowed)
-            lsum, n, _ = self._token_loss(mtp.final_layernorm(hidden), lab, mask)
+            hidden, normed = mtp(hidden, emb, cos, sin, allowed)
+            lsum, n, _ = self._token_loss(normed, lab, mask)
             loss_k = lsum / n.clamp(min=1)
             aux_losses[f"mtp_{k}_loss"] = loss_k
             total = total + loss_k

@@ -37,6 +37,27 @@ class RowwiseToSequence:
 
 
 @dataclass(frozen=True)
+class ReplicateInput:
+    """DTensor path: the block's first input arrives as a sequence shard and becomes a replicated DTensor
+    (one all-gather, whose backward reduce-scatters) for the ``ColwiseShard`` projections that read it."""
+
+
+@dataclass(frozen=True)
+class ColwiseShard:
+    """DTensor path: torch's ``ColwiseParallel`` on a Linear whose output rows are ``units`` equal whole
+    units (``what``); reads a replicated DTensor input, returns this rank's output columns."""
+
+    units: int
+    what: str
+
+
+@dataclass(frozen=True)
+class RowwiseShard:
+    """DTensor path: torch's ``RowwiseParallel`` on a Linear whose input is this rank's slice of the
+    features; the output is reduce-scattered to this rank's sequence shard."""
+
+
+@dataclass(frozen=True)
 class LocalHeads:
     """A ``CoreAttention`` computing this rank's heads (tracks max logits at their global head index)."""
 
@@ -46,17 +67,26 @@ class SequenceAuxLoss:
     """A router whose balancing loss must see the whole sequence, not this rank's shard."""
 
 
-Style = GatherSequence | Colwise | RowwiseToSequence | LocalHeads | SequenceAuxLoss
+Style = (
+    GatherSequence
+    | Colwise
+    | RowwiseToSequence
+    | ReplicateInput
+    | ColwiseShard
+    | RowwiseShard
+    | LocalHeads
+    | SequenceAuxLoss
+)
 TPPlan = dict[str, tuple[Style, ...]]
 
 
 def gqa_attention_plan(cfg: TransformerConfig, prefix: str = "self_attention") -> TPPlan:
-    groups = Colwise(cfg.num_key_value_heads, "key-value groups (num_key_value_heads)")
+    groups = ColwiseShard(cfg.num_key_value_heads, "key-value groups (num_key_value_heads)")
     return {
-        prefix: (GatherSequence(),),
+        prefix: (ReplicateInput(),),
         f"{prefix}.linear_qkv": (groups,),
         f"{prefix}.core_attention": (LocalHeads(),),
-        f"{prefix}.linear_proj": (RowwiseToSequence(),),
+        f"{prefix}.linear_proj": (RowwiseShard(),),
     }
 
 
@@ -74,9 +104,9 @@ def mla_attention_plan(cfg: TransformerConfig, prefix: str = "self_attention") -
 
 def swiglu_plan(ffn_hidden_size: int, prefix: str = "mlp") -> TPPlan:
     return {
-        prefix: (GatherSequence(),),
-        f"{prefix}.linear_fc1": (Colwise(ffn_hidden_size, f"gate/up pairs ({prefix} FFN width)"),),
-        f"{prefix}.linear_fc2": (RowwiseToSequence(),),
+        prefix: (ReplicateInput(),),
+        f"{prefix}.linear_fc1": (ColwiseShard(ffn_hidden_size, f"gate/up pairs ({prefix} FFN width)"),),
+        f"{prefix}.linear_fc2": (RowwiseShard(),),
     }
 
 
