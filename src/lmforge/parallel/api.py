@@ -201,7 +201,8 @@ def _check_sequence_length(model: nn.Module, dims: ParallelDims) -> None:
 
 
 def _install_tp_output(model: nn.Module, tp_mesh: Any) -> None:
-    """The model computes ``F.linear(final_layernorm(h), _output_weight())``: gather both over tp."""
+    """The logits need the whole sequence: gather the final norms' outputs over tp. (The output weight is a
+    DTensor split by vocabulary rows; the model's loss reads its local rows, or gathers it, itself.)"""
     group = tp_mesh.get_group()
     norms = [model.decoder.final_layernorm]
     mtp = getattr(model, "mtp", None)
@@ -210,27 +211,6 @@ def _install_tp_output(model: nn.Module, tp_mesh: Any) -> None:
     for norm in norms:
         if norm is not None:
             norm.register_forward_hook(lambda mod, args, out: comm.gather_replicated(out, 1, group))
-    if not hasattr(model, "_output_weight"):
-        return
-
-    def output_weight(self) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        w = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
-        local = w.to_local() if isinstance(w, DTensor) else w
-        return comm.gather_replicated(local, 0, group)
-
-    model._output_weight = types.MethodType(output_weight, model)
-
-    def vocab_parallel_output(self) -> tuple[torch.Tensor, int, Any]:
-        """This rank's output-weight rows, their first vocabulary id and the tp group (chunked loss)."""
-        from torch.distributed.tensor import DTensor
-
-        w = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
-        local = w.to_local() if isinstance(w, DTensor) else w
-        return local, tp_mesh.get_local_rank() * local.shape[0], group
-
-    model.vocab_parallel_output = types.MethodType(vocab_parallel_output, model)
 
 
 def parallelize(

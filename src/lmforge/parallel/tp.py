@@ -272,8 +272,9 @@ def _vocab_parallel_embedding(emb: nn.Embedding, mesh: Any) -> None:
 
 
 def _vocab_split_output(linear: nn.Linear, mesh: Any) -> None:
-    """Store the output layer split by vocabulary rows. lmforge's models compute their logits as
-    ``F.linear(final_layernorm(h), _output_weight())``; ``parallel.api`` gathers both for that."""
+    """Store the output layer split by vocabulary rows (a ``Shard(0)`` DTensor): the model's loss reads this
+    rank's rows (chunked, vocabulary-parallel) or gathers them (``GPTModel._output_weight``); ``parallel.api``
+    gathers the final norm's output over the sequence."""
     from torch.distributed.tensor import Shard
 
     t = mesh.size()

@@ -21,12 +21,13 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.models.common import init
 from lmforge.models.common.attention import CoreAttention
 from lmforge.models.common.blocks import LayerBlocks
 from lmforge.models.common.init import draw_seed
-from lmforge.models.common.loss import chunked_linear_cross_entropy, token_cross_entropy
+from lmforge.models.common.loss import chunked_linear_cross_entropy, token_cross_entropy, vocab_shard
 from lmforge.models.common.masks import attention_layout
 from lmforge.models.common.moe import ExpertWeight, MoELayer, TopKRouter
 from lmforge.models.common.norms import RMSNorm
@@ -177,10 +178,18 @@ class GPTModel(nn.Module):
                 module.bias_update_counts.zero_()
 
     # ---- forward ------------------------------------------------------------------------------
+    def _stored_output_weight(self) -> torch.Tensor | None:
+        """The output weight as stored (the embedding's when tied): a plain tensor, or a DTensor, e.g. split
+        by vocabulary rows under tensor parallel; None on a pipeline stage that holds neither."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        emb = getattr(self.embedding, "word_embeddings", None) if self.embedding is not None else None
+        return emb.weight if emb is not None else None
+
     def _output_weight(self) -> torch.Tensor:
-        return (
-            self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
-        )
+        """The whole output weight (a DTensor is gathered; its gradient goes back to this rank's rows)."""
+        w = self._stored_output_weight()
+        return w.full_tensor() if isinstance(w, DTensor) else w
 
     def forward(
         self,
@@ -231,10 +240,13 @@ class GPTModel(nn.Module):
         """(CE sum, valid tokens, logits or None): chunked when ``loss_chunk_size`` > 0, else plain."""
         chunk = self.config.loss_chunk_size
         if chunk > 0:
-            # Tensor parallel sets ``vocab_parallel_output`` (→ local weight rows, their offset, the group):
-            # the chunks then run on this rank's vocabulary shard and the logits are never gathered.
-            shard = getattr(self, "vocab_parallel_output", None)
-            weight, offset, group = shard() if shard is not None else (self._output_weight(), 0, None)
+            # An output weight split by vocabulary rows (a DTensor under tensor parallel): the chunks run on
+            # this rank's rows and the logits are never gathered.
+            stored = self._stored_output_weight()
+            if isinstance(stored, DTensor):
+                weight, offset, group = vocab_shard(stored)
+            else:
+                weight, offset, group = self._output_weight(), 0, None
             lsum, n = chunked_linear_cross_entropy(normed, weight, labels, loss_mask, chunk, group, offset)
             return lsum, n, None
         logits = F.linear(normed, self._output_weight())
