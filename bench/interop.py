@@ -29,7 +29,7 @@ import torch
 
 from benchdoc import write_section
 from lmforge.models import build_model, save_hf_pretrained
-from lmforge.train.harness import LmforgeLM
+from lmforge.train.callbacks.lm_eval_harness import LmforgeLM
 
 SECTION = "## Interop: HF export, harness scoring"
 WORDS = [

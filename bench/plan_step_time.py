@@ -58,7 +58,10 @@ def _raw(parallelism: dict[str, Any]) -> dict[str, Any]:
         "training": {"steps": 100, "local_batch_size": LBS, "global_batch_size": GBS, "max_norm": 1.0},
         "optimizer": {"type": "AdamW", "weight_decay": 0.01},
         "lr_scheduler": {"type": "ConstantWarmUpLR", "learning_rate": 1.0e-4, "warmup_steps": 0},
-        "train_dataset": {"dataloader": {"type": "InMemory"}},
+        # batches are made by hand; a text loader is checked at load without reading its files
+        "train_dataset": {
+            "dataloader": {"type": "TextDataLoader", "data_path": ["unused.jsonl"], "tokenizer": "unused"}
+        },
         "model": dict(MODEL),
         "parallelism": parallelism,
     }

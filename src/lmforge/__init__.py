@@ -26,3 +26,12 @@ def _register_optimizer_schemas() -> None:
 
 
 register_schema_provider("optimizer", _register_optimizer_schemas)
+
+
+def _register_dataloader_schemas() -> None:
+    from lmforge.data.schema import register
+
+    register()
+
+
+register_schema_provider("train_dataset.dataloader", _register_dataloader_schemas)

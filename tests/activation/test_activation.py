@@ -12,10 +12,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from lmforge.errors import ConfigError
 from lmforge.parallel.activation import (
+    Recomputed,
+    Swapped,
     _comm_recompute_policy,
     apply_activation_memory,
     count_saved_activation_bytes,
     find_decoder_layers,
+    is_recomputed,
     plan_activation_memory,
 )
 
@@ -266,7 +269,7 @@ def test_recompute_comm_without_collectives_warns_and_changes_nothing():
             other, None, {"enable": True, "select_module": {"self_attention": ["0-3"]}}, None, NUM_LAYERS
         )
     assert "no effect" in summary
-    assert not any(getattr(m, "_lmforge_recompute", False) for m in other.modules())
+    assert not any(is_recomputed(m) for m in other.modules())
     with pytest.raises(ConfigError, match="recompute_comm.select_module is required"):
         apply_activation_memory(other, None, {"enable": True}, None, NUM_LAYERS)
     # The spec's example 'attention.qkv' names self_attention.linear_qkv (name patterns: parts with the
@@ -297,7 +300,7 @@ def test_disabled_sections_change_nothing():
             other, {"mode": "None"}, {"enable": False}, {"enable": False}, NUM_LAYERS
         )
     assert summary.startswith("activation memory: no recompute")
-    assert not any(getattr(m, "_lmforge_recompute", False) for m in other.modules())
+    assert not any(is_recomputed(m) for m in other.modules())
 
 
 class _TPLikeAttention(torch.nn.Module):
@@ -518,3 +521,31 @@ def test_swap_survives_a_retained_graph():
     assert plan.swapper.swapped_bytes > 0
     for (name, a), b in zip(base.named_parameters(), other.parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_wrappers_show_in_the_module_tree_and_keep_every_name():
+    """Recompute / swap are visible wrappers (print, isinstance) that leave names and state_dict keys as they were."""
+    base, other = _pair()
+    apply_activation_memory(
+        other,
+        {"mode": "select", "full_recompute_layer": ["0"], "select_module": {"mlp": ["1"]}},
+        None,
+        {"enable": True, "layer_swap": [{"layers": ["2"]}]},
+        NUM_LAYERS,
+    )
+    layers = other.decoder.layers
+    assert is_recomputed(layers[0]) and is_recomputed(layers[1].mlp) and not is_recomputed(layers[1])
+    assert isinstance(layers[2], Swapped) and isinstance(layers[2], type(base.decoder.layers[2]))
+    text = repr(other)
+    assert (
+        "(0): RecomputedLayer(" in text and "(mlp): RecomputedMLP(" in text and "(2): SwappedLayer(" in text
+    )
+    # Nothing is bound to an instance: every forward comes from a class.
+    assert not any("forward" in vars(m) for m in other.modules())
+    for what in ("named_parameters", "named_buffers", "named_modules"):
+        assert [n for n, _ in getattr(other, what)()] == [n for n, _ in getattr(base, what)()], what
+    assert list(other.state_dict()) == list(base.state_dict())
+    other.load_state_dict(base.state_dict(), strict=True)
+    # Wrapping twice changes nothing; each (wrapper, class) pair is one class.
+    apply_activation_memory(other, {"mode": "full", "full_recompute_layer": ["0-1"]}, None, None, NUM_LAYERS)
+    assert type(layers[0]) is type(layers[1]) and type(layers[0]).__mro__.count(Recomputed) == 1

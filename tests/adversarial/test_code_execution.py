@@ -11,7 +11,12 @@ import torch
 
 from lmforge.errors import CheckpointError
 from lmforge.train import checkpoint as ckpt_mod
-from lmforge.train.safe_load import UnsafeFileError, decode_skeleton, encode_skeleton, read_dcp_metadata
+from lmforge.train.checkpoint.safe_load import (
+    UnsafeFileError,
+    decode_skeleton,
+    encode_skeleton,
+    read_dcp_metadata,
+)
 
 from .conftest import payload_pickle, snapshot
 
@@ -105,7 +110,7 @@ def test_checkpoints_of_older_lmforge_with_pickled_skeletons_still_resume(run_co
     """The previous format pickled the skeleton; it loads through the restricted unpickler, exactly."""
     from lmforge.config import load_config
     from lmforge.train.builder import build_trainer
-    from lmforge.train.safe_load import TensorRef
+    from lmforge.train.checkpoint.safe_load import TensorRef
 
     def legacy_encode(skeleton):  # what lmforge wrote before: its marker class, pickled
         names = TensorRef.__module__, TensorRef.__qualname__

@@ -14,8 +14,8 @@ from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.data import IndexedDatasetWriter
 from lmforge.models import build_model
+from lmforge.train.callbacks.validation import build_eval_loader
 from lmforge.train.checkpoint import Checkpointable, CheckpointManager
-from lmforge.train.evaluate import build_eval_loader
 from lmforge.train.state import TrainState
 
 MODEL = {

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lmforge.train.evaluate import evaluate
+from lmforge.train.callbacks.validation import evaluate
 
 from .helpers import TinyLM, micro_batches
 

@@ -15,7 +15,7 @@ from lmforge.train.callbacks.max_logits import MaxLogitsMonitor
 from lmforge.train.callbacks.monitor import MemoryCallback, MoeMonitorCallback, TrainStateMonitorCallback
 from lmforge.train.callbacks.profiler import ProfilerCallback
 from lmforge.train.callbacks.tensorboard import TensorBoardCallback
-from lmforge.train.evaluate import eval_settings, evaluate
+from lmforge.train.callbacks.validation import eval_settings, evaluate
 
 from .helpers import FakeState, TinyLM, drive, micro_batches
 

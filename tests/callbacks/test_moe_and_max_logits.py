@@ -77,7 +77,7 @@ def test_moe_monitor_dense_target_layers_are_skipped(tmp_path):
     captured: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = captured.append
-    logger = logging.getLogger("lmforge.train.monitor")
+    logger = logging.getLogger("lmforge.train.callbacks.monitor_hooks")
     logger.addHandler(handler)
     try:
         cb = MoeMonitorCallback({"save_tokens_per_expert_interval": 1, "target_layers": [1, 7]}, tmp_path)

@@ -12,9 +12,9 @@ import torch
 
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks.monitor import MemoryCallback
+from lmforge.train.callbacks.monitor_hooks import PeakMemory
 from lmforge.train.callbacks.profiler import ProfilerCallback
 from lmforge.train.callbacks.tensorboard import TensorBoardCallback
-from lmforge.train.monitor import PeakMemory
 
 from .helpers import TinyLM, drive
 

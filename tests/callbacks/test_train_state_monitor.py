@@ -9,7 +9,7 @@ import torch
 
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks.monitor import TrainStateMonitorCallback
-from lmforge.train.monitor import norm_filters
+from lmforge.train.callbacks.monitor_hooks import norm_filters
 
 from .helpers import TinyLM, drive, micro_batches
 

@@ -150,7 +150,12 @@ def test_renamed_keys_of_older_versions_point_to_the_new_name(base_config: dict[
 def test_unknown_keys_pass_through_open_sections(base_config: dict[str, Any]) -> None:
     base_config["optimizer"] = {"type": "Muon", "momentum": 0.95, "ns_coefficients": [[[3.4, -4.7, 2.0], 8]]}
     base_config["lr_scheduler"].update(type="CosineWithWarmUpLR", lr_end=0.0)  # typed: a key of this type
-    base_config["train_dataset"]["dataloader"]["config"] = {"seq_length": 32, "data_path": ["1", "a"]}
+    # typed per loader type: GPTDataset keys, all kept
+    base_config["train_dataset"]["dataloader"]["config"] = {
+        "seq_length": 32,
+        "data_path": ["1", "a"],
+        "split": "1",
+    }
     base_config["model"]["rope_theta"] = 1.0e6  # typed per family: a key of qwen3
     base_config["callbacks"] = [{"type": "MyCallback", "log_interval": 10}]
     base_config["eval_dataset"] = {"anything": [1, 2]}
@@ -159,7 +164,12 @@ def test_unknown_keys_pass_through_open_sections(base_config: dict[str, Any]) ->
     assert cfg.optimizer.to_dict()["ns_coefficients"] == [[[3.4, -4.7, 2.0], 8]]
     assert cfg.lr_scheduler.lr_end == 0.0
     assert cfg.train_dataset.dataloader.config.seq_length == 32
-    assert cfg.train_dataset.dataloader.to_dict()["config"] == {"seq_length": 32, "data_path": ["1", "a"]}
+    assert cfg.train_dataset.dataloader.to_dict()["config"] == {
+        "seq_length": 32,
+        "data_path": ["1", "a"],
+        "split": "1",
+    }
+    assert cfg.train_dataset.dataloader.typed.config.data_path.prefixes == ["a"]
     assert cfg.model.rope_theta == 1.0e6 and cfg.model.typed.config.rope_theta == 1.0e6
     assert cfg.model.hidden_size == 64
     assert cfg.callbacks[0].log_interval == 10

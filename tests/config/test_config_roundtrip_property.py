@@ -62,13 +62,19 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
             "learning_rate": draw(st.floats(0, 1)),
         },
         "train_dataset": {
-            "dataloader": {"type": "BlendedMegatronDatasetDataLoader", **draw(_extras)},
+            # Typed per loader type at load: its keys other than these are warned about, not refused.
+            "dataloader": {
+                "type": "BlendedMegatronDatasetDataLoader",
+                "config": {"seq_length": 64, "data_path": ["data/a_text_document"], "split": "1"},
+                **draw(_extras),
+            },
             "num_parallel_workers": draw(st.integers(0, 16)),
         },
         "model": {
             "model_type": "qwen3",
             "architectures": "Qwen3ForCausalLM",
             "num_hidden_layers": layers,
+            "seq_length": 64,
         },
         "recompute": draw(
             st.sampled_from(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import yaml
 
 from lmforge.cli import main
 from lmforge.config import load_config
+from lmforge.errors import ConfigError
 
 SPEC_YAMLS = Path(__file__).resolve().parents[1] / "fixtures" / "spec_yamls"
 SKELETON = SPEC_YAMLS / "004_skeleton.yaml"
@@ -45,10 +47,16 @@ def test_skeleton_loads_unchanged() -> None:
 NOT_RUNNABLE = {
     # The spec's placeholder name: no such callback exists.
     "004_callbacks": "callbacks[0].type: unknown callback 'MyCustomCallback'",
-    # The fragment replaces the skeleton's data section with one that says where no data is.
-    "004_train_dataset": "train_dataset.dataloader.config is required",
     # The skeleton's model has MTP layers; pipeline parallel with MTP is not implemented.
     "004_parallelism": "pipeline_parallel > 1 with multi-token prediction",
+}
+
+
+# Fragments whose data section lmforge cannot read: the dataloader is typed at load, so load_config
+# (and with it `check` and `train`) refuses them.
+REFUSED_AT_LOAD = {
+    # The fragment replaces the skeleton's data section with one that says where no data is.
+    "004_train_dataset": "train_dataset.dataloader.config is required",
 }
 
 
@@ -58,6 +66,14 @@ def test_fragment_over_the_skeleton_validates(fragment: Path, tmp_path: Path, ca
     overlay = yaml.safe_load(fragment.read_text(encoding="utf-8"))
     assert isinstance(overlay, dict) and overlay
     merged = {**base, **overlay}
+    if fragment.stem in REFUSED_AT_LOAD:
+        with pytest.raises(ConfigError, match=re.escape(REFUSED_AT_LOAD[fragment.stem])):
+            load_config(merged)
+        path = tmp_path / "merged.yaml"
+        path.write_text(yaml.safe_dump(merged), encoding="utf-8")
+        assert main(["check", "--config", str(path)]) == 2
+        assert REFUSED_AT_LOAD[fragment.stem] in capsys.readouterr().err
+        return
     cfg = load_config(merged)
     for section, value in overlay.items():
         resolved = _leaves(

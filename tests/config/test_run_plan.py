@@ -231,6 +231,19 @@ def test_found_by_exhaustive_corruption_of_the_shipped_configs(base_config: dict
             build_model_config({**qwen, key: value})
 
 
-def test_cpu_offload_on_one_process_is_announced_by_the_plan(base_config: dict[str, Any]) -> None:
-    warnings = " | ".join(_plan(base_config, parallelism={"cpu_offload": True}).warnings)
-    assert "parallelism.cpu_offload: true with one process" in warnings
+def test_cpu_offload_on_one_process_is_decided_by_preflight_for_the_device(
+    base_config: dict[str, Any], monkeypatch: Any
+) -> None:
+    import torch
+
+    base_config["parallelism"] = {"cpu_offload": True}
+    cfg = load_config(base_config)
+    # On a CPU: a no-op, said so in the plan's warnings (check prints them, train logs them).
+    assert any("cpu_offload: true has no effect" in w for w in preflight(cfg, 1, "cpu").warnings)
+    # On an accelerator, given or found (CUDA available, faked here): refused before anything is built.
+    with pytest.raises(ConfigError, match=r"parallelism\.cpu_offload: true is FSDP2's CPU offload"):
+        preflight(cfg, 1, "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="optimizer.offload_states: true"):
+        preflight(cfg, 1)
+    assert not any("cpu_offload" in w for w in preflight(cfg, 2, "cuda").warnings)  # FSDP2 applies it

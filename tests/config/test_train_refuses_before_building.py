@@ -63,3 +63,46 @@ def test_missing_training_data_is_refused_before_any_construction(
     # check validates the file and only warns: the data is the machine's state, not the file's.
     assert main(["check", "--config", str(path)]) == 0
     assert "training will refuse to start until it does" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("loader", "keys"),
+    [
+        ({"config": {"seq_lenght": 32}}, ["train_dataset.dataloader.config.seq_lenght"]),
+        (
+            {
+                "type": "TextDataLoader",
+                "data_path": ["a.jsonl"],
+                "tokenizer": "t",
+                "packk": "whole",
+                "txt_key": "x",
+            },
+            ["train_dataset.dataloader.packk", "train_dataset.dataloader.txt_key"],
+        ),
+    ],
+)
+def test_misspelled_dataloader_key_is_refused_by_check_and_train_before_any_construction(
+    tmp_path: Path,
+    base_config: dict[str, Any],
+    capsys: Any,
+    caplog: Any,
+    loader: dict[str, Any],
+    keys: list[str],
+) -> None:
+    if "config" in loader:
+        base_config["train_dataset"]["dataloader"]["config"].update(loader["config"])
+    else:
+        base_config["train_dataset"]["dataloader"] = loader
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(base_config), encoding="utf-8")
+    out = tmp_path / "out"
+    assert main(["check", "--config", str(path)]) == 2
+    checked = capsys.readouterr().err
+    caplog.clear()
+    assert main(["train", "--config", str(path), "--output-dir", str(out), "--device", "cpu"]) == 2
+    trained = capsys.readouterr().err
+    assert all(key in checked and key in trained for key in keys), (checked, trained)
+    # The same refusal, and nothing built: no construction log line, no run directory.
+    assert checked.split(": error: ", 1)[-1] == trained.split(": error: ", 1)[-1]
+    assert not out.exists()
+    assert not any("parameters" in r.getMessage() or "Model " in r.getMessage() for r in caplog.records)

@@ -73,3 +73,107 @@ def test_import_lmforge_config_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------------------------------
+# train_dataset.dataloader, typed per loader type
+
+
+def test_dataloader_is_typed_at_load_per_loader_type(base_config: dict[str, Any]) -> None:
+    from lmforge.data.schema import MegatronLoader, TextLoader
+
+    typed = load_config(base_config).train_dataset.dataloader.typed
+    assert isinstance(typed, MegatronLoader) and typed.config.seq_length == 32 and typed.config.eod == 0
+    assert typed.config.split_weights == [0.98, 0.02, 0.0] and typed.columns == ["input_ids", "labels"]
+    base_config["train_dataset"]["dataloader"] = {
+        "type": "TextDataLoader",
+        "data_path": ["a.jsonl"],
+        "tokenizer": "t",
+    }
+    typed = load_config(base_config).train_dataset.dataloader.typed
+    # The schema's default column_names are the Megatron loader's; a text loader keeps its own.
+    assert isinstance(typed, TextLoader)
+    assert "column_names" not in typed.loader and typed.loader["data_path"] == ["a.jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("loader", "named", "owner"),
+    [
+        (
+            {"config": {"seq_length": 32, "data_path": ["d"], "split": "1", "sequence_len": 3, "spilt": "1"}},
+            ["train_dataset.dataloader.config.sequence_len", "train_dataset.dataloader.config.spilt"],
+            "are not GPTDataset settings",
+        ),
+        (
+            {
+                "type": "TextDataLoader",
+                "data_path": ["a.jsonl"],
+                "tokenizer": "t",
+                "packk": "whole",
+                "txt_key": "x",
+            },
+            ["train_dataset.dataloader.packk", "train_dataset.dataloader.txt_key"],
+            "are not TextDataLoader settings",
+        ),
+        (
+            {"type": "HFDataLoader", "path": "json", "data_files": "a.jsonl", "num_samples": 4, "batch": 2},
+            ["train_dataset.dataloader.num_samples", "train_dataset.dataloader.batch"],
+            "of HFDataLoader have no equivalent",
+        ),
+    ],
+)
+def test_every_unknown_dataloader_key_is_named_at_once(
+    base_config: dict[str, Any], loader: dict[str, Any], named: list[str], owner: str
+) -> None:
+    base_config["train_dataset"]["dataloader"].update(loader)
+    with pytest.raises(ConfigError) as info:
+        load_config(base_config)
+    text = str(info.value)
+    assert owner in text and all(key in text for key in named), text
+
+
+def test_dataloader_errors_are_reported_with_the_other_sections(base_config: dict[str, Any]) -> None:
+    base_config["lr_scheduler"]["warmup_stpes"] = 3
+    base_config["train_dataset"]["dataloader"]["type"] = "MindDataset"
+    with pytest.raises(ConfigError) as info:
+        load_config(base_config)
+    text = str(info.value)
+    assert "2 problems" in text and "lr_scheduler.warmup_stpes" in text
+    assert "train_dataset.dataloader.type is 'MindDataset'" in text and "Unsupported dataloader type" in text
+
+
+def test_dataloader_against_the_model_at_load(base_config: dict[str, Any]) -> None:
+    base_config["model"]["seq_length"] = 64
+    with pytest.raises(ConfigError, match=r"config\.seq_length \(32\) must equal model\.seq_length \(64\)"):
+        load_config(base_config)
+    base_config["model"].update(seq_length=32, vocab_size=100)
+    base_config["train_dataset"]["dataloader"]["config"]["eod"] = 100
+    with pytest.raises(ConfigError, match=r"config\.eod = 100 is not a token id .*model\.vocab_size = 100"):
+        load_config(base_config)
+    text = {"type": "TextDataLoader", "data_path": ["a.jsonl"], "tokenizer": "t", "seq_length": 16}
+    base_config["train_dataset"]["dataloader"] = text
+    with pytest.raises(
+        ConfigError, match=r"dataloader\.seq_length \(16\) must equal model\.seq_length \(32\)"
+    ):
+        load_config(base_config)
+
+
+def test_data_builder_takes_the_typed_section(base_config: dict[str, Any], monkeypatch: Any) -> None:
+    # build_dataset builds from cfg.train_dataset as load_config typed it: no second parse.
+    import lmforge.data.schema as schema
+    from lmforge.data import build_dataset
+    from lmforge.errors import DataError
+
+    cfg = load_config(base_config)
+
+    class ParsedAgain(RuntimeError):
+        pass
+
+    def parse_again(node: Any) -> Any:
+        raise ParsedAgain("the builder parsed the dataloader section again")
+
+    monkeypatch.setattr(schema, "type_dataloader", parse_again)
+    with pytest.raises(DataError, match="data/none/train"):
+        build_dataset(cfg.train_dataset)  # reaches the files: the typed section was used as is
+    with pytest.raises(ParsedAgain):
+        build_dataset(cfg.train_dataset.to_dict())  # a plain mapping is typed by the same schema

@@ -14,7 +14,7 @@ import pytest
 
 from lmforge.cli import main
 from lmforge.errors import LmforgeError
-from lmforge.train.doctor import diagnose, read_run_dir
+from lmforge.train.callbacks.doctor import diagnose, read_run_dir
 
 CONFIG = """\
 training: {steps: 40, max_norm: 1.0, local_batch_size: 4, global_batch_size: 8}
@@ -86,7 +86,7 @@ def test_out_of_memory_in_the_log(tmp_path):
 def test_out_of_memory_names_the_remedy_that_fits(tmp_path):
     """A complete config and the device size: the estimate of each remedy (check's code) picks one."""
     config = CONFIG.rsplit("model:", 1)[0] + (
-        "train_dataset: {dataloader: {type: InMemory}}\n"
+        "train_dataset: {dataloader: {type: TextDataLoader, data_path: [unused.jsonl], tokenizer: unused}}\n"
         "model: {model_type: qwen3, architectures: Qwen3ForCausalLM, num_hidden_layers: 2, hidden_size: 256,\n"
         "  num_attention_heads: 4, num_key_value_heads: 2, head_dim: 64, intermediate_size: 768, vocab_size: 2048,\n"
         "  seq_length: 256, compute_dtype: float32}\n"

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.errors import ConfigError
-from lmforge.train.auto_resume import auto_resume_path
 from lmforge.train.checkpoint import write_tracker
+from lmforge.train.checkpoint.resume import auto_resume_path
 from lmforge.train.watchdog import HangWatchdog
 from lmforge.utils.elastic import NAMESPACE, agree_generation
 

@@ -47,7 +47,7 @@ def test_adapter_agrees_with_the_harness_hf_model(setup, tokenizer_dir, sample_t
     from lm_eval.models.huggingface import HFLM
     from tokenizers import Tokenizer
 
-    from lmforge.train.harness import LmforgeLM
+    from lmforge.train.callbacks.lm_eval_harness import LmforgeLM
 
     model, hf, _ = setup
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
@@ -92,7 +92,7 @@ def test_accuracy_is_the_argmax_of_the_choice_loglikelihoods(setup, tokenizer_di
     """acc recomputed by hand from lmforge's own forward pass (the harness's scoring rule)."""
     from tokenizers import Tokenizer
 
-    from lmforge.train.harness import evaluate_tasks
+    from lmforge.train.callbacks.lm_eval_harness import evaluate_tasks
 
     model, _, task = setup
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
@@ -167,6 +167,7 @@ def test_cli_results_go_to_the_run_trackers(
     monkeypatch.setenv("WANDB_SILENT", "true")
     _, hf, task = setup
     cfg = dict(base_config, model=tiny_section("llama", seq_length=64), output_dir=str(tmp_path / "run"))
+    cfg["train_dataset"]["dataloader"]["config"]["seq_length"] = 64  # the data's length is the model's
     cfg["monitor"] = {"wandb": {"enable": True, "offline": True, "project": "tests"}}
     (tmp_path / "train.yaml").write_text(yaml.safe_dump(cfg))
     args = ["eval", "--checkpoint", str(hf), "--config", str(tmp_path / "train.yaml"), "--tasks", str(task)]
@@ -187,7 +188,7 @@ def test_shipped_example_task_runs(setup, tokenizer_dir):
 
     from tokenizers import Tokenizer
 
-    from lmforge.train.harness import _check_jsonl_task, evaluate_tasks
+    from lmforge.train.callbacks.lm_eval_harness import _check_jsonl_task, evaluate_tasks
 
     task = Path(__file__).resolve().parents[2] / "configs" / "tasks" / "kjv_cloze.jsonl"
     assert _check_jsonl_task(task) == 16
@@ -203,7 +204,7 @@ def test_evaluation_leaves_the_random_state_alone(setup, tokenizer_dir):
     import numpy as np
     from tokenizers import Tokenizer
 
-    from lmforge.train.harness import evaluate_tasks
+    from lmforge.train.callbacks.lm_eval_harness import evaluate_tasks
 
     model, _, task = setup
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
@@ -220,7 +221,7 @@ def test_unknown_task_name_is_named(setup, tokenizer_dir):
     """Slow (~30 s): a task name makes the harness index its thousands of built-in task files."""
     from tokenizers import Tokenizer
 
-    from lmforge.train.harness import evaluate_tasks
+    from lmforge.train.callbacks.lm_eval_harness import evaluate_tasks
 
     model, _, task = setup
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))

@@ -159,6 +159,8 @@ def test_export_of_a_training_checkpoint_finds_the_run_data_tokenizer(
     shutil.copyfile(tokenizer_dir / "tokenizer.json", tmp_path / "data" / "tokenizer.json")
     cfg = dict(base_config, model=tiny_section("qwen3"))
     cfg["train_dataset"]["dataloader"]["config"]["data_path"] = [str(tmp_path / "data" / "train")]
+    # the data's sequence length is the model's (load_config checks the data section against the model)
+    cfg["train_dataset"]["dataloader"]["config"]["seq_length"] = cfg["model"].get("seq_length", 4096)
     model = build_model(cfg["model"])
     manager = CheckpointManager(tmp_path / "ckpt", no_save_optim=True, save_max=0, config_dict=cfg)
     assert manager.save(Checkpointable(model=model), step=3)

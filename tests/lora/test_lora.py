@@ -367,7 +367,7 @@ def test_lora_checkpoint_rebuilds_its_lmforge_base_checkpoint_and_refuses_a_chan
         load_model_weights,
         resolve_checkpoint,
     )
-    from lmforge.train.lora_checkpoint import base_record
+    from lmforge.train.checkpoint.lora import base_record
 
     def save(model, path, step, lora_base=None):
         manager = CheckpointManager(path, no_save_optim=True, save_max=0)

@@ -14,7 +14,7 @@ from torch import nn
 
 from lmforge.models import build_model
 from lmforge.optim import build_optimizer
-from lmforge.train.layout_upgrade import fused_rows
+from lmforge.train.checkpoint.layout_upgrade import fused_rows
 from lmforge.utils.muon_split import MuonSplit
 
 SECTIONS = {

@@ -242,10 +242,30 @@ def build_parallel(rank: int, world: int, spec: dict[str, Any]):
     mesh = dims.build_mesh("cpu")
     accum = accumulation_steps(spec["gbs"], spec["lbs"], dims.dp)
     model = build_model(spec["model"], device="meta")
-    model, info = parallelize(model, dims, mesh, par, num_microbatches=accum)
+    model, info = parallelize(
+        model, dims, mesh, par, num_microbatches=accum, apply_activation=_activation(spec, dims, model)
+    )
     model.to_empty(device="cpu")
     model.init_weights(INIT_SEED)
     return model, info, accum
+
+
+def _activation(spec: dict[str, Any], dims: Any, model: Any):
+    """Recompute / swap as the trainer applies them (``spec['activation']``: the three YAML sections)."""
+    sections = spec.get("activation")
+    if not sections:
+        return None
+    from lmforge.parallel.activation import apply_activation_memory
+
+    return lambda m: apply_activation_memory(
+        m,
+        sections.get("recompute"),
+        sections.get("recompute_comm"),
+        sections.get("swap"),
+        model.config.num_layers,
+        pipeline_parallel=dims.pp,
+        has_comm_ops=dims.tp * dims.cp * dims.ep > 1,
+    )
 
 
 def train_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -386,3 +406,25 @@ def run_workers(world: int, spec: dict[str, Any], timeout: float = 90.0) -> list
         if errors:
             raise AssertionError("\n".join(errors))
         return results
+
+
+def expert_bias_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """One MoE layer routes this rank's own tokens, then updates its expert bias as parallelize wires it."""
+    import torch.distributed as dist
+
+    from lmforge.models.common.moe import MoELayer, RouterSettings
+    from lmforge.parallel.api import _sum_expert_counts
+
+    torch.manual_seed(0)
+    layer = MoELayer(
+        16, 8, RouterSettings(num_experts=4, top_k=2, enable_expert_bias=True, bias_update_rate=0.1)
+    )
+    for p in layer.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(world, 6, 16, generator=torch.Generator().manual_seed(1)) + 0.5
+    with torch.no_grad():
+        layer(x[rank : rank + 1])
+    local = layer.bias_update_counts.tolist()
+    _sum_expert_counts(torch.nn.ModuleList([layer]), dist.group.WORLD)
+    layer.update_expert_bias()
+    return {"local_counts": local, "bias": layer.router.expert_bias.tolist()}

@@ -65,6 +65,7 @@ def _run_cases(cases: list[dict], world: int, tmp_path) -> None:
             "model": MODELS[c["model_name"]](),
             "parallelism": c["parallelism"],
             "optimizer": c.get("optimizer"),
+            "activation": c.get("activation"),
             "state": str(tmp_path / f"{c['model_name']}_state.pt"),
             "data": str(tmp_path / f"{c['model_name']}_data.pt"),
         }
@@ -93,13 +94,14 @@ def _run_cases(cases: list[dict], world: int, tmp_path) -> None:
     assert not failures, "\n".join(failures)
 
 
-def _case(name, model_name, optimizer=None, tol=None, **parallelism):
+def _case(name, model_name, optimizer=None, tol=None, activation=None, **parallelism):
     return {
         "name": name,
         "model_name": model_name,
         "parallelism": parallelism,
         "optimizer": optimizer,
         "tol": tol,
+        "activation": activation,
     }
 
 
@@ -115,6 +117,12 @@ MUON = {"type": "Muon", "qk_clip_threshold": 0.5, "ns_dtype": "float32"}
 # so its tolerance is a fraction of bf16's epsilon (7.8e-3).
 ADAMW = {"type": "AdamW", "weight_decay": 0.01}
 BF16_TP_TOL = {"loss": 3e-3, "grad_norm": 1e-2}
+# Recompute (full, select, collectives only) and swap wrappers under FSDP2 and context-parallel attention.
+ACTIVATION = {
+    "recompute": {"mode": "select", "full_recompute_layer": ["0"], "select_module": {"mlp": ["1"]}},
+    "recompute_comm": {"enable": True, "select_module": {"self_attention": ["3"]}},
+    "swap": {"enable": True, "layer_swap": [{"layers": ["2"]}], "default_prefetch": 1},
+}
 
 
 @pytest.mark.timeout(200)
@@ -145,6 +153,13 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         _case("cp_ulysses", "llama", context_parallel=2, context_parallel_method="ulysses"),
         _case("cp_allgather_kv_documents", "llama_docs", context_parallel=2),
         _case("cp_ulysses_documents", "llama_docs", context_parallel=2, context_parallel_method="ulysses"),
+        _case(
+            "cp_ulysses_recompute_swap",
+            "llama",
+            activation=ACTIVATION,
+            context_parallel=2,
+            context_parallel_method="ulysses",
+        ),
         _case("tp_documents", "llama_docs", tensor_parallel=2),
         _case("tp_tied_embeddings", "llama_tied", tensor_parallel=2),
         _case("pp_tied_embeddings", "llama_tied", pipeline_parallel=2),
@@ -156,6 +171,7 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         _case(
             "muon_qkclip_cp_ulysses", "deepseek", MUON, context_parallel=2, context_parallel_method="ulysses"
         ),
+        _case("muon_qkclip_cp_allgather_kv", "deepseek", MUON, context_parallel=2),
     ]
     _run_cases(cases, 2, tmp_path)
 
@@ -174,6 +190,7 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         _case("muon_qkclip_fsdp_x_tp", "deepseek", MUON, tensor_parallel=2),
         _case("muon_deredundency_fsdp", "deepseek", {**MUON, "comm_strategy": "allgather_deredundency"}),
         _case("cp_hybrid_documents", "llama_docs", context_parallel=4, ulysses_degree_in_cp=2),
+        _case("cp4_allgather_kv_documents", "llama_docs", context_parallel=4),
         _case("muon_qkclip_cp_hybrid_ulysses", "deepseek", MUON, context_parallel=4, ulysses_degree_in_cp=2),
     ]
     _run_cases(cases, 4, tmp_path)

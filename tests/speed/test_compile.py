@@ -34,7 +34,7 @@ def test_bad_mode_is_refused():
 
 @pytest.mark.slow
 def test_compiled_blocks_with_recompute_match_eager_and_recompile_once_for_new_lengths():
-    from torch.utils.checkpoint import checkpoint
+    from lmforge.parallel.activation import recompute_module
 
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
@@ -49,7 +49,7 @@ def test_compiled_blocks_with_recompute_match_eager_and_recompile_once_for_new_l
     for compiled in (False, True):
         model = tiny_model("qwen3", num_hidden_layers=2, hidden_size=32, intermediate_size=48).train()
         for layer in model.decoder.layers:  # activation recompute wraps the block, as recompute.mode does
-            layer.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(layer.forward)
+            recompute_module(layer)
         if compiled:
             compile_blocks(model, CompileConfig(enable=True))
             watch = CompileWatch()

@@ -30,7 +30,11 @@ def tiny_config(tmp_path: Path, **sections: Any):
             "warmup_steps": 2,
             "lr_end": 0.005,
         },
-        "train_dataset": {"dataloader": {"type": "InMemory"}},
+        # The tests feed batches by hand (dataloader_factory); the section only has to be valid: a text
+        # loader is checked at load without reading its files.
+        "train_dataset": {
+            "dataloader": {"type": "TextDataLoader", "data_path": ["unused.jsonl"], "tokenizer": "unused"}
+        },
         "training": {
             "steps": 8,
             "global_batch_size": 4,

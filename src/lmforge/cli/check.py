@@ -57,6 +57,14 @@ def register(subparsers: Any) -> None:
         help="as for `lmforge train`: every output of the run moves to DIR (shown under 'Outputs')",
     )
     parser.add_argument(
+        "--device",
+        default=None,
+        type=_device_type,
+        metavar="D",
+        help="as for `lmforge train`: cpu or cuda, the device the run will use (default: cuda when this "
+        "machine has it); settings that depend on it are decided for it",
+    )
+    parser.add_argument(
         "--mode",
         type=int,
         default=1,
@@ -74,6 +82,15 @@ def register(subparsers: Any) -> None:
         "launch (lmforge reads the world size from torchrun or --world-size)",
     )
     parser.set_defaults(func=run)
+
+
+def _device_type(name: str) -> str:
+    # Not lmforge.utils.device.parse_device: a GPU run may be checked on a machine without a GPU.
+    if name == "cpu" or name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        return name
+    raise argparse.ArgumentTypeError(
+        f"{name!r} is not a device lmforge runs on; use one of: cpu, cuda, cuda:N"
+    )
 
 
 def _world_size(args: argparse.Namespace) -> int:
@@ -158,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
     if args.output_dir is not None:
         cfg = with_output_dir(cfg, args.output_dir)
     try:
-        plan = preflight(cfg, world)  # exactly what `lmforge train` runs before building anything
+        plan = preflight(
+            cfg, world, args.device
+        )  # exactly what `lmforge train` runs before building anything
     except ConfigError as exc:
         raise ConfigError(
             str(exc).replace("Invalid configuration", f"Invalid configuration in {source}", 1)

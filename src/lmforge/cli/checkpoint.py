@@ -29,7 +29,7 @@ def register(subparsers: Any) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from lmforge.train.inspect import describe_checkpoint
+    from lmforge.train.checkpoint.inspect import describe_checkpoint
 
     print(describe_checkpoint(args.dir, list_tensors=args.tensors))
     return 0

@@ -7,7 +7,7 @@ Face model directory); the data is the ``valid`` split of ``eval_dataset`` (or o
 the whole split). One process.
 
 ``--tasks a,b,file.jsonl``: downstream tasks through lm-evaluation-harness instead (extra ``[eval]``),
-with lmforge's model as the harness model; see ``lmforge.train.harness``. The config is optional
+with lmforge's model as the harness model; see ``lmforge.train.callbacks.lm_eval_harness``. The config is optional
 then (an lmforge checkpoint's own ``config.yaml`` is used); results go to ``lm_eval_results.json``
 in the checkpoint directory (or ``--output``) and into the run's trackers (``monitor.wandb`` /
 ``monitor.mlflow``) at the checkpoint's step.
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_tasks(args)
     if not args.config:
         raise ConfigError("lmforge eval needs --config FILE (the run's train.yaml) for the validation loss.")
-    from lmforge.train.evaluate import build_eval_loader, eval_settings, evaluate
+    from lmforge.train.callbacks.validation import build_eval_loader, eval_settings, evaluate
 
     config = load_config(args.config, args.overrides)
     settings = eval_settings(config)
@@ -125,8 +125,13 @@ def _run_tasks(args: argparse.Namespace) -> int:
     from lmforge.errors import CheckpointError, ConfigError, DataError
     from lmforge.models import build_model, load_hf_pretrained
     from lmforge.train.builder import find_tokenizer
+    from lmforge.train.callbacks.lm_eval_harness import (
+        evaluate_tasks,
+        flat_results,
+        require_lm_eval,
+        split_tasks,
+    )
     from lmforge.train.checkpoint import CONFIG_FILE, load_model_weights, resolve_checkpoint
-    from lmforge.train.harness import evaluate_tasks, flat_results, require_lm_eval, split_tasks
 
     require_lm_eval()
     split_tasks(args.tasks)

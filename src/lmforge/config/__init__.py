@@ -9,11 +9,13 @@ errors and logging.
 from lmforge.config.layer_spec import expand_layer_specs, parse_layer_spec, parse_layer_specs
 from lmforge.config.load import (
     apply_overrides,
+    as_section,
     config_warnings,
     dump_yaml,
     load_config,
     read_raw,
     validate_config,
+    validate_section,
 )
 from lmforge.config.schema import (
     SECTION_CLASSES,
@@ -66,6 +68,7 @@ __all__ = [
     "TrainStateConfig",
     "TrainingConfig",
     "apply_overrides",
+    "as_section",
     "config_warnings",
     "dump_yaml",
     "expand_layer_specs",
@@ -74,4 +77,5 @@ __all__ = [
     "parse_layer_specs",
     "read_raw",
     "validate_config",
+    "validate_section",
 ]

@@ -49,7 +49,7 @@ def _lookup(raw: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
 def _unknown_top_level(raw: Mapping[str, Any], sections: Mapping[str, Any]) -> list[str]:
     # The top level passes unknown keys through (allow_extra), so a misspelt section name would be
     # ignored without a word; say so, with the closest section name.
-    # output_dir: lmforge's run directory; eval_*: validation during training (lmforge.train.evaluate),
+    # output_dir: lmforge's run directory; eval_*: validation during training (lmforge.train.callbacks.validation),
     # which reads eval_dataset only when it evaluates.
     known = [*sections, "output_dir", "eval_interval", "eval_steps"]
     if raw.get("eval_interval"):

@@ -103,6 +103,37 @@ def validate_config(
     return cfg
 
 
+def validate_section(path: str, data: Mapping[str, Any]) -> Any:
+    """One section (``train_dataset``, ``monitor.tensorboard``, ``callbacks``: an item) validated on its
+    own, as ``load_config`` validates it. One ConfigError names every problem by its dotted key."""
+    loc = tuple(path.split("."))
+    cls = _class_at(loc)
+    if cls is None:
+        raise ValueError(f"{path!r} is not a section of TrainConfig")
+    try:
+        return cls.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, f"the {path} section", prefix=loc)) from None
+
+
+def as_section(path: str, section: Any) -> Any:
+    """The typed section at ``path`` for a builder: ``section`` itself when ``load_config`` made it, or a
+    plain mapping (None: all defaults) validated by the same schema. Builders read typed attributes
+    and never validate a section themselves."""
+    cls = _class_at(tuple(path.split(".")))
+    if cls is not None and isinstance(section, cls):
+        return section
+    if section is None:
+        section = {}
+    elif isinstance(section, BaseModel):
+        section = section.model_dump()
+    if not isinstance(section, Mapping):
+        raise ConfigError(
+            f"{path} must be a mapping (a section of key: value lines), got {_describe(section)}"
+        )
+    return validate_section(path, section)
+
+
 @contextlib.contextmanager
 def collected_log_warnings(notes: list[str]) -> Iterator[None]:
     """The warnings the building blocks log under ``lmforge`` (keys that change nothing, a warm-up
@@ -324,12 +355,12 @@ def _suggest(key: str, valid: Sequence[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _format_errors(exc: ValidationError, source: str) -> str:
+def _format_errors(exc: ValidationError, source: str, prefix: tuple[str, ...] = ()) -> str:
     unknown: dict[tuple[str | int, ...], list[str]] = {}
     messages: list[str] = []
     wrong_type: dict[str, tuple[list[str], Any]] = {}
     for err in exc.errors():
-        loc = _clean_loc(err["loc"])
+        loc = _clean_loc((*prefix, *err["loc"]))
         path = _dotted(loc)
         kind = err["type"]
         value = err.get("input")

@@ -96,7 +96,7 @@ class TrainConfig(OpenSection):
     lora_config: LoraConfig | None = None
     # lmforge's own top-level key: where logs, TensorBoard events and plots go.
     output_dir: str = "./output"
-    # Validation during training (lmforge.train.evaluate): every eval_interval steps (0: never),
+    # Validation during training (lmforge.train.callbacks.validation): every eval_interval steps (0: never),
     # eval_steps micro-batches per rank (null: the whole validation split).
     eval_interval: int = 0
     eval_steps: int | None = None
@@ -145,6 +145,14 @@ class TrainConfig(OpenSection):
         # resolves them through the family's keys now, before anything is built.
         section._typed = typed_section("model", section.model_type, section, "model", {})
         return section
+
+    @model_validator(mode="after")
+    def _check_data_against_model(self) -> TrainConfig:
+        # The loader's sequence length and token ids must be the model's; both sections are typed now.
+        data, model = self.train_dataset.dataloader.typed, self.model.typed
+        if data is not None and model is not None:
+            data.check_against_model(model.config.seq_length, model.config.vocab_size)
+        return self
 
     @model_validator(mode="after")
     def _check_eval(self) -> TrainConfig:

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import Field, PrivateAttr, model_validator
 
 from lmforge.config.base import Float, OpenSection, Section, check_positive
+from lmforge.config.registry import typed_section
 
 # --------------------------------------------------------------------------------------------------
 # optimizer and lr_scheduler
@@ -73,6 +74,16 @@ class DataloaderConfig(OpenSection):
     column_names: list[str] = Field(default_factory=lambda: ["input_ids", "labels"])
     python_multiprocessing: bool = False
 
+    # The loader the registered schema of ``type`` made of this section (lmforge.config.registry);
+    # None when no schema is registered (the config package used on its own).
+    _typed: Any = PrivateAttr(default=None)
+
+    @property
+    def typed(self) -> Any:
+        """The typed, validated form of this section (``lmforge.data.schema.MegatronLoader`` or
+        ``TextLoader``), or None."""
+        return self._typed
+
 
 class TrainDatasetConfig(Section):
     dataloader: DataloaderConfig
@@ -86,9 +97,19 @@ class TrainDatasetConfig(Section):
     def _check(self) -> TrainDatasetConfig:
         if self.num_parallel_workers < 0:
             raise ValueError(
-                f"train_dataset.num_parallel_workers must be >= 0, got {self.num_parallel_workers}"
+                f"train_dataset.num_parallel_workers must be an integer >= 0; got {self.num_parallel_workers}"
             )
         check_positive(self.prefetch_size, "train_dataset.prefetch_size")
+        return self
+
+    @model_validator(mode="after")
+    def _type_dataloader(self) -> TrainDatasetConfig:
+        # The loader's keys depend on its type: the schema data/ registered for it checks every key now,
+        # before anything is built (what needs the model is TrainConfig's check against it).
+        loader = self.dataloader
+        loader._typed = typed_section(
+            "train_dataset.dataloader", loader.type, loader, "train_dataset.dataloader", {}
+        )
         return self
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import model_validator
 
-from lmforge.config.base import Float, Section, check_one_of, check_positive
+from lmforge.config.base import Float, Section, check_one_of
 from lmforge.config.layer_spec import parse_layer_specs
 
 # --------------------------------------------------------------------------------------------------
@@ -87,7 +87,9 @@ class ParallelismConfig(Section):
             "dense_fsdp_shard_size",
             "ulysses_degree_in_cp",
         ):
-            check_positive(getattr(self, name), f"{p}.{name}")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{p}.{name} must be a positive integer (1 disables it), got {value}")
         check_one_of(self.data_parallel_shard_strategy, f"{p}.data_parallel_shard_strategy", SHARD_STRATEGIES)
         check_one_of(self.reshard_after_forward_policy, f"{p}.reshard_after_forward_policy", RESHARD_POLICIES)
         check_one_of(self.context_parallel_method, f"{p}.context_parallel_method", CP_METHODS)
@@ -196,7 +198,11 @@ class RecomputeConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> RecomputeConfig:
-        check_one_of(self.mode, "recompute.mode", RECOMPUTE_MODES)
+        if self.mode not in RECOMPUTE_MODES:  # ours, then the original's message
+            raise ValueError(
+                f"recompute.mode must be one of 'None', 'full', 'select'; got {self.mode!r} (RecomputeConfig.mode "
+                f"must be 'None', 'full', or 'select', got {self.mode})"
+            )
         if self.mode == "full" and not self.full_recompute_layer:
             raise ValueError(
                 "recompute.full_recompute_layer is required when recompute.mode is 'full' (mode is 'full' "

@@ -265,6 +265,15 @@ class ProfilerConfig(Section):
     profile_cpu: bool = True
     with_stack: bool = True
 
+    @field_validator("profiler_level", mode="before")
+    @classmethod
+    def _level_is_an_int(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int):  # the original's message
+            raise ValueError(
+                f"profiler.profiler_level: Invalid profiler_level type: {type(value).__name__}, must be int"
+            )
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> ProfilerConfig:
         s, e = self.start_step, self.end_step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,9 +128,7 @@ def parse_gpt_config(raw: Any, *, vocab_size: int | None = None, path: str = CON
     known |= {"compressed_eod_mask_length", "s3_cache_path"}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ConfigError(
-            f"{path}.{unknown[0]} is not a GPTDataset setting. Valid keys: {', '.join(sorted(known))}."
-        )
+        raise ConfigError(unknown_keys_message(path, unknown, sorted(known), "GPTDataset"))
     if raw.get("s3_cache_path"):
         raise ConfigError(
             f"{path}.s3_cache_path is not supported: lmforge reads and caches local files only."
@@ -211,13 +210,31 @@ def parse_gpt_config(raw: Any, *, vocab_size: int | None = None, path: str = CON
             "(the id the preprocessing appended, e.g. 0 for the demo tokenizer)."
         )
     if vocab_size is not None:
-        for key in ("eod", "pad"):
-            if getattr(cfg, key) >= vocab_size:
-                raise ConfigError(
-                    f"{path}.{key} = {getattr(cfg, key)} is not a token id of the model "
-                    f"(model.vocab_size = {vocab_size}); valid: -1 (unset) or 0 .. {vocab_size - 1}."
-                )
+        check_token_ids(cfg, vocab_size, path)
     return cfg
+
+
+def check_token_ids(cfg: GPTDatasetConfig, vocab_size: int, path: str = CONFIG_PATH) -> None:
+    """``eod`` and ``pad`` are token ids of a model with ``vocab_size`` tokens (or -1, unset)."""
+    for key in ("eod", "pad"):
+        if getattr(cfg, key) >= vocab_size:
+            raise ConfigError(
+                f"{path}.{key} = {getattr(cfg, key)} is not a token id of the model "
+                f"(model.vocab_size = {vocab_size}); valid: -1 (unset) or 0 .. {vocab_size - 1}."
+            )
+
+
+def unknown_keys_message(path: str, unknown: list[str], valid: list[str], owner: str) -> str:
+    """One message naming every unknown key of ``path`` at once, each with its closest valid key."""
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+        if close:
+            hints.append(f"{close[0]} for {key}")
+    named = ", ".join(f"{path}.{key}" for key in unknown)
+    verb = f"is not a {owner} setting" if len(unknown) == 1 else f"are not {owner} settings"
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    return f"{named} {verb}{hint}. Valid keys: {', '.join(valid)}."
 
 
 def no_effect_keys(raw: dict[str, Any]) -> list[str]:

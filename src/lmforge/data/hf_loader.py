@@ -74,6 +74,7 @@ def translate_hf_loader(loader: dict[str, Any]) -> dict[str, Any]:
     seq_length = loader.get("seq_length")
     tokenizer = _tokenizer_of(loader.get("tokenizer"), f"{KEY}.tokenizer")
     columns = ["input_ids", "labels", "loss_mask", "position_ids"]
+    unsupported: list[str] = []  # every key without an equivalent, named at once
     for key, value in loader.items():
         if key in ("type", "load_func", "path", "data_files", "seq_length", "tokenizer", "handler"):
             continue
@@ -103,12 +104,15 @@ def translate_hf_loader(loader: dict[str, Any]) -> dict[str, Any]:
         ):
             out[key] = value
         else:
-            raise ConfigError(
-                f"{KEY}.{key} of HFDataLoader has no equivalent in lmforge. Supported HFDataLoader keys: load_func, "
-                "path, data_files, streaming, split, shuffle, create_attention_mask, create_compressed_eod_mask, "
-                "compressed_eod_mask_length, use_broadcast_data, tokenizer, seq_length, handler; or write the "
-                "section as type: TextDataLoader (docs/data.md)."
-            )
+            unsupported.append(key)
+    if unsupported:
+        verb = "has" if len(unsupported) == 1 else "have"
+        raise ConfigError(
+            f"{', '.join(f'{KEY}.{k}' for k in unsupported)} of HFDataLoader {verb} no equivalent in lmforge. "
+            "Supported HFDataLoader keys: load_func, path, data_files, streaming, split, shuffle, "
+            "create_attention_mask, create_compressed_eod_mask, compressed_eod_mask_length, use_broadcast_data, "
+            "tokenizer, seq_length, handler; or write the section as type: TextDataLoader (docs/data.md)."
+        )
     handlers = loader.get("handler") or []
     if not isinstance(handlers, list):
         raise ConfigError(f"{KEY}.handler must be a list of handler mappings; got {handlers!r}.")

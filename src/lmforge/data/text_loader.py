@@ -27,7 +27,7 @@ import torch
 from lmforge.errors import ConfigError, DataError
 from lmforge.utils.logging import get_logger
 
-from .config import parse_blend
+from .config import parse_blend, unknown_keys_message
 from .loader import collate
 from .text_format import (
     BUILTIN_TEMPLATES,
@@ -88,20 +88,12 @@ def _str(loader: dict[str, Any], key: str, default: str) -> str:
     return value
 
 
-def parse_text_loader(
-    loader: dict[str, Any],
-    *,
-    seq_length: int | None = None,
-    vocab_size: int | None = None,
-    read_files: bool = True,
-) -> TextLoaderSettings | None:
-    """Validate the dataloader mapping of a TextDataLoader. With ``read_files=False`` (``lmforge check``)
-    nothing is read: the tokenizer and the data are checked when the loader is built."""
+def check_text_loader(loader: dict[str, Any]) -> dict[str, Any]:
+    """Every per-key check of a TextDataLoader mapping (no file read, no model needed): the typed
+    section of ``load_config`` (lmforge.data.schema). Returns the parsed values the loader needs."""
     unknown = sorted(set(loader) - _KEYS)
     if unknown:
-        raise ConfigError(
-            f"{KEY}.{unknown[0]} is not a {TEXT_TYPE} setting. Valid keys: {', '.join(sorted(_KEYS))}."
-        )
+        raise ConfigError(unknown_keys_message(KEY, unknown, sorted(_KEYS), TEXT_TYPE))
     if loader.get("shuffle"):
         raise ConfigError(
             f"{KEY}.shuffle: true is not supported by {TEXT_TYPE} (it streams the sources in order, which is "
@@ -119,13 +111,11 @@ def parse_text_loader(
         tokenizer = tokenizer.get("tokenizer_file") or tokenizer.get("path") or tokenizer.get("vocab_file")
     if not isinstance(tokenizer, str) or not tokenizer:
         raise ConfigError(f"{KEY}.tokenizer is required: a local tokenizer.json or a directory holding one.")
-    seq = loader.get("seq_length", seq_length)
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+    seq = loader.get("seq_length")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
         raise ConfigError(
             f"{KEY}.seq_length must be a positive integer (the model's seq_length); got {seq!r}."
         )
-    if seq_length is not None and seq != seq_length:
-        raise ConfigError(f"{KEY}.seq_length ({seq}) must equal model.seq_length ({seq_length}).")
     columns = loader.get("column_names") or ["input_ids", "labels", "loss_mask", "position_ids"]
     if (
         not isinstance(columns, list)
@@ -161,6 +151,39 @@ def parse_text_loader(
         value = loader.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ConfigError(f"{KEY}.{name} must be a token id (an integer >= 0); got {value!r}.")
+    return {
+        "blend": blend,
+        "tokenizer": tokenizer,
+        "columns": columns,
+        "pack": pack,
+        "template": template,
+        "eod_pad_length": pad_length,
+    }
+
+
+def text_seq_length(loader: dict[str, Any], seq_length: int | None) -> int:
+    """The loader's sequence length: its own ``seq_length`` or else the model's, which must agree."""
+    seq = loader.get("seq_length", seq_length)
+    if seq is None:
+        raise ConfigError(f"{KEY}.seq_length must be a positive integer (the model's seq_length); got None.")
+    if seq_length is not None and seq != seq_length:
+        raise ConfigError(f"{KEY}.seq_length ({seq}) must equal model.seq_length ({seq_length}).")
+    return seq
+
+
+def parse_text_loader(
+    loader: dict[str, Any],
+    *,
+    seq_length: int | None = None,
+    vocab_size: int | None = None,
+    read_files: bool = True,
+) -> TextLoaderSettings | None:
+    """Validate the dataloader mapping of a TextDataLoader against the model's ``seq_length``. With
+    ``read_files=False`` nothing is read: the tokenizer and the data are checked when the loader is built."""
+    parsed = check_text_loader(loader)
+    seq = text_seq_length(loader, seq_length)
+    blend, tokenizer, columns = parsed["blend"], parsed["tokenizer"], parsed["columns"]
+    pack, template, pad_length = parsed["pack"], parsed["template"], parsed["eod_pad_length"]
     if not read_files:
         return None
     from .tokenizer import find_eod_id, load_tokenizer

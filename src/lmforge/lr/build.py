@@ -8,6 +8,7 @@ a division by zero are refused with a :class:`~lmforge.errors.ConfigError` namin
 
 from __future__ import annotations
 
+import copy
 import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +18,6 @@ from lmforge.errors import ConfigError
 from lmforge.lr import schedules as s
 from lmforge.lr.fields import SchedulerKeys, floor_ratio_of
 from lmforge.utils.logging import get_logger
-from lmforge.utils.sections import section_to_dict
 
 log = get_logger("lr")
 
@@ -381,7 +381,9 @@ def build_scheduler(section: Any, total_steps: int, *, path: str = "lr_scheduler
     if isinstance(typed, s.Schedule) and typed.total_steps == total_steps:
         schedule = typed  # validated by load_config (lmforge.lr.schema)
     else:
-        schedule = _build(section_to_dict(section), path, total_steps)
+        # Not typed by load_config (a mapping, or another total): the same schema, run now.
+        values = section.to_dict() if hasattr(section, "to_dict") else dict(section or {})
+        schedule = _build(copy.deepcopy(values), path, total_steps)
     for note in schedule.warnings:
         log.warning("%s", note)
     return schedule

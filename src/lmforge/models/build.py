@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -10,7 +11,17 @@ from lmforge.models.common.gpt import GPTModel
 from lmforge.models.common.init import draw_seed
 from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.models.registry import resolve
-from lmforge.utils.sections import section_to_dict
+
+
+def typed_model(section: Any) -> tuple[TransformerConfig, type[GPTModel]]:
+    """The structure and model class of a ``model`` section: what ``load_config`` typed
+    (``section.typed``), or a plain mapping resolved by the same family schema."""
+    typed = getattr(section, "typed", None)
+    if typed is not None:
+        return typed.config, typed.model_class
+    if isinstance(section, Mapping):
+        return resolve(dict(section))
+    return resolve(section.to_dict())  # a ModelConfig validated without the registered schemas
 
 
 def build_model_config(section: Any) -> TransformerConfig:
@@ -19,8 +30,7 @@ def build_model_config(section: Any) -> TransformerConfig:
     Raises ``ConfigError`` naming ``model.<key>`` for an unknown key (with the valid keys), a bad type or
     value, or an unknown ``model_type`` / ``architectures``.
     """
-    cfg, _ = resolve(section_to_dict(section))
-    return cfg
+    return typed_model(section)[0]
 
 
 def build_model(section: Any, device: torch.device | str | None = None, seed: int | None = None) -> GPTModel:
@@ -32,7 +42,7 @@ def build_model(section: Any, device: torch.device | str | None = None, seed: in
     gives the same values. With ``device="meta"`` nothing is allocated: shard or place the model, then
     ``model.to_empty(device=...)`` and ``model.init_weights(seed)``.
     """
-    cfg, cls = resolve(section_to_dict(section))
+    cfg, cls = typed_model(section)
     return build_from_config(cfg, cls, device, seed)
 
 

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.config.load import as_section
 from lmforge.errors import ConfigError
-from lmforge.utils.sections import section_to_dict
 
 LORA_PARAM_PARTS = (".lora_A.", ".lora_B.")
 
@@ -79,15 +79,15 @@ class LoRALinear(nn.Linear):
 
 
 def _settings(section: Any) -> dict[str, Any]:
-    s = section_to_dict(section)
+    s = as_section("lora_config", section)  # typed by load_config, or a mapping typed the same way
     return {
-        "target_modules": s.get("target_modules") or "",
-        "exclude_layers": s.get("exclude_layers") or None,
-        "lora_rank": int(s.get("lora_rank", 8)),
-        "lora_alpha": float(s.get("lora_alpha", 16)),
-        "lora_dropout": float(s.get("lora_dropout", 0.0)),
-        "lora_a_std": float(s.get("lora_a_std", 0.01)),
-        "lora_b_std": float(s.get("lora_b_std", 0.0)),
+        "target_modules": s.target_modules or "",
+        "exclude_layers": s.exclude_layers or None,
+        "lora_rank": int(s.lora_rank),
+        "lora_alpha": float(s.lora_alpha),
+        "lora_dropout": float(s.lora_dropout),
+        "lora_a_std": float(s.lora_a_std),
+        "lora_b_std": float(s.lora_b_std),
     }
 
 

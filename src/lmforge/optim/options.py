@@ -10,6 +10,7 @@ present counts as set.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,6 @@ from typing import Any
 from lmforge.errors import ConfigError
 from lmforge.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, normalize_ns_schedule
 from lmforge.utils.logging import get_logger
-from lmforge.utils.sections import section_to_dict
 
 logger = get_logger("lmforge.optim")
 
@@ -293,7 +293,8 @@ def _validate_muon(raw: dict[str, Any], hyper: dict[str, Any]) -> None:
 
 def parse_optimizer_section(section: Any) -> OptimizerOptions:
     """Validate the ``optimizer`` section and fill defaults; raises :class:`ConfigError`."""
-    data = section_to_dict(section)
+    # This is the optimizer's schema (load_config runs it on the typed section): it reads the plain values.
+    data = copy.deepcopy(section.to_dict() if hasattr(section, "to_dict") else dict(section or {}))
     given = _given_keys(section, data)
     kind = data.get("type", "AdamW")
     if kind not in OPTIMIZER_TYPES:

@@ -6,17 +6,20 @@ The YAML sections ``recompute``, ``recompute_comm`` and ``swap`` name decoder la
 against the dotted path of every submodule of a decoder layer. Unlike the original (which only applies them when
 the world size is above one) they apply on one device too.
 
-* Recompute wraps a module's ``forward`` in non-reentrant ``torch.utils.checkpoint``; its
-  parameters keep their names (no wrapper module), so checkpoints, optimizer name patterns and
-  FSDP are unaffected. ``exclude_op`` turns this into selective activation checkpointing: ops whose
-  name contains an entry are saved (``MUST_SAVE``), everything else is recomputed.
+* Recompute makes a module a :class:`Recomputed` one, whose forward runs the original under
+  non-reentrant ``torch.utils.checkpoint``. Like torch's ``fully_shard``, the wrapper is a subclass
+  of the module's own class (``RecomputedTransformerLayer``), so it shows in ``print(model)`` while
+  the module stays in place: parameter names, state_dict keys, optimizer name patterns and FSDP are
+  unaffected (no ``_checkpoint_wrapped_module`` segment, no method assigned to the instance).
+  ``exclude_op`` turns this into selective activation checkpointing: ops whose name contains an
+  entry are saved (``MUST_SAVE``), everything else is recomputed.
 * Communication recompute checkpoints the matched modules with a policy that saves every op except
   the collectives (``_c10d_functional`` / ``c10d`` ops), which are re-run in backward.
-* Swap wraps a layer (``layer_swap``) or a submodule (``op_swap``) in
-  ``torch.autograd.graph.saved_tensors_hooks`` that move saved activations to pinned CPU memory on
-  a side stream and fetch them back in backward, ``default_prefetch`` swapped layers ahead. On a
-  CPU run the "move" is a no-op, but the bookkeeping is identical, so what is swapped can still be
-  measured as bytes no longer kept by autograd on the compute device.
+* Swap makes a layer (``layer_swap``) or a submodule (``op_swap``) a :class:`Swapped` one, whose
+  forward runs in ``torch.autograd.graph.saved_tensors_hooks`` that move saved activations to pinned
+  CPU memory on a side stream and fetch them back in backward, ``default_prefetch`` swapped layers
+  ahead. On a CPU run the "move" is a no-op, but the bookkeeping is identical, so what is swapped
+  can still be measured as bytes no longer kept by autograd on the compute device.
 
 Recompute and swap only change where activations live, never the arithmetic: gradients are bitwise
 identical to a run without them (the recomputed forward re-runs the same kernels with the same RNG
@@ -41,9 +44,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from lmforge.config.load import as_section
 from lmforge.errors import ConfigError
 from lmforge.utils.name_patterns import NamePattern
-from lmforge.utils.sections import section_to_dict
 
 # The spec's examples use MindSpore-Transformers graph-mode names ("attention"); lmforge models use
 # Megatron names ("self_attention"). A pattern may use either: each path is also offered with these
@@ -245,30 +248,76 @@ def _comm_recompute_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Chec
     return CheckpointPolicy.PREFER_RECOMPUTE if _is_comm_op(op) else CheckpointPolicy.MUST_SAVE
 
 
+class ActivationWrapper:
+    """Base of the activation wrappers: a module whose class gained one of them (see :func:`wrap_module`).
+
+    ``activation_ran`` becomes True the first time the wrapped forward runs with autograd on; a model
+    that calls a wrapped module's parts directly never runs it, which the plan reports.
+    """
+
+    wrapper_name = ""
+    activation_ran = False
+
+
+class Recomputed(ActivationWrapper):
+    """The module's forward runs under non-reentrant ``torch.utils.checkpoint``: its activations are
+    recomputed in backward instead of kept. ``recompute_context_fn`` (selective checkpointing) makes the
+    ops its policy marks ``MUST_SAVE`` keep their outputs."""
+
+    wrapper_name = "Recomputed"
+    recompute_context_fn: Callable[[], Any] | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inner = super().forward  # the wrapped class's forward, bound to this module
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        self.activation_ran = True
+        extra = {"context_fn": self.recompute_context_fn} if self.recompute_context_fn is not None else {}
+        # preserve_rng_state (default) replays dropout masks exactly.
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+
+_WRAPPED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def wrap_module(module: nn.Module, wrapper: type[ActivationWrapper]) -> bool:
+    """Give ``module`` the behaviour of ``wrapper`` (``Recomputed`` / ``Swapped``); False if it has it.
+
+    As torch's ``fully_shard`` does, the module's class becomes a subclass ``<Wrapper><Class>`` whose
+    forward runs the original one: the module stays where it is, so parameter names, state_dict keys,
+    hooks and ``isinstance`` checks are unchanged, and ``print(model)`` / ``isinstance(m, Recomputed)``
+    show what was applied. No method is assigned to the instance. The class is made once per pair.
+    """
+    if isinstance(module, wrapper):
+        return False
+    base = type(module)
+    cls = _WRAPPED_CLASSES.get((wrapper, base))
+    if cls is None:
+        name = f"{wrapper.wrapper_name}{base.__name__}"
+        cls = type(name, (wrapper, base), {"__module__": base.__module__, "__qualname__": name})
+        _WRAPPED_CLASSES[(wrapper, base)] = cls
+    module.__class__ = cls
+    return True
+
+
+def is_recomputed(module: nn.Module) -> bool:
+    return isinstance(module, Recomputed)
+
+
+def is_swapped(module: nn.Module) -> bool:
+    return isinstance(module, Swapped)
+
+
 def recompute_module(module: nn.Module, policy: Callable[..., CheckpointPolicy] | None = None) -> None:
     """Make ``module`` recompute its forward in backward instead of keeping its activations.
 
-    The instance's ``forward`` is replaced (parameter names do not change). With ``policy`` the
-    checkpoint is selective: ops the policy marks ``MUST_SAVE`` keep their outputs.
+    With ``policy`` the checkpoint is selective: ops the policy marks ``MUST_SAVE`` keep their outputs.
+    A module that is already recomputed keeps its first policy.
     """
-    if getattr(module, "_lmforge_recompute", False):
+    if not wrap_module(module, Recomputed):
         return
-    original = module.forward
-    context_fn = (
-        functools.partial(create_selective_checkpoint_contexts, policy) if policy is not None else None
-    )
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return original(*args, **kwargs)
-        module._lmforge_ran = True
-        extra = {"context_fn": context_fn} if context_fn is not None else {}
-        # preserve_rng_state (default) replays dropout masks exactly.
-        return checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
-
-    module.forward = forward
-    module._lmforge_recompute = True
+    if policy is not None:
+        module.recompute_context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -413,25 +462,32 @@ class ActivationSwap:
             record.event.record(stream)
 
 
+class Swapped(ActivationWrapper):
+    """The tensors autograd saves inside the module's forward are offloaded by ``swapper`` (its
+    ``saved_tensors_hooks``) under ``swap_layer_id``; parameters, buffers and inputs stay where they are."""
+
+    wrapper_name = "Swapped"
+    swapper: ActivationSwap
+    swap_layer_id: int
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inner = super().forward
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        self.activation_ran = True
+        keep = [*self.parameters(), *self.buffers()]
+        keep += [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        with self.swapper.offload(self.swap_layer_id, keep):
+            return inner(*args, **kwargs)
+
+
 def swap_module(module: nn.Module, swapper: ActivationSwap, layer_id: int) -> None:
     """Offload the activations saved inside ``module``'s forward (parameter names do not change)."""
-    if getattr(module, "_lmforge_swap", False):
+    if not wrap_module(module, Swapped):
         return
-    original = module.forward
     swapper.register_layer(layer_id)
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return original(*args, **kwargs)
-        module._lmforge_ran = True
-        keep = [*module.parameters(), *module.buffers()]
-        keep += [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        with swapper.offload(layer_id, keep):
-            return original(*args, **kwargs)
-
-    module.forward = forward
-    module._lmforge_swap = True
+    module.swapper = swapper
+    module.swap_layer_id = layer_id
 
 
 # --------------------------------------------------------------------------------------------------
@@ -490,7 +546,7 @@ class ActivationPlan:
     def never_ran(self) -> list[str]:
         """Wrapped modules whose forward has not run in training (a model that calls their parts
         directly, never the module itself): recompute / swap has no effect on them."""
-        return [name for name, m in self.modules if not getattr(m, "_lmforge_ran", False)]
+        return [name for name, m in self.modules if not m.activation_ran]
 
     def summary(self) -> str:
         parts: list[str] = []
@@ -567,9 +623,9 @@ def plan_activation_memory(
     has_comm_ops: bool = False,
 ) -> ActivationPlan:
     """Like :func:`apply_activation_memory`, returning the :class:`ActivationPlan`."""
-    recompute = section_to_dict(recompute_section)
-    recompute_comm = section_to_dict(recompute_comm_section)
-    swap = section_to_dict(swap_section)
+    recompute = as_section("recompute", recompute_section).to_dict()
+    recompute_comm = as_section("recompute_comm", recompute_comm_section).to_dict()
+    swap = as_section("swap", swap_section).to_dict()
     mode = recompute.get("mode", "None")
     if mode is None:
         mode = "None"
@@ -681,7 +737,7 @@ def plan_activation_memory(
         else:
             applied = []
             for d, rel, module in resolved:
-                if d.layer_id in full_ids or getattr(module, "_lmforge_recompute", False):
+                if d.layer_id in full_ids or is_recomputed(module):
                     continue  # already recomputed as a whole, collectives included
                 recompute_module(module, _comm_recompute_policy)
                 applied.append(f"{d.name}.{rel}")
@@ -766,11 +822,7 @@ def plan_activation_memory(
         plan.prefetch = prefetch
         plan.swapper = swapper
 
-    plan.modules = [
-        (name, m)
-        for name, m in model.named_modules()
-        if getattr(m, "_lmforge_recompute", False) or getattr(m, "_lmforge_swap", False)
-    ]
+    plan.modules = [(name, m) for name, m in model.named_modules() if isinstance(m, ActivationWrapper)]
     return plan
 
 

@@ -10,7 +10,6 @@ run time when set to a non-default value; see docs/parallel.md.
 from __future__ import annotations
 
 import logging
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from lmforge.errors import ConfigError, NotSupportedError
+from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.parallel import comm
 from lmforge.parallel.cp import DocumentMask, apply_cp, shard_batch, validate_cp_options
 from lmforge.parallel.dims import ParallelDims, ParallelMesh, parallelism_options
@@ -232,18 +232,8 @@ def parallelize(
     compute_dtype = compute_dtype or getattr(model, "compute_dtype", torch.float32)
     device = device or torch.device(mesh.world.device_type)
     cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "num_layers"):
-        dims.check_model(
-            num_layers=cfg.num_layers,
-            num_heads=getattr(cfg, "num_attention_heads", None),
-            num_kv_heads=None
-            if getattr(cfg, "multi_latent_attention", False)
-            else getattr(cfg, "num_key_value_heads", None),
-            num_experts=getattr(cfg, "num_experts", None) or None,
-            interleave=opts["pipeline_parallel_interleave_num"],
-            layers_per_stage=opts["pipeline_parallel_layers_per_stage"],
-            vocab_size=getattr(cfg, "vocab_size", None),
-        )
+    if isinstance(cfg, TransformerConfig):
+        dims.check_transformer(cfg, opts)
     refuse_unsupported(model, dims)
     tied_output = getattr(model, "output_layer", "missing") is None  # before pipeline pruning clears it
     stage_specs = None
@@ -324,22 +314,13 @@ def _sum_expert_counts(model: nn.Module, group: Any) -> None:
     """Aux-loss-free balancing: every replica updates its expert bias from the counts of all ranks.
 
     Data, context and sequence-parallel ranks route different tokens; without the sum each replica's
-    router bias would drift apart. The trainer calls ``update_expert_bias()`` without arguments.
+    router bias would drift apart. Each MoE layer sums its counts over ``group`` in its own
+    ``update_expert_bias`` (the trainer still calls the model's ``update_expert_bias()``).
     """
-    original = getattr(model, "update_expert_bias", None)
-    if not callable(original):
-        return
+    from lmforge.models.common.moe import moe_layers
 
-    def reduce_counts(counts: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        dist.all_reduce(counts, group=group)
-        return counts
-
-    def update_expert_bias(self, reduce_counts_fn=None):
-        return original(reduce_counts_fn or reduce_counts)
-
-    model.update_expert_bias = types.MethodType(update_expert_bias, model)
+    for moe in moe_layers(model):
+        moe.bias_counts_group = group
 
 
 def _layers_of(root: nn.Module, model: nn.Module) -> list[nn.Module]:

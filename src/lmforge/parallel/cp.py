@@ -20,7 +20,6 @@ the batch has none), so rotary embeddings stay correct. A document mask (``atten
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -29,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.errors import ConfigError, DataError
+from lmforge.models.common.attention import CoreAttention, segment_attention
+from lmforge.models.common.masks import DocumentSegments, attention_layout
 from lmforge.parallel import comm
 
 CP_METHODS = ("colossal", "ulysses", "hybrid")  # hybrid: Ulysses groups of ulysses_degree_in_cp
@@ -76,15 +77,18 @@ def local_positions(seq_local: int, cp: int, rank: int, device: torch.device) ->
 
 
 class DocumentMask:
-    """The full-sequence may-attend mask of the current micro-batch (document masking under cp).
+    """The whole-sequence document layout of the current micro-batch (document masking under cp).
 
     The model builds its mask from its (local) inputs; under context parallel the batch's document
-    mask is taken out before the model and kept here, whole, for the attention to index by global
-    positions. One micro-batch at a time (its backward, recompute included, follows its forward).
+    mask is taken out before the model and kept here, for the attention to apply by global positions.
+    ``layout`` is what :func:`~lmforge.models.common.masks.attention_layout` gives for the whole
+    sequence: None (plain causal), ``DocumentSegments`` (``actual_seq_len``: O(S) spans) or, for an
+    explicit ``attention_mask`` only, the dense ``[B or 1, 1, S, S]`` may-attend mask. One micro-batch
+    at a time (its backward, recompute included, follows its forward).
     """
 
     def __init__(self) -> None:
-        self.allowed: torch.Tensor | None = None  # [B or 1, 1, S, S] bool, causal included
+        self.layout: torch.Tensor | DocumentSegments | None = None
 
 
 def shard_batch(
@@ -112,9 +116,7 @@ def shard_batch(
             "or use one of them."
         )
     if doc_mask is not None:
-        from lmforge.models.common.masks import build_allowed_mask
-
-        doc_mask.allowed = build_allowed_mask(
+        doc_mask.layout = attention_layout(
             seq, ids.device, out.pop("attention_mask", None), out.pop("actual_seq_len", None)
         )
     if out.get("position_ids") is None:
@@ -129,34 +131,127 @@ def shard_batch(
     return out
 
 
-def _select(
-    full: torch.Tensor | None, causal: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
+def natural_order_index(cp: int, chunk_len: int, device: torch.device) -> torch.Tensor:
+    """Index that puts a sequence gathered in :func:`chunk_order` back in natural (position) order."""
+    order = chunk_order(cp)
+    inverse = torch.tensor(sorted(range(2 * cp), key=lambda p: order[p]), device=device)
+    return (inverse[:, None] * chunk_len + torch.arange(chunk_len, device=device)[None]).flatten()
+
+
+def lower_right_causal_attention(q, k, v, scale: float, dropout: float, gqa: bool) -> torch.Tensor:
+    """Queries that are the last ``Lq`` of ``Lk`` key positions, each attending to the keys up to its own.
+
+    SDPA's ``is_causal`` aligns the triangle top-left (query i sees keys ``<= i``); here it is aligned
+    bottom-right (query i sees keys ``<= i + Lk - Lq``). No ``Lq × Lk`` mask is built: with the queries
+    in reverse order, query i' may see key j iff ``i' + j <= Lk - 1``, so the additive mask is a
+    ``(1, 1)``-strided view of one vector of ``Lq + Lk - 1`` entries (O(S) memory, kept by autograd as is).
+    """
+    lq, lk = q.shape[2], k.shape[2]
+    if lq == lk:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, dropout_p=dropout, enable_gqa=gqa
+        )
+    bias = torch.zeros(lq + lk - 1, dtype=q.dtype, device=q.device)
+    bias[lk:] = float("-inf")
+    mask = bias.as_strided((lq, lk), (1, 1))
+    out = F.scaled_dot_product_attention(
+        q.flip(2), k, v, attn_mask=mask, scale=scale, dropout_p=dropout, enable_gqa=gqa
+    )
+    return out.flip(2)
+
+
+@torch.compiler.disable
+def chunk_document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunks: list[int],
+    segments: DocumentSegments,
+    scale: float,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
-    """The document mask at (global rows, global cols), or the causal mask when there is none."""
-    if full is None:
-        return causal
-    return full.index_select(2, rows).index_select(3, cols)
+    """Causal attention inside each document for queries of some sequence chunks; O(S) extra memory.
+
+    ``q`` ``[B, Hq, n·c, D]`` holds the global chunks ``chunks`` (``c`` positions each) in that order;
+    ``k``, ``v`` ``[B, Hkv, S, D]`` the whole sequence in natural order. Every (chunk, document) piece
+    is one SDPA call: the chunk's queries ``[qs, qe)`` of the document starting at ``a`` attend the keys
+    ``[a, qe)``, causally (:func:`lower_right_causal_attention`). Excluded from ``torch.compile``
+    graphs: the spans are Python integers that change every batch.
+    """
+    c = q.shape[2] // len(chunks)
+    gqa = q.shape[1] != k.shape[1]
+
+    def attend(rows: slice, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        parts = []
+        for i, g in enumerate(chunks):
+            lo, hi = g * c, (g + 1) * c
+            for a, b in spans:  # sorted and covering [0, S): the pieces come out in the chunk's order
+                if b <= lo or a >= hi:
+                    continue
+                qs, qe = max(a, lo), min(b, hi)
+                q_piece = q[rows, :, i * c + qs - lo : i * c + qe - lo]
+                parts.append(
+                    lower_right_causal_attention(
+                        q_piece, k[rows, :, a:qe], v[rows, :, a:qe], scale, dropout, gqa
+                    )
+                )
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    if len(segments.spans) == 1:
+        return attend(slice(None), segments.spans[0])
+    return torch.cat([attend(slice(i, i + 1), segments.row(i)) for i in range(q.shape[0])], dim=0)
+
+
+def _document_allowed(segments: DocumentSegments, pos_q: torch.Tensor) -> torch.Tensor:
+    """May-attend mask ``[B or 1, 1, Sq, S]`` of queries at ``pos_q`` over the natural-order keys.
+
+    Only for max-logit tracking, which materialises the ``Sq × S`` logits anyway.
+    """
+    ids = segments.ids(pos_q.device)
+    pos_k = torch.arange(segments.seq_len, device=pos_q.device)
+    same = ids[:, pos_q][:, :, None] == ids[:, None, :]
+    return (same & (pos_q[:, None] >= pos_k[None, :]))[:, None]
+
+
+def _whole_sequence(seq_len: int) -> DocumentSegments:
+    return DocumentSegments((((0, seq_len),),), seq_len)
+
+
+def _attend_chunks(core: nn.Module, q, k_all, v_all, chunks: list[int], cp: int, doc, head_offset: int):
+    """Local query chunks against K/V gathered from all cp ranks (in :func:`chunk_order`)."""
+    c = q.shape[2] // len(chunks)
+    pos_q = torch.cat([torch.arange(g * c, (g + 1) * c, device=q.device) for g in chunks])
+    dropout = core.dropout if core.training else 0.0
+    if isinstance(doc, torch.Tensor):
+        # The explicit attention_mask form: the dense [B or 1, 1, S, S] mask, indexed by global positions.
+        pos_k = torch.cat([local_positions(2 * c, cp, r, q.device) for r in range(cp)])
+        allowed = doc.index_select(2, pos_q).index_select(3, pos_k)
+        if getattr(core, "track_max_logits", False):
+            track_max_logits(core, q, k_all, allowed, core.scale, head_offset=head_offset)
+        return F.scaled_dot_product_attention(
+            q,
+            k_all,
+            v_all,
+            attn_mask=allowed,
+            scale=core.scale,
+            dropout_p=dropout,
+            enable_gqa=q.shape[1] != k_all.shape[1],
+        )
+    natural = natural_order_index(cp, c, q.device)
+    k_nat, v_nat = k_all.index_select(2, natural), v_all.index_select(2, natural)
+    segments = doc if doc is not None else _whole_sequence(k_nat.shape[2])
+    if getattr(core, "track_max_logits", False):
+        track_max_logits(
+            core, q, k_nat, _document_allowed(segments, pos_q), core.scale, head_offset=head_offset
+        )
+    return chunk_document_attention(q, k_nat, v_nat, chunks, segments, core.scale, dropout)
 
 
 def _attend_gathered_kv(core: nn.Module, q, k, v, group, cp: int, rank: int, doc=None) -> torch.Tensor:
-    s_local = q.shape[2]
     k_all = comm.gather_with_partial_grad(k, 2, group)
     v_all = comm.gather_with_partial_grad(v, 2, group)
-    pos_q = local_positions(s_local, cp, rank, q.device)
-    pos_k = torch.cat([local_positions(s_local, cp, r, q.device) for r in range(cp)])
-    allowed = _select(doc, pos_q[:, None] >= pos_k[None, :], pos_q, pos_k)
-    if getattr(core, "track_max_logits", False):
-        track_max_logits(core, q, k_all, allowed, core.scale, head_offset=getattr(core, "head_offset", 0))
-    dropout = core.dropout if core.training else 0.0
-    return F.scaled_dot_product_attention(
-        q,
-        k_all,
-        v_all,
-        attn_mask=allowed,
-        scale=core.scale,
-        dropout_p=dropout,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
+    chunks = [rank, 2 * cp - 1 - rank]
+    return _attend_chunks(core, q, k_all, v_all, chunks, cp, doc, getattr(core, "head_offset", 0))
 
 
 def _attend_ulysses(core: nn.Module, q, k, v, group, cp: int, rank: int, doc=None) -> torch.Tensor:
@@ -165,24 +260,28 @@ def _attend_ulysses(core: nn.Module, q, k, v, group, cp: int, rank: int, doc=Non
         # Fewer KV heads than ranks: give every query head its own copy before splitting heads.
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
-    s_local = q.shape[2]
-    c = s_local // 2
-    order = chunk_order(cp)
-    # gathered position p*c + i holds global chunk order[p]; inverse sorts back to natural order.
-    inverse = torch.tensor(sorted(range(2 * cp), key=lambda p: order[p]), device=q.device)
-    index = (inverse[:, None] * c + torch.arange(c, device=q.device)[None]).flatten()
+    # gathered position p*c + i holds global chunk order[p]; the index sorts back to natural order.
+    index = natural_order_index(cp, q.shape[2] // 2, q.device)
     back = torch.argsort(index)
     qf, kf, vf = (comm.all_to_all(t, 1, 2, group).index_select(2, index) for t in (q, k, v))
+    # Natural order here: the whole sequence for H/cp heads, exactly as on one process.
     if getattr(core, "track_max_logits", False):
         seq = qf.shape[2]
-        allowed = doc if doc is not None else torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        if isinstance(doc, DocumentSegments):
+            allowed = doc.dense(q.device)
+        elif doc is None:
+            allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        else:
+            allowed = doc
         heads = qf.shape[1]
         track_max_logits(
             core, qf, kf, allowed, core.scale, head_offset=getattr(core, "head_offset", 0) + rank * heads
         )
     dropout = core.dropout if core.training else 0.0
     gqa = qf.shape[1] != kf.shape[1]
-    if doc is not None:  # natural order here, so the full document mask applies as is
+    if isinstance(doc, DocumentSegments):
+        out = segment_attention(qf, kf, vf, doc, core.scale, dropout)
+    elif doc is not None:
         out = F.scaled_dot_product_attention(
             qf, kf, vf, attn_mask=doc, scale=core.scale, dropout_p=dropout, enable_gqa=gqa
         )
@@ -205,26 +304,13 @@ def _attend_hybrid(core: nn.Module, q, k, v, groups, cp: int, rank: int, doc=Non
     if hkv % u:
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
-    s_local = q.shape[2]
     qf, kf, vf = (comm.all_to_all(t, 1, 2, uly_group) for t in (q, k, v))
     k_all = comm.gather_with_partial_grad(kf, 2, ring_group)
     v_all = comm.gather_with_partial_grad(vf, 2, ring_group)
-    pos_q = torch.cat([local_positions(s_local, cp, a * u + i, q.device) for i in range(u)])
-    pos_k = torch.cat([local_positions(s_local, cp, r, q.device) for r in range(cp)])
-    allowed = _select(doc, pos_q[:, None] >= pos_k[None, :], pos_q, pos_k)
-    if getattr(core, "track_max_logits", False):
-        offset = getattr(core, "head_offset", 0) + j * qf.shape[1]
-        track_max_logits(core, qf, k_all, allowed, core.scale, head_offset=offset)
-    dropout = core.dropout if core.training else 0.0
-    out = F.scaled_dot_product_attention(
-        qf,
-        k_all,
-        v_all,
-        attn_mask=allowed,
-        scale=core.scale,
-        dropout_p=dropout,
-        enable_gqa=qf.shape[1] != k_all.shape[1],
-    )
+    # The group's queries: the two chunks of each of its u ranks, in rank order.
+    chunks = [g for r in range(a * u, (a + 1) * u) for g in (r, 2 * cp - 1 - r)]
+    offset = getattr(core, "head_offset", 0) + j * qf.shape[1]
+    out = _attend_chunks(core, qf, k_all, v_all, chunks, cp, doc, offset)
     return comm.all_to_all(out, 2, 1, uly_group)
 
 
@@ -239,36 +325,60 @@ def track_max_logits(core: nn.Module, q, k, allowed, scale, head_offset: int = 0
     torch.maximum(target, per_head.to(target.device), out=target)
 
 
+class ContextParallelAttention(nn.Module):
+    """The attention of one ``CoreAttention`` across the context-parallel ranks.
+
+    Set as the core's ``context_parallel`` submodule by :func:`apply_cp`; the core then hands its
+    ``(q, k, v)`` of the local chunks to it (``print(model)`` shows it under every core attention). It
+    reads the core's ``scale``, ``dropout`` and max-logit tracking, and holds no parameters or buffers,
+    so no name changes.
+    """
+
+    def __init__(
+        self, method: str, group: Any, cp: int, rank: int, doc_mask: DocumentMask | None = None
+    ) -> None:
+        super().__init__()
+        self.method, self.group, self.cp, self.rank = method, group, cp, rank
+        self.doc_mask = doc_mask
+        self._attend = _ATTEND[method]
+
+    def extra_repr(self) -> str:
+        return (
+            f"method={self.method}, cp={self.cp}, rank={self.rank}, document_mask={self.doc_mask is not None}"
+        )
+
+    def forward(self, core: nn.Module, q, k, v, allowed=None) -> torch.Tensor:
+        if allowed is not None:
+            raise DataError(
+                "context parallel got an attention mask built from the local chunks; document masks must "
+                "reach the model through the batch (attention_mask / actual_seq_len)."
+            )
+        doc = None if self.doc_mask is None else self.doc_mask.layout
+        return self._attend(core, q, k, v, self.group, self.cp, self.rank, doc)
+
+
+_ATTEND = {"ulysses": _attend_ulysses, "colossal": _attend_gathered_kv, "hybrid": _attend_hybrid}
+
+
 def apply_cp(
     model: nn.Module, cp_mesh: Any, method: str, split_mesh: Any = None, doc_mask: DocumentMask | None = None
 ) -> None:
-    """Replace every ``core_attention`` forward by its context-parallel version (in place).
+    """Give every ``CoreAttention`` of ``model`` a :class:`ContextParallelAttention` (in place).
 
     ``split_mesh`` (hybrid only) has the cp ranks as ``(cp_ring, cp_uly)`` dimensions.
     """
     group = cp_mesh.get_group()
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    attend = {"ulysses": _attend_ulysses, "colossal": _attend_gathered_kv, "hybrid": _attend_hybrid}[method]
     if method == "hybrid":
         group = (split_mesh["cp_uly"].get_group(), split_mesh["cp_ring"].get_group())
-    found = False
-    for module in model.modules():
-        core = getattr(module, "core_attention", None)
-        if core is None:
-            continue
-        found = True
-
-        def forward(self, q, k, v, allowed=None, _attend=attend):
-            if allowed is not None:
-                raise DataError(
-                    "context parallel got an attention mask built from the local chunks; document masks must "
-                    "reach the model through the batch (attention_mask / actual_seq_len)."
-                )
-            return _attend(self, q, k, v, group, cp, rank, None if doc_mask is None else doc_mask.allowed)
-
-        core.forward = types.MethodType(forward, core)
-    if not found:
+    cores = [m for m in model.modules() if isinstance(m, CoreAttention)]
+    if not cores:
         raise ConfigError(
-            "parallelism.context_parallel > 1 needs attention modules with a 'core_attention' submodule "
-            "(lmforge's model families); this model has none."
+            "parallelism.context_parallel > 1 needs attention built on lmforge's CoreAttention (the "
+            "'core_attention' of lmforge's model families); this model has none."
         )
+    for core in cores:
+        # Tensor parallel still binds a forward of its own to the core (its max-logit head offset, which
+        # the context-parallel attention reads too); the class's forward must run to reach ours.
+        vars(core).pop("forward", None)
+        core.context_parallel = ContextParallelAttention(method, group, cp, rank, doc_mask)

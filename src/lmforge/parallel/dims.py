@@ -19,7 +19,6 @@ from typing import Any
 
 from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.errors import ConfigError
-from lmforge.utils.sections import section_to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +34,8 @@ PARALLELISM_DEFAULTS: dict[str, Any] = {
 def parallelism_options(section: Any) -> dict[str, Any]:
     """The ``parallelism`` section as a plain dict with every default filled in."""
     opts = dict(PARALLELISM_DEFAULTS)
-    opts.update({k: v for k, v in section_to_dict(section).items() if v is not None or k in opts})
+    plain = section.to_dict() if hasattr(section, "to_dict") else dict(section or {})
+    opts.update({k: v for k, v in plain.items() if v is not None or k in opts})
     return opts
 
 
@@ -174,6 +174,22 @@ class ParallelDims:
         return " ".join(parts)
 
     # ------------------------------------------------------------------ model checks
+    def check_transformer(self, cfg: Any, opts: dict[str, Any], *, seq_length: int | None = None) -> None:
+        """:meth:`check_model` with the facts of a ``TransformerConfig`` (train, check and plan read them here).
+
+        Multi-latent attention has no key/value heads to split (its latent K/V are replicated over tp).
+        """
+        self.check_model(
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=None if cfg.multi_latent_attention else cfg.num_key_value_heads,
+            num_experts=cfg.num_experts or None,
+            seq_length=seq_length,
+            interleave=opts["pipeline_parallel_interleave_num"],
+            layers_per_stage=opts["pipeline_parallel_layers_per_stage"],
+            vocab_size=cfg.vocab_size,
+        )
+
     def check_model(
         self,
         *,

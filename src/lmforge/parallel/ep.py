@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.errors import ConfigError
+from lmforge.models.common.moe import moe_layers
 from lmforge.parallel import comm
 
 logger = logging.getLogger(__name__)
@@ -79,10 +80,6 @@ class AllToAllDispatcher:
         return out.to(y.dtype)
 
 
-def _moe_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "dispatcher") and hasattr(m, "experts")]
-
-
 def apply_ep(model: nn.Module, ep_mesh: Any, opts: dict[str, Any], tp_mesh: Any = None) -> None:
     """Shard routed experts over ``ep_mesh`` and swap in the all-to-all dispatcher (in place)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -99,8 +96,8 @@ def apply_ep(model: nn.Module, ep_mesh: Any, opts: dict[str, Any], tp_mesh: Any 
         )
     group = ep_mesh.get_group()
     ep = ep_mesh.size()
-    moe_layers = _moe_layers(model)
-    if not moe_layers:
+    layers = moe_layers(model)
+    if not layers:
         raise ConfigError(
             f"parallelism.expert_parallel={ep} needs a mixture-of-experts model; this model has no MoE layer."
         )
@@ -108,7 +105,7 @@ def apply_ep(model: nn.Module, ep_mesh: Any, opts: dict[str, Any], tp_mesh: Any 
     # With tp > 1 the expert shard is replicated over tp and each tp rank routes its own tokens.
     mesh = ep_mesh if tp_group is None else ep_mesh._get_root_mesh()["ep", "tp"]
     placements = [Shard(0)] if tp_group is None else [Shard(0), Replicate()]
-    for moe in moe_layers:
+    for moe in layers:
         experts = moe.experts
         num = experts.num_experts
         if num % ep:

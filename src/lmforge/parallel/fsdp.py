@@ -116,7 +116,7 @@ def apply_fsdp(
 
 
 def _routed_experts(layer: nn.Module) -> nn.Module | None:
-    for module in layer.modules():
-        if hasattr(module, "dispatcher") and hasattr(module, "experts"):
-            return module.experts
-    return None
+    from lmforge.models.common.moe import moe_layers
+
+    found = moe_layers(layer)
+    return found[0].experts if found else None

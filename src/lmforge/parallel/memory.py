@@ -106,10 +106,10 @@ def selected_recompute_parts(
     smaller than the whole attention or MLP frees an unknown part and counts as nothing (the
     estimate stays on the high side).
     """
+    from lmforge.config.load import as_section
     from lmforge.parallel.activation import plan_activation_memory
-    from lmforge.utils.sections import section_to_dict
 
-    if section_to_dict(recompute_section).get("mode") != "select":
+    if as_section("recompute", recompute_section).mode != "select":
         return {}
     plan = plan_activation_memory(model, recompute_section, None, None, num_layers)
     out: dict[int, set[str]] = {i: {"attention", "mlp"} for i in plan.full_layers}

@@ -1,8 +1,8 @@
 """The run plan: every check of a configuration that needs no process, and what the run will do.
 
 ``RunPlan.from_config(cfg, world_size)`` is the second half of validation (``load_config`` is the
-first): it types the component sections through their building blocks (the model's
-``TransformerConfig``, the optimizer's options, the lr schedule, the data section), computes the
+first, and types every section: the model's ``TransformerConfig``, the optimizer's options, the lr
+schedule and the data loader are ``cfg.<section>.typed``, which the plan reads), computes the
 parallel degrees, the data-parallel size, the batch schedule (ramp-up included) and the
 accumulation steps once, and runs the checks that need the model's structure (degrees against
 heads and layers, recompute/swap module patterns) on a model built on the meta device, so that no
@@ -246,15 +246,14 @@ def collected_warnings(notes: list[str]) -> Iterator[None]:
 
 
 def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
-    from lmforge.data import validate_dataset_section
     from lmforge.lr import build_scheduler
     from lmforge.models.registry import resolve
     from lmforge.optim import parse_optimizer_section
     from lmforge.parallel.api import validate_options, warn_inert_fields
 
     training = cfg.training
-    # load_config typed the model and lr_scheduler sections (lmforge.config.registry); a TrainConfig
-    # built without the registered schemas is resolved here.
+    # load_config typed the model, optimizer and lr_scheduler sections (lmforge.config.registry); a
+    # section no registered schema typed (a plugin's schema that returns nothing) runs the same schema here.
     typed_model = getattr(cfg.model, "typed", None)
     resolved = typed_model or _attempt(problems, lambda: resolve(cfg.model.to_dict()))
     model_config, model_class = resolved if resolved is not None else (None, None)
@@ -265,27 +264,12 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
     schedule = typed_schedule or _attempt(
         problems, lambda: build_scheduler(cfg.lr_scheduler, int(training.steps))
     )
-    _attempt(
-        problems,
-        lambda: validate_dataset_section(
-            cfg.train_dataset,
-            vocab_size=getattr(model_config, "vocab_size", None),
-            seq_length=getattr(model_config, "seq_length", None),
-        ),
-    )
     dims = _attempt(problems, lambda: ParallelDims.from_section(cfg.parallelism, world_size))
     opts = None
     if dims is not None:
         opts = _attempt(problems, lambda: validate_options(cfg.parallelism, dims))
         if opts is not None:
             warn_inert_fields(opts)
-        if not dims.is_parallel and cfg.parallelism.cpu_offload:
-            # Device-dependent, so `train` decides (lmforge.train.builder.check_cpu_offload_on_one_process).
-            logging.getLogger("lmforge.parallel").warning(
-                "parallelism.cpu_offload: true with one process: no effect on a CPU, refused by `lmforge "
-                "train` on an accelerator (FSDP2's offload needs a parallel run; use "
-                "optimizer.offload_states: true on one device)."
-            )
     rampup = tuple(training.rampup_batch_size) if training.rampup_batch_size else None
     batches = None
     if dims is not None:
@@ -353,16 +337,7 @@ def _check_model_structure(
     mc = model_config
     _attempt(
         problems,
-        lambda: dims.check_model(
-            num_layers=mc.num_layers,
-            num_heads=mc.num_attention_heads,
-            num_kv_heads=None if mc.multi_latent_attention else mc.num_key_value_heads,
-            num_experts=getattr(mc, "num_experts", None) or None,
-            seq_length=mc.seq_length,
-            interleave=opts["pipeline_parallel_interleave_num"],
-            layers_per_stage=opts["pipeline_parallel_layers_per_stage"],
-            vocab_size=mc.vocab_size,
-        ),
+        lambda: dims.check_transformer(mc, opts, seq_length=mc.seq_length),
     )
     patterns = _parameter_patterns(cfg, optimizer)
     lora = getattr(cfg, "lora_config", None)

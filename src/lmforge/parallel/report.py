@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmforge.config.load import as_section
 from lmforge.errors import NotSupportedError
 from lmforge.parallel.dims import ParallelDims
 from lmforge.parallel.memory import describe_ranks, estimate_memory, format_bytes, selected_recompute_parts
-from lmforge.utils.sections import section_to_dict
 
 MAX_RANK_LINES = 16
 
@@ -38,19 +38,10 @@ def parallel_plan(
     else:
         unsupported = None
     cfg = net.config
-    dims.check_model(
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=None if cfg.multi_latent_attention else cfg.num_key_value_heads,
-        num_experts=getattr(cfg, "num_experts", None) or None,
-        seq_length=cfg.seq_length,
-        interleave=opts["pipeline_parallel_interleave_num"],
-        layers_per_stage=opts["pipeline_parallel_layers_per_stage"],
-        vocab_size=cfg.vocab_size,
-    )
-    train = section_to_dict(training)
-    lbs = int(train.get("local_batch_size", 1))
-    accum = accumulation_steps(int(train.get("global_batch_size", 1)), lbs, dims.dp)
+    dims.check_transformer(cfg, opts, seq_length=cfg.seq_length)
+    train = as_section("training", training)
+    lbs = int(train.local_batch_size)
+    accum = accumulation_steps(int(train.global_batch_size), lbs, dims.dp)
     lines = [
         f"Parallel mesh (world size {world_size}): pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard "
         f"{dims.dp_shard} x cp {dims.cp} x tp {dims.tp}"
@@ -79,13 +70,14 @@ def parallel_plan(
     lines += ["  " + r for r in ranks[:MAX_RANK_LINES]]
     if len(ranks) > MAX_RANK_LINES:
         lines.append(f"  ... ({len(ranks) - MAX_RANK_LINES} more ranks)")
+    opt = as_section("optimizer", optimizer)
     est = estimate_memory(
         net,
         dims,
         compute_dtype=getattr(net, "compute_dtype", torch.float32),
-        optimizer_type=str(section_to_dict(optimizer).get("type", "AdamW")),
-        moment_bytes=2 if section_to_dict(optimizer).get("moment_dtype") == "bfloat16" else 4,
-        offload_states=bool(section_to_dict(optimizer).get("offload_states", False)),
+        optimizer_type=str(opt.type),
+        moment_bytes=2 if opt.get("moment_dtype") == "bfloat16" else 4,
+        offload_states=bool(opt.get("offload_states", False)),
         seq_length=cfg.seq_length,
         local_batch_size=lbs,
         hidden_size=cfg.hidden_size,

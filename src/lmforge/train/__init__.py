@@ -1,4 +1,6 @@
-"""The trainer: the loop, checkpoints and exact resume, callbacks, monitoring and evaluation.
+"""The trainer. Its top level is the loop (``trainer.py``), the step (``step.py``) and checkpointing with
+resume (the ``checkpoint`` package); everything beside the step — monitoring, profiling, evaluation, the
+doctor, trackers — lives under ``callbacks/`` together with the code it runs.
 
 ``build_trainer(cfg, output_dir=None, device=None)`` builds everything a run needs from a
 ``TrainConfig`` (one process or under torchrun); ``trainer.fit()`` runs it.

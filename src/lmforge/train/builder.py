@@ -69,29 +69,6 @@ def _with_compile(hook: Any, cfg: Any):
     return apply
 
 
-def check_cpu_offload_on_one_process(section: Any, device: torch.device) -> None:
-    """``parallelism.cpu_offload`` is FSDP2's CPUOffloadPolicy, applied only when the run is parallel.
-
-    On one process there is nothing to shard: on a CPU the parameters, gradients and optimizer states
-    already live in host memory (a no-op, said so); on an accelerator it would do nothing, so it is
-    refused before anything is built, pointing at what does work on one device.
-    """
-    if section is None or not section.get("cpu_offload", False):  # a typed section or a mapping
-        return
-    if device.type == "cpu":
-        logger.warning(
-            "parallelism.cpu_offload: true has no effect on this run: it is one process on a CPU, where "
-            "parameters, gradients and optimizer states are already in host memory."
-        )
-        return
-    raise ConfigError(
-        f"parallelism.cpu_offload: true is FSDP2's CPU offload and needs a parallel run (torchrun with more "
-        f"than one process); on one {device.type} device it would leave everything on the accelerator. Set "
-        "it to false and use optimizer.offload_states: true to keep the fp32 masters and optimizer states "
-        "in host memory, or run under torchrun with --nproc_per_node >= 2."
-    )
-
-
 def find_tokenizer(cfg: Any) -> Path | None:
     """The tokenizer.json of the run's data: ``train_dataset.dataloader.tokenizer`` if it is a local
     path, else a tokenizer.json next to the first training data prefix (as ``lmforge data demo`` lays out)."""
@@ -169,7 +146,7 @@ def build_trainer(
 
     world_size = env_int("WORLD_SIZE", 1, minimum=1)
     _refuse_absurd_model(cfg, device, world_size)
-    plan = preflight(cfg, world_size)
+    plan = preflight(cfg, world_size, device)
     missing = missing_data_files(cfg.train_dataset, TRAINING_KEYS)
     if missing:
         raise DataError(
@@ -183,11 +160,10 @@ def build_trainer(
 
         check_output_dir(run_dir, "output_dir")
         from lmforge.utils.run_lock import lock_dirs, run_dirs
-        from lmforge.utils.sections import section_to_dict
 
         # Refuse now, before anything is written, if another run uses these directories (the
         # trainer holds the locks while it runs).
-        for lock in lock_dirs(run_dirs(run_dir, section_to_dict(cfg.checkpoint))):
+        for lock in lock_dirs(run_dirs(run_dir, cfg.checkpoint)):
             lock.release()
         run_dir.mkdir(parents=True, exist_ok=True)
     # Logging first, so that model / optimizer construction messages reach train.log too.
@@ -213,7 +189,6 @@ def build_trainer(
             "parallelism.pipeline_parallel: 1."
         )
     if not dims.is_parallel:
-        check_cpu_offload_on_one_process(cfg.parallelism, ctx.device)
         model = build_from_config(model_cfg, plan.model_class, device=ctx.device, seed=int(training.seed))
         _maybe_float8(model, float8)
         if lora is not None:

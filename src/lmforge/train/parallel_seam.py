@@ -43,7 +43,7 @@ def distributed_env(device: str | None = None, timeout_s: float = DEFAULT_TIMEOU
     ``timeout_s`` is ``parallelism.process_group_timeout``: how long a collective (and start-up) may
     wait for the slowest rank before the job fails (and torchrun may restart it).
     """
-    from lmforge.utils.device import env_int
+    from lmforge.utils.device import env_int, run_device_type
 
     world = env_int("WORLD_SIZE", 1, minimum=1)
     rank = env_int("RANK", 0)
@@ -52,7 +52,7 @@ def distributed_env(device: str | None = None, timeout_s: float = DEFAULT_TIMEOU
         from lmforge.errors import ConfigError
 
         raise ConfigError(f"The environment variable RANK={rank} must be below WORLD_SIZE={world}.")
-    use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
+    use_cuda = run_device_type(device) == "cuda"
     if use_cuda:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)

@@ -6,8 +6,10 @@ run plan (:mod:`lmforge.parallel.plan`) and the trainer's own lists (callbacks).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from lmforge.errors import ConfigError
 from lmforge.parallel.plan import RunPlan
 
 
@@ -19,6 +21,36 @@ def check_callbacks(cfg: Any) -> None:
         check_callback(item, i)
 
 
-def preflight(cfg: Any, world_size: int) -> RunPlan:
-    """The run plan of ``cfg`` for ``world_size`` processes; one ConfigError naming every problem."""
-    return RunPlan.from_config(cfg, world_size, extra_checks=(check_callbacks,))
+def check_cpu_offload_on_one_process(section: Any, device_type: str) -> str | None:
+    """``parallelism.cpu_offload`` is FSDP2's CPUOffloadPolicy, applied only when the run is parallel.
+
+    On one process there is nothing to shard: on a CPU the parameters, gradients and optimizer states
+    already live in host memory (a no-op: the warning returned says so); on an accelerator it would do
+    nothing, so it is refused, pointing at what does work on one device.
+    """
+    if not section.cpu_offload:
+        return None
+    if device_type == "cpu":
+        return (
+            "parallelism.cpu_offload: true has no effect on this run: it is one process on a CPU, where "
+            "parameters, gradients and optimizer states are already in host memory."
+        )
+    raise ConfigError(
+        f"parallelism.cpu_offload: true is FSDP2's CPU offload and needs a parallel run (torchrun with more "
+        f"than one process); on one {device_type} device it would leave everything on the accelerator. Set "
+        "it to false and use optimizer.offload_states: true to keep the fp32 masters and optimizer states "
+        "in host memory, or run under torchrun with --nproc_per_node >= 2."
+    )
+
+
+def preflight(cfg: Any, world_size: int, device: str | None = None) -> RunPlan:
+    """The run plan of ``cfg`` for ``world_size`` processes on ``device`` (``--device``; None: CUDA when
+    available); one ConfigError naming every problem."""
+    from lmforge.utils.device import run_device_type
+
+    plan = RunPlan.from_config(cfg, world_size, extra_checks=(check_callbacks,))
+    if not plan.dims.is_parallel:
+        note = check_cpu_offload_on_one_process(cfg.parallelism, run_device_type(device))
+        if note is not None:
+            plan = dataclasses.replace(plan, warnings=(*plan.warnings, note))
+    return plan

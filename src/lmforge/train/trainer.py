@@ -17,7 +17,6 @@ from torch import nn
 
 from lmforge.errors import ConfigError
 from lmforge.parallel.plan import BatchSchedule
-from lmforge.train.auto_resume import auto_resume_path
 from lmforge.train.callbacks import (
     CallbackHandler,
     CheckpointCallback,
@@ -35,6 +34,7 @@ from lmforge.train.checkpoint import (
     read_tracker,
     resolve_checkpoint,
 )
+from lmforge.train.checkpoint.resume import auto_resume_path
 from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext
 from lmforge.train.perf import device_memory_gib, mfu_peak
@@ -42,7 +42,6 @@ from lmforge.train.state import TrainState
 from lmforge.train.step import SkipPolicy, StepResult, TrainingStopped, TrainStep
 from lmforge.utils.atomic import check_output_dir, write_text_atomic
 from lmforge.utils.logging import get_logger, setup_logging
-from lmforge.utils.sections import section_to_dict
 
 logger = get_logger("lmforge.train")
 
@@ -96,14 +95,14 @@ class Trainer:
         self.artifacts: dict[str, str] = {}
         self._setup_run_dir()
 
-        training = section_to_dict(config.training)
-        self.max_norm = float(training["max_norm"])
+        training = config.training
+        self.max_norm = float(training.max_norm)
         if batches is None:
             # Without a run plan (a Trainer built by hand): the plan's schedule for this process's dp size.
-            rampup = training.get("rampup_batch_size")
+            rampup = training.rampup_batch_size
             batches = BatchSchedule(
-                global_batch_size=int(training["global_batch_size"]),
-                local_batch_size=int(training["local_batch_size"]),
+                global_batch_size=int(training.global_batch_size),
+                local_batch_size=int(training.local_batch_size),
                 data_parallel=self.ctx.dp_size,
                 rampup=tuple(rampup) if rampup else None,
             )
@@ -114,7 +113,7 @@ class Trainer:
                 logger.warning("%s", note)
         self.batches = batches
         self.state = TrainState(
-            max_steps=int(training["steps"]),
+            max_steps=int(training.steps),
             global_batch_size=self.batches.global_batch_at(0),
             num_accumulation_steps=self.batches.accumulation_steps_at(0),
         )
@@ -127,7 +126,7 @@ class Trainer:
             skip_policy=SkipPolicy.from_monitor(getattr(config, "monitor", None)),
             loss_scaler=_loss_scaler_for(model),
         )
-        self.checkpoint_cfg = section_to_dict(config.checkpoint)
+        self.checkpoint_cfg = config.checkpoint  # typed; .get(key, default) reads it like a mapping
         self.callbacks = CallbackHandler()
         self._add_builtin_callbacks(files_to_copy)
         for cb in callbacks or []:
@@ -273,7 +272,7 @@ class Trainer:
                         self.state.global_step,
                     )
         self._record_lora_base(header)
-        self.state.max_steps = int(section_to_dict(self.config.training)["steps"])
+        self.state.max_steps = int(self.config.training.steps)
         scaler = self.step_fn.loss_scaler
         if scaler is not None:
             if self.state.loss_scaler:
@@ -294,12 +293,12 @@ class Trainer:
 
     def _record_lora_base(self, header: Any) -> None:
         """A LoRA run saves small checkpoints: the adapters plus where the frozen base came from."""
-        from lmforge.train.lora_checkpoint import base_record, has_adapters
+        from lmforge.train.checkpoint.lora import base_record, has_adapters
 
         manager = getattr(self, "_checkpoint_manager", None)
         if manager is None or not has_adapters(self.model):
             return
-        seed = int(section_to_dict(self.config.training).get("seed", 0))
+        seed = int(self.config.training.seed)
         if self.ctx.rank == 0:  # only rank 0 writes common.json
             manager.lora_base = base_record(header, seed)
         else:

@@ -32,6 +32,15 @@ def parse_device(name: str | None, flag: str = "--device") -> str | None:
     return str(device)
 
 
+def run_device_type(device: str | None) -> str:
+    """The device type a run on this machine uses: ``--device`` when given, else ``cuda`` when CUDA is
+    available, else ``cpu``. Known before anything is built (preflight decides device-dependent
+    settings with it; ``distributed_env`` places the run on it)."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
 def env_int(name: str, default: int, minimum: int = 0) -> int:
     """An integer from torchrun's environment (``WORLD_SIZE``, ``RANK``, ...), checked."""
     raw = os.environ.get(name)

@@ -76,6 +76,8 @@ class CoreAttention(nn.Module):
         # tensor parallel hands it a slice of the heads (max_logits stays indexed by global head).
         self.head_offset = 0
         self.register_buffer("max_logits", torch.zeros(num_heads, dtype=torch.float32), persistent=False)
+        # parallel/cp.py sets a ContextParallelAttention here: attention across context-parallel ranks.
+        self.register_module("context_parallel", None)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -89,6 +91,8 @@ class CoreAttention(nn.Module):
         allowed: torch.Tensor | DocumentSegments | None,
     ) -> torch.Tensor:
         """q ``[B, Hq, S, Dk]``, k ``[B, Hkv, S, Dk]``, v ``[B, Hkv, S, Dv]`` → ``[B, Hq, S, Dv]``."""
+        if self.context_parallel is not None:
+            return self.context_parallel(self, q, k, v, allowed)
         gqa = q.shape[1] != k.shape[1]
         dropout = self.dropout if self.training else 0.0
         if isinstance(allowed, DocumentSegments):

@@ -29,7 +29,7 @@ from lmforge.models.common.blocks import LayerBlocks
 from lmforge.models.common.init import draw_seed
 from lmforge.models.common.loss import chunked_linear_cross_entropy, token_cross_entropy, vocab_shard
 from lmforge.models.common.masks import attention_layout
-from lmforge.models.common.moe import ExpertWeight, MoELayer, TopKRouter
+from lmforge.models.common.moe import ExpertWeight, MoELayer, TopKRouter, moe_layers
 from lmforge.models.common.norms import RMSNorm
 from lmforge.models.common.rope import RotaryEmbedding
 from lmforge.models.common.transformer_config import TransformerConfig
@@ -223,9 +223,7 @@ class GPTModel(nn.Module):
             aux_total = aux_total + self._mtp_losses(
                 hidden, input_ids, labels, loss_mask, cos, sin, allowed, aux_losses
             )
-        balance = [
-            m.last_aux_loss for m in self.modules() if isinstance(m, MoELayer) and m.last_aux_loss is not None
-        ]
+        balance = [m.last_aux_loss for m in moe_layers(self) if m.last_aux_loss is not None]
         if balance:
             aux_losses["load_balancing_loss"] = torch.stack(balance).sum()
             aux_total = aux_total + aux_losses["load_balancing_loss"]

@@ -70,13 +70,17 @@ class DocumentSegments:
     def row(self, b: int) -> tuple[tuple[int, int], ...]:
         return self.spans[0] if len(self.spans) == 1 else self.spans[b]
 
-    def dense(self, device: torch.device) -> torch.Tensor:
-        """The equivalent boolean may-attend mask ``[B or 1, 1, S, S]`` (for max-logit tracking, tests)."""
+    def ids(self, device: torch.device) -> torch.Tensor:
+        """Document index of every position, ``[B or 1, S]`` (O(S); for masks of a few rows)."""
         doc = torch.zeros(len(self.spans), self.seq_len, dtype=torch.long)
         for b, row in enumerate(self.spans):
             for i, (start, end) in enumerate(row):
                 doc[b, start:end] = i
-        doc = doc.to(device)
+        return doc.to(device)
+
+    def dense(self, device: torch.device) -> torch.Tensor:
+        """The equivalent boolean may-attend mask ``[B or 1, 1, S, S]`` (for max-logit tracking, tests)."""
+        doc = self.ids(device)
         same = doc[:, None, :, None] == doc[:, None, None, :]
         return same & causal_allowed(self.seq_len, device)[None, None]
 

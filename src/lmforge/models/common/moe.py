@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -203,6 +204,8 @@ class MoELayer(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(settings.num_experts), persistent=False)
         self.register_buffer("bias_update_counts", torch.zeros(settings.num_experts), persistent=False)
         self.last_aux_loss: torch.Tensor | None = None
+        # Set by parallelize: the ranks that route different tokens; the bias update sums their counts.
+        self.bias_counts_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -228,6 +231,9 @@ class MoELayer(nn.Module):
     def update_expert_bias(self, counts: torch.Tensor | None = None) -> None:
         """Aux-loss-free balancing: bias_i += rate·sign(mean load − load_i); resets the step's counts."""
         if self.settings.enable_expert_bias:
+            if counts is None and self.bias_counts_group is not None:
+                counts = self.bias_update_counts.clone()
+                dist.all_reduce(counts, group=self.bias_counts_group)
             load = self.bias_update_counts if counts is None else counts.to(self.bias_update_counts)
             delta = torch.sign(load.mean() - load) * self.settings.bias_update_rate
             self.router.expert_bias += delta.to(self.router.expert_bias)
@@ -252,3 +258,8 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             flops += self.shared_experts.flops_per_token(hidden_size)
         return flops
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """Every MoE layer of ``model`` (the one way expert parallelism, FSDP and the model find them)."""
+    return [m for m in model.modules() if isinstance(m, MoELayer)]

@@ -26,14 +26,14 @@ from typing import Any
 
 from lmforge.errors import ConfigError, DataError
 from lmforge.train.callbacks.base import TrainerCallback, logger
-from lmforge.train.callbacks.registry import register_callback
-from lmforge.train.harness import (
+from lmforge.train.callbacks.lm_eval_harness import (
     _check_jsonl_task,
     evaluate_tasks,
     flat_results,
     require_lm_eval,
     split_tasks,
 )
+from lmforge.train.callbacks.registry import register_callback
 
 
 @register_callback("DownstreamEvalCallback")

@@ -6,14 +6,14 @@ import time
 from typing import Any
 
 from lmforge.train.callbacks.base import TrainerCallback
-from lmforge.train.evaluate import EvalResult, build_eval_loader, eval_settings, evaluate
+from lmforge.train.callbacks.validation import EvalResult, build_eval_loader, eval_settings, evaluate
 from lmforge.utils.logging import get_logger
 
 log = get_logger("lmforge.train.callbacks.evaluation")
 
 
 class EvaluationCallback(TrainerCallback):
-    """Runs :func:`lmforge.train.evaluate.evaluate` on the validation split.
+    """Runs :func:`lmforge.train.callbacks.validation.evaluate` on the validation split.
 
     ``loader_factory`` (tests, custom data) returns an iterable of batches; by default the
     validation loader of ``eval_dataset`` / ``train_dataset`` is built at train begin.

@@ -1,4 +1,4 @@
-"""Callbacks around :mod:`lmforge.train.monitor`: train_state, moe_monitor and per-step peak memory."""
+"""Callbacks around :mod:`lmforge.train.callbacks.monitor_hooks`: train_state, moe_monitor and per-step peak memory."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lmforge.config.load import as_section
 from lmforge.train.callbacks.base import TrainerCallback
-from lmforge.train.monitor import MoeTokenMonitor, PeakMemory, TrainStateMonitor, format_bytes
+from lmforge.train.callbacks.monitor_hooks import MoeTokenMonitor, PeakMemory, TrainStateMonitor, format_bytes
 from lmforge.utils.logging import get_logger
-from lmforge.utils.sections import section_to_dict
 
 log = get_logger("lmforge.train")
 
@@ -34,7 +34,7 @@ class TrainStateMonitorCallback(TrainerCallback):
     order = 15
 
     def __init__(self, section: Any, output_dir: str | os.PathLike) -> None:
-        self.section = section_to_dict(section)
+        self.section = as_section("monitor.train_state", section)
         self.path = Path(output_dir) / "monitor" / f"train_state_rank{_rank()}.jsonl"
         self.monitor: TrainStateMonitor | None = None
 
@@ -42,10 +42,10 @@ class TrainStateMonitorCallback(TrainerCallback):
         self.monitor = TrainStateMonitor(
             _model(kwargs),
             self.path,
-            local_norm=self.section.get("local_norm", ""),
-            device_norm=self.section.get("device_norm", False),
-            local_loss=self.section.get("local_loss", False),
-            device_loss=self.section.get("device_loss", False),
+            local_norm=self.section.local_norm,
+            device_norm=self.section.device_norm,
+            local_loss=self.section.local_loss,
+            device_loss=self.section.device_loss,
         )
         self.monitor.attach()
 
@@ -69,7 +69,7 @@ class MoeMonitorCallback(TrainerCallback):
     order = 15
 
     def __init__(self, section: Any, output_dir: str | os.PathLike, num_layers: int | None = None) -> None:
-        self.section = section_to_dict(section)
+        self.section = as_section("monitor.moe_monitor", section)
         self.path = Path(output_dir) / "monitor" / f"tokens_per_expert_rank{_rank()}.jsonl"
         self.num_layers = num_layers
         self.monitor: MoeTokenMonitor | None = None
@@ -78,8 +78,8 @@ class MoeMonitorCallback(TrainerCallback):
         self.monitor = MoeTokenMonitor(
             _model(kwargs),
             self.path,
-            interval=self.section.get("save_tokens_per_expert_interval"),
-            target_layers=self.section.get("target_layers"),
+            interval=self.section.save_tokens_per_expert_interval,
+            target_layers=self.section.target_layers,
             num_layers=self.num_layers,
         )
         self.monitor.attach()

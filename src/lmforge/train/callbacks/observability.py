@@ -12,16 +12,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lmforge.config.load import as_section
 from lmforge.train.callbacks.base import TrainerCallback
-from lmforge.train.callbacks.doctor import doctor_callback
+from lmforge.train.callbacks.doctor.live import doctor_callback
 from lmforge.train.callbacks.evaluation import EvaluationCallback
 from lmforge.train.callbacks.max_logits import MaxLogitsMonitor
 from lmforge.train.callbacks.monitor import MemoryCallback, MoeMonitorCallback, TrainStateMonitorCallback
+from lmforge.train.callbacks.monitor_hooks import norm_filters
 from lmforge.train.callbacks.profiler import ProfilerCallback
 from lmforge.train.callbacks.tensorboard import TensorBoardCallback
 from lmforge.train.callbacks.trackers import tracker_callbacks
-from lmforge.train.monitor import norm_filters
-from lmforge.utils.sections import section_to_dict
 
 
 def _get(config: Any, key: str) -> Any:
@@ -36,31 +36,31 @@ def observability_callbacks(
     device: Any = None,
     rank: int | None = None,
 ) -> list[TrainerCallback]:
-    monitor = section_to_dict(_get(config, "monitor"))
+    monitor = as_section("monitor", _get(config, "monitor"))
     callbacks: list[TrainerCallback] = [
         MemoryCallback(device),
-        TensorBoardCallback(monitor.get("tensorboard"), output_dir),
+        TensorBoardCallback(monitor.tensorboard, output_dir),
     ]
-    train_state = monitor.get("train_state") or {}
+    train_state = monitor.train_state
     if (
-        norm_filters(train_state.get("local_norm", ""), "monitor.train_state.local_norm") is not None
-        or norm_filters(train_state.get("device_norm", False), "monitor.train_state.device_norm") is not None
-        or train_state.get("local_loss")
-        or train_state.get("device_loss")
+        norm_filters(train_state.local_norm, "monitor.train_state.local_norm") is not None
+        or norm_filters(train_state.device_norm, "monitor.train_state.device_norm") is not None
+        or train_state.local_loss
+        or train_state.device_loss
     ):
         callbacks.append(TrainStateMonitorCallback(train_state, output_dir))
-    moe = monitor.get("moe_monitor") or {}
-    if moe.get("save_tokens_per_expert_interval") is not None:
+    moe = monitor.moe_monitor
+    if moe.save_tokens_per_expert_interval is not None:
         num_layers = getattr(getattr(model, "config", None), "num_layers", None)
         callbacks.append(MoeMonitorCallback(moe, output_dir, num_layers=num_layers))
-    profiler = section_to_dict(_get(config, "profiler"))
-    if profiler.get("enable_profiling"):
+    profiler = as_section("profiler", _get(config, "profiler"))
+    if profiler.enable_profiling:
         callbacks.append(ProfilerCallback(profiler, output_dir, rank))
     evaluation = EvaluationCallback.from_config(config)
     if evaluation is not None:
         callbacks.append(evaluation)
     callbacks.extend(tracker_callbacks(monitor, output_dir))
-    listed = [section_to_dict(c).get("type") for c in (_get(config, "callbacks") or [])]
+    listed = [as_section("callbacks", c).type for c in (_get(config, "callbacks") or [])]
     if getattr(model, "track_max_logits", False) and "MaxLogitsMonitor" not in listed:
         callbacks.append(MaxLogitsMonitor())
     doctor = doctor_callback(config, output_dir)  # on unless monitor.doctor.enable is false

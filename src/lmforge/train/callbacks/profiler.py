@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from lmforge.train.callbacks.base import TrainerCallback
-from lmforge.train.profiler import StepProfiler
+from lmforge.train.callbacks.torch_profiler import StepProfiler
 
 
 class ProfilerCallback(TrainerCallback):

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lmforge.config.load import as_section
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks.base import TrainerCallback
-from lmforge.utils.sections import section_to_dict
 
 _REGISTRY: dict[str, type[TrainerCallback]] = {}
 
@@ -47,8 +47,8 @@ def check_callback(item: Any, index: int) -> None:
     """Refuse ``callbacks[index]`` the way :func:`build_callback` would, without constructing it."""
     import inspect
 
-    kwargs = section_to_dict(item)
-    name = kwargs.pop("type", None)
+    item = as_section("callbacks", item)
+    name, kwargs = item.type, item.extras()
     cls = callback_class(name, index)
     try:
         inspect.signature(cls).bind(**kwargs)
@@ -60,8 +60,8 @@ def check_callback(item: Any, index: int) -> None:
 
 def build_callback(item: Any, index: int) -> TrainerCallback:
     """Build ``callbacks[index]`` of the config (a section or a mapping with ``type``)."""
-    kwargs = section_to_dict(item)
-    name = kwargs.pop("type", None)
+    item = as_section("callbacks", item)
+    name, kwargs = item.type, item.extras()
     cls = callback_class(name, index)
     try:
         return cls(**kwargs)

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lmforge.config.load import as_section
 from lmforge.train.callbacks.base import TrainerCallback
-from lmforge.utils.sections import section_to_dict
 
 # metrics keys the trainer computes, and their tags (the original's names where it has one)
 _TRAINER_TAGS = {
@@ -56,10 +56,10 @@ class TensorBoardCallback(TrainerCallback):
     order = 40  # after memory, evaluation and max-logit callbacks have added their metrics
 
     def __init__(self, section: Any = None, output_dir: str | os.PathLike = ".") -> None:
-        cfg = section_to_dict(section)
-        self.log_dir = Path(cfg.get("output_dir") or Path(output_dir) / "tensorboard")
-        self.log_interval = int(cfg.get("log_interval", 1) or 1)
-        self.queue_size = int(cfg.get("queue_size", 1000) or 1000)
+        cfg = as_section("monitor.tensorboard", section)
+        self.log_dir = Path(cfg.output_dir or Path(output_dir) / "tensorboard")
+        self.log_interval = int(cfg.log_interval or 1)
+        self.queue_size = int(cfg.queue_size or 1000)
         self.writer: Any = None
         self._step_start = 0.0
         self._flops_per_token: float | None = None

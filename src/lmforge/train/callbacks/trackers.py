@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmforge.config.load import as_section
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks.base import TrainerCallback, logger
-from lmforge.utils.sections import section_to_dict
 
 RUNS_FILE = "tracker_runs.json"
 
@@ -66,7 +66,7 @@ class TrackerCallback(TrainerCallback):
     module = ""  # the package to import
 
     def __init__(self, section: Any, output_dir: str | os.PathLike) -> None:
-        self.cfg = section_to_dict(section)
+        self.cfg = as_section(f"monitor.{self.name}", section)  # typed; .get reads it like a mapping
         require_package(self.module, self.name, f"monitor.{self.name}.enable")
         self.output_dir = Path(output_dir)
         self.log_interval = int(self.cfg.get("log_interval") or 1)
@@ -240,8 +240,8 @@ def log_to_run_trackers(
     """Log ``scalars`` at ``step`` into the tracker runs of a finished (or running) training run, as
     ``lmforge eval --tasks`` does: the run ids of ``<output_dir>/tracker_runs.json``, else new runs.
     Returns the names of the trackers logged to."""
-    monitor = section_to_dict(
-        config.get("monitor") if isinstance(config, dict) else getattr(config, "monitor", None)
+    monitor = as_section(
+        "monitor", config.get("monitor") if isinstance(config, dict) else getattr(config, "monitor", None)
     )
     done = []
     for cb in tracker_callbacks(monitor, output_dir):
@@ -259,11 +259,13 @@ def log_to_run_trackers(
     return done
 
 
-def tracker_callbacks(monitor: dict[str, Any], output_dir: str | os.PathLike) -> list[TrackerCallback]:
-    """The enabled trackers of ``monitor`` (a ConfigError here if a package is missing)."""
+def tracker_callbacks(monitor: Any, output_dir: str | os.PathLike) -> list[TrackerCallback]:
+    """The enabled trackers of ``monitor`` (the typed section, or a mapping typed the same way; a
+    ConfigError here if a package is missing)."""
     out: list[TrackerCallback] = []
+    monitor = as_section("monitor", monitor)
     for cls in (WandbCallback, MlflowCallback):
-        section = section_to_dict(monitor.get(cls.name))
-        if section.get("enable"):
+        section = getattr(monitor, cls.name)
+        if section.enable:
             out.append(cls(section, output_dir))
     return out

@@ -22,7 +22,7 @@ from lmforge.train.checkpoint import (
     read_tracker,
     resolve_checkpoint,
 )
-from lmforge.train.safe_load import load_dcp
+from lmforge.train.checkpoint.safe_load import load_dcp
 
 
 def _bytes(n: float) -> str:

@@ -26,9 +26,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, tensorboard_trace_handler
 
-from lmforge.errors import ConfigError
+from lmforge.config.load import as_section
 from lmforge.utils.logging import get_logger
-from lmforge.utils.sections import section_to_dict
 
 log = get_logger(__name__)
 
@@ -39,13 +38,8 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def profiler_options(level: Any) -> dict[str, bool]:
-    if isinstance(level, bool) or not isinstance(level, int):
-        raise ConfigError(
-            f"Invalid profiler_level type: {type(level).__name__}, must be int (profiler.profiler_level)"
-        )
-    if level not in (0, 1, 2):
-        raise ConfigError(f"profiler.profiler_level must be 0, 1 or 2, got {level}")
+def profiler_options(level: int) -> dict[str, bool]:
+    """torch.profiler options of ``profiler.profiler_level`` (0, 1 or 2: checked by the typed section)."""
     return {"record_shapes": level >= 1, "with_flops": level >= 2, "with_modules": level >= 2}
 
 
@@ -53,28 +47,19 @@ class StepProfiler:
     """Profiles the configured window of training steps on the configured ranks."""
 
     def __init__(self, section: Any, output_dir: str | os.PathLike = ".", rank: int | None = None) -> None:
-        cfg = section_to_dict(section)
-        self.enabled = bool(cfg.get("enable_profiling", False))
-        self.start_step = int(cfg.get("start_step", 1))
-        self.end_step = int(cfg.get("end_step", 1))
-        if self.start_step <= 0 or self.end_step <= 0:
-            raise ConfigError(
-                "ProfilerConfig.start_step and end_step must be positive, but got "
-                f"{self.start_step} and {self.end_step} (profiler.start_step, profiler.end_step)"
-            )
-        if self.start_step > self.end_step:
-            raise ConfigError(
-                "ProfilerConfig.start_step must be less than or equal to end_step, but got "
-                f"{self.start_step} and {self.end_step} (profiler.start_step, profiler.end_step)"
-            )
+        # Typed (its start/end/level checks are the section's, at load), or a mapping typed the same way.
+        cfg = as_section("profiler", section)
+        self.enabled = cfg.enable_profiling
+        self.start_step = cfg.start_step
+        self.end_step = cfg.end_step
         self.rank = _rank() if rank is None else rank
-        ranks = cfg.get("profiler_rank")
+        ranks = cfg.profiler_rank
         self.active_on_rank = self.enabled and (ranks is None or self.rank in list(ranks))
-        self.options = profiler_options(cfg.get("profiler_level", 0))
-        self.profile_memory = bool(cfg.get("profile_memory", False))
-        self.with_stack = bool(cfg.get("with_stack", True))
-        self.profile_cpu = bool(cfg.get("profile_cpu", True))
-        base = cfg.get("output_path") or str(Path(output_dir) / "profile")
+        self.options = profiler_options(cfg.profiler_level)
+        self.profile_memory = cfg.profile_memory
+        self.with_stack = cfg.with_stack
+        self.profile_cpu = cfg.profile_cpu
+        base = cfg.output_path or str(Path(output_dir) / "profile")
         self.trace_dir = Path(base) / f"rank_{self.rank}"
         # profiler.mstx (Ascend markers) has no torch counterpart: config loading warns about it.
         self._prof: profile | None = None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-from lmforge.train.doctor.evidence import RunEvidence
+from lmforge.train.callbacks.doctor.evidence import RunEvidence
 
 # --- thresholds -----------------------------------------------------------------------------------
 MIN_STEPS = 3  # fewer metrics records than this: the curve rules do not judge

@@ -4,7 +4,7 @@ A job that torchrun restarts after a worker died (``--max-restarts``), or that a
 requeues, must continue from the newest *complete* checkpoint in ``checkpoint.save_path`` without
 anyone editing the YAML. A save interrupted half-way never counts: it lives in a hidden
 ``.iteration_*.partial`` directory and the tracker file is replaced only after it is complete
-(train/checkpoint.py), so the tracker always names a complete checkpoint.
+(train/checkpoint/__init__.py), so the tracker always names a complete checkpoint.
 
 Modes: ``"auto"`` (default) resumes only on an elastic restart — decided the same way on every
 rank, from the job's store generation (utils/elastic.py), because torchrun's own
@@ -21,7 +21,7 @@ from lmforge.train.checkpoint import read_tracker
 from lmforge.utils.elastic import is_elastic_restart, restart_count
 from lmforge.utils.logging import get_logger
 
-logger = get_logger("lmforge.train.auto_resume")
+logger = get_logger("lmforge.train.checkpoint.resume")
 
 
 def auto_resume_path(checkpoint: dict[str, Any]) -> str | None:

@@ -2,10 +2,10 @@
 
 ``read_run_dir(path) -> RunEvidence``; ``diagnose(evidence) -> Diagnosis`` with ``findings`` (symptom,
 evidence, cause, keys) and ``checked`` (the healthy signs looked at). The rules are one table,
-:data:`lmforge.train.doctor.rules.RULES`, mirrored in docs/guide.md.
+:data:`lmforge.train.callbacks.doctor.rules.RULES`, mirrored in docs/guide.md.
 """
 
-from lmforge.train.doctor.evidence import FACTS_FILE, RunEvidence, read_run_dir
-from lmforge.train.doctor.rules import RULES, Diagnosis, Finding, diagnose
+from lmforge.train.callbacks.doctor.evidence import FACTS_FILE, RunEvidence, read_run_dir
+from lmforge.train.callbacks.doctor.rules import RULES, Diagnosis, Finding, diagnose
 
 __all__ = ["FACTS_FILE", "RULES", "Diagnosis", "Finding", "RunEvidence", "diagnose", "read_run_dir"]

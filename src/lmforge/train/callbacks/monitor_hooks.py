@@ -33,7 +33,7 @@ from torch import nn
 from lmforge.errors import ConfigError
 from lmforge.utils.logging import get_logger
 
-log = get_logger("lmforge.train.monitor")
+log = get_logger("lmforge.train.callbacks.monitor_hooks")
 
 
 def norm_filters(value: Any, name: str) -> list[str] | None:

@@ -1,4 +1,4 @@
-"""The training doctor, live: the rules of :mod:`lmforge.train.doctor.rules` run during training.
+"""The training doctor, live: the rules of :mod:`lmforge.train.callbacks.doctor.rules` run during training.
 
 At the start it writes ``config.yaml`` (the resolved configuration) and ``doctor_facts.json`` (what
 only the live run can see: frozen parameters, parameters in no optimizer group, norms and biases
@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
+from lmforge.config.load import as_section
 from lmforge.train.callbacks.base import TrainerCallback
-from lmforge.train.doctor.evidence import CONFIG_FILE, FACTS_FILE, RunEvidence
-from lmforge.train.doctor.rules import Finding, diagnose
+from lmforge.train.callbacks.doctor.evidence import CONFIG_FILE, FACTS_FILE, RunEvidence
+from lmforge.train.callbacks.doctor.rules import Finding, diagnose
 from lmforge.utils.logging import get_logger
-from lmforge.utils.sections import section_to_dict
 
 logger = get_logger("lmforge.doctor")
 
@@ -238,10 +238,9 @@ def _show(value: Any) -> str:
 
 def doctor_callback(config: Any, output_dir: str | Path) -> DoctorCallback | None:
     """The live doctor of a run, or None when ``monitor.doctor.enable`` is false."""
-    monitor = section_to_dict(
-        config.get("monitor") if isinstance(config, dict) else getattr(config, "monitor", None)
+    monitor = as_section(
+        "monitor", config.get("monitor") if isinstance(config, dict) else getattr(config, "monitor", None)
     )
-    section = section_to_dict(monitor.get("doctor")) if monitor else {}
-    if section.get("enable", True) is False:
+    if not monitor.doctor.enable:
         return None
-    return DoctorCallback(int(section.get("check_interval", 50)), output_dir)
+    return DoctorCallback(int(monitor.doctor.check_interval), output_dir)

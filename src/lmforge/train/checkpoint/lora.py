@@ -27,7 +27,7 @@ from torch import nn
 from lmforge.errors import CheckpointError
 from lmforge.utils.logging import get_logger
 
-logger = get_logger("lmforge.train.lora_checkpoint")
+logger = get_logger("lmforge.train.checkpoint.lora")
 
 LORA_BASE_KEY = "lora_base"  # in common.json
 _HF_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "config.json")

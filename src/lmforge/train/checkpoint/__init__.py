@@ -21,7 +21,7 @@ an existing iteration moves the old copy to ``.iteration_X.old`` first, and :fun
 puts it back if a crash hit between the two renames. A failed save (disk full, ...) is a
 ``CheckpointError`` that names the intact previous checkpoint.
 
-Reading never runs code from the files (``train/safe_load.py``): ``.metadata`` and non-tensor items go
+Reading never runs code from the files (``train/checkpoint/safe_load.py``): ``.metadata`` and non-tensor items go
 through allowlisting unpicklers, and the state skeletons are JSON.
 """
 
@@ -50,14 +50,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmforge.errors import CheckpointError
 from lmforge.models.common.fused_layout import WEIGHT_LAYOUT
-from lmforge.train.rng import capture_rng_state, restore_rng_state
-from lmforge.train.safe_load import TensorRef as _TensorRef
-from lmforge.train.safe_load import (
+from lmforge.train.checkpoint.safe_load import TensorRef as _TensorRef
+from lmforge.train.checkpoint.safe_load import (
     decode_skeleton,
     encode_skeleton,
     load_dcp,
     read_dcp_metadata,
 )
+from lmforge.train.rng import capture_rng_state, restore_rng_state
 from lmforge.train.state import TrainState
 from lmforge.utils.atomic import check_output_dir, fsync_dir, fsync_file, recover_dir, replace_dir
 from lmforge.utils.logging import get_logger
@@ -241,7 +241,7 @@ class CheckpointManager:
         self.rank = dist.get_rank() if _distributed() else 0
         self.world_size = dist.get_world_size() if _distributed() else 1
         self.saved_this_run: list[Path] = []
-        # Set by the trainer for a LoRA run (train/lora_checkpoint.py): where the frozen base came from.
+        # Set by the trainer for a LoRA run (train/checkpoint/lora.py): where the frozen base came from.
         # With it, checkpoints hold the adapters, buffers and optimizer state only, not the base.
         self.lora_base: dict[str, Any] | None = None
         self._pending: _PendingSave | None = None
@@ -328,7 +328,7 @@ class CheckpointManager:
 
     def _build_state_dict(self, target: Checkpointable, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         model_sd = _model_state_dict(target.model)
-        from lmforge.train.lora_checkpoint import has_adapters, without_frozen
+        from lmforge.train.checkpoint.lora import has_adapters, without_frozen
 
         adapters_only = self.lora_base is not None and has_adapters(target.model)
         if adapters_only:
@@ -393,7 +393,7 @@ class CheckpointManager:
         """A failed write (disk full, read-only, ...) is a clear error; the previous checkpoint is kept."""
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from lmforge.train.safe_load import first_failure
+        from lmforge.train.checkpoint.safe_load import first_failure
 
         try:
             yield
@@ -617,7 +617,7 @@ def _check_hf_index(path: Path) -> None:
 
 
 def _read_metadata(path: Path):
-    # Never pickle.load: see train/safe_load.py (a .metadata file could otherwise run code).
+    # Never pickle.load: see train/checkpoint/safe_load.py (a .metadata file could otherwise run code).
     return read_dcp_metadata(path)
 
 
@@ -683,7 +683,7 @@ def load_checkpoint(
     lora_base = header.common.get("lora_base")
     if lora_base and any(is_lora_param_name(k) for k in model_sd):
         # A small LoRA checkpoint: the frozen base is rebuilt from its record, then the rest is loaded.
-        from lmforge.train.lora_checkpoint import restore_base, without_frozen
+        from lmforge.train.checkpoint.lora import restore_base, without_frozen
 
         restore_base(lora_base, target.model, header.path, hf_loader)
         model_sd = without_frozen(target.model, model_sd)
@@ -768,7 +768,7 @@ def load_checkpoint(
 
 
 def _upgrade_layout(header: CheckpointHeader, target: Checkpointable, adapters_only: bool) -> None:
-    from lmforge.train.layout_upgrade import checkpoint_layout, upgrade_fused_layout
+    from lmforge.train.checkpoint.layout_upgrade import checkpoint_layout, upgrade_fused_layout
 
     layout = checkpoint_layout(header.common)
     if layout != WEIGHT_LAYOUT:
@@ -851,7 +851,7 @@ def _check_shapes(path: Path, model_sd: dict[str, Any], keys: dict[str, Any]) ->
 
 def encode_state(obj: Any) -> dict[str, Any]:
     """Split an arbitrary state (nested dicts, lists, tuples, tensors, python values) into a JSON
-    skeleton (train/safe_load.py) and a flat dict of tensors, so DCP stores it exactly: DCP alone would stringify integer
+    skeleton (train/checkpoint/safe_load.py) and a flat dict of tensors, so DCP stores it exactly: DCP alone would stringify integer
     keys and drop empty containers (an optimizer's state dict has both)."""
     tensors: dict[str, torch.Tensor] = {}
 

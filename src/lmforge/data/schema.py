@@ -1,0 +1,233 @@
+"""The typed ``train_dataset.dataloader`` section: one schema per loader type, registered with the config.
+
+``load_config`` dispatches on ``train_dataset.dataloader.type`` to the schema registered here, which
+checks every key of the section without reading a file and returns a :class:`MegatronLoader` or a
+:class:`TextLoader` (``cfg.train_dataset.dataloader.typed``); an unsupported type falls to the
+catch-all, which names the supported ones. What needs the model (its ``seq_length`` and
+``vocab_size``) is :meth:`check_against_model`, which ``TrainConfig`` calls once the model is typed
+too. ``build_dataloader`` builds from the typed result and validates nothing again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lmforge.config.registry import register_section_schema
+from lmforge.errors import ConfigError
+from lmforge.utils.logging import get_logger
+
+from .config import CONFIG_PATH, GPTDatasetConfig, check_token_ids, no_effect_keys, parse_gpt_config
+
+log = get_logger("lmforge.data")
+
+SECTION = "train_dataset.dataloader"
+MEGATRON_TYPE = "BlendedMegatronDatasetDataLoader"
+SUPPORTED_TYPES = (MEGATRON_TYPE, "TextDataLoader", "HFDataLoader")
+# Text / Hugging Face data tokenized on the fly (text_loader.py; HFDataLoader is mapped onto it).
+TEXT_TYPES = ("TextDataLoader", "HFDataLoader")
+# Loader types of MindSpore Transformers that lmforge does not implement (named in the error).
+KNOWN_UNSUPPORTED_TYPES = ("MindDataset", "OrderedIndexDataLoader")
+# The keys BlendedMegatronDatasetDataLoader reads; others are warned about (the original's allow_extra).
+MEGATRON_KEYS = (
+    "column_names",
+    "config",
+    "datasets_type",
+    "python_multiprocessing",
+    "shuffle",
+    "sizes",
+    "tokenizer",
+    "type",
+)
+
+
+@dataclass(frozen=True)
+class MegatronLoader:
+    """A validated BlendedMegatronDatasetDataLoader section."""
+
+    config: GPTDatasetConfig
+    sizes: list[int | None]
+    columns: list[str]
+    shuffle: bool
+    python_multiprocessing: bool
+
+    def check_against_model(self, seq_length: int | None, vocab_size: int | None) -> None:
+        if seq_length is not None and self.config.seq_length != seq_length:
+            raise ConfigError(
+                f"{CONFIG_PATH}.seq_length ({self.config.seq_length}) must equal model.seq_length ({seq_length})."
+            )
+        if vocab_size is not None:
+            check_token_ids(self.config, vocab_size)
+
+
+@dataclass(frozen=True)
+class TextLoader:
+    """A validated TextDataLoader section (an HFDataLoader translated into one): the loader mapping,
+    checked key by key; the tokenizer and the files are read when the loader is built."""
+
+    loader: dict[str, Any]
+
+    def check_against_model(self, seq_length: int | None, vocab_size: int | None) -> None:
+        from .text_loader import text_seq_length
+
+        text_seq_length(self.loader, seq_length)
+
+
+TypedDataloader = MegatronLoader | TextLoader
+
+
+def written_keys(node: Any) -> dict[str, Any]:
+    """The keys the file wrote in a dataloader section (a mapping or the typed config section): the
+    schema's defaults of one loader type are not the other's."""
+    if isinstance(node, Mapping):
+        return dict(node)
+    values = node.to_dict()
+    written = set(node.model_fields_set) | set(node.__pydantic_extra__ or {})
+    return {k: v for k, v in values.items() if k in written}
+
+
+def refuse_type(kind: Any) -> None:
+    """The catch-all schema: a loader type lmforge does not implement, with the supported ones."""
+    what = "is missing" if kind is None else f"is '{kind}'"
+    extra = (
+        f" lmforge does not implement MindSpore Transformers' {kind}; read Megatron .bin/.idx data (convert "
+        "with 'lmforge data preprocess') or text / Hugging Face datasets with TextDataLoader."
+        if kind in KNOWN_UNSUPPORTED_TYPES
+        else ""
+    )
+    raise ConfigError(
+        f"{SECTION}.type {what}.{extra} Supported: {', '.join(SUPPORTED_TYPES)} "
+        f"(Unsupported dataloader type: {kind})."
+    )
+
+
+def _sizes(value: Any) -> list[int | None]:
+    key = f"{SECTION}.sizes"
+    if value is None:
+        return [None, None, None]
+    if not isinstance(value, (list, tuple)) or len(value) > 3:
+        raise ConfigError(
+            f"{key} must be a list [train, valid, test] of sample counts (or null); got {value!r}."
+        )
+    out: list[int | None] = []
+    for i, v in enumerate(list(value) + [None] * (3 - len(value))):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ConfigError(f"{key}[{i}] must be a sample count >= 0 or null; got {v!r}.")
+        out.append(v)
+    return out
+
+
+def check_columns(columns: Any, cfg: GPTDatasetConfig) -> list[str]:
+    """The batch columns a GPTDataset with ``cfg`` can produce, in the order the file names them."""
+    key = f"{SECTION}.column_names"
+    if columns is None:
+        columns = ["input_ids", "labels"]
+    if not isinstance(columns, (list, tuple)) or not all(isinstance(c, str) for c in columns) or not columns:
+        raise ConfigError(f"{key} must be a list of column names; got {columns!r}.")
+    available = ["input_ids", "labels", "loss_mask", "position_ids"]
+    if cfg.create_compressed_eod_mask:
+        available.append("actual_seq_len")
+    elif cfg.create_attention_mask:
+        available.append("attention_mask")
+    for c in columns:
+        if c in available:
+            continue
+        if c == "attention_mask":
+            why = (
+                f"{CONFIG_PATH}.create_compressed_eod_mask is true (it replaces the mask by actual_seq_len)"
+                if cfg.create_compressed_eod_mask
+                else f"{CONFIG_PATH}.create_attention_mask is false"
+            )
+            raise ConfigError(f"{key} asks for attention_mask but {why}.")
+        if c == "actual_seq_len":
+            raise ConfigError(
+                f"{key} asks for actual_seq_len, which needs {CONFIG_PATH}.create_compressed_eod_mask: true."
+            )
+        raise ConfigError(f"{key} contains '{c}'; this dataset provides: {', '.join(available)}.")
+    if len(set(columns)) != len(columns):
+        raise ConfigError(f"{key} names a column twice: {list(columns)}.")
+    return list(columns)
+
+
+def megatron_loader(loader: Mapping[str, Any]) -> MegatronLoader:
+    """Type a BlendedMegatronDatasetDataLoader mapping; keys it does not read are warned about, all at once."""
+    kind = loader.get("datasets_type", "GPTDataset")
+    if kind != "GPTDataset":
+        raise ConfigError(f"{SECTION}.datasets_type is '{kind}'; the only supported value is GPTDataset.")
+    raw_config = loader.get("config")
+    if raw_config is None:
+        raise ConfigError(
+            f"{CONFIG_PATH} is required for {MEGATRON_TYPE}: at least seq_length, "
+            "data_path and split (or train_data_path / valid_data_path)."
+        )
+    raw_config = dict(raw_config) if isinstance(raw_config, Mapping) else raw_config
+    cfg = parse_gpt_config(raw_config)
+    sizes = _sizes(loader.get("sizes"))
+    columns = check_columns(loader.get("column_names"), cfg)
+    unknown = sorted(set(loader) - set(MEGATRON_KEYS))
+    if unknown:
+        log.warning(
+            "%s not used by %s; ignored (valid keys: %s)",
+            ", ".join(f"{SECTION}.{k}" for k in unknown) + (" is" if len(unknown) == 1 else " are"),
+            MEGATRON_TYPE,
+            ", ".join(MEGATRON_KEYS),
+        )
+    for key in no_effect_keys(raw_config):
+        log.warning("%s.%s has no effect in lmforge (see docs/data.md)", CONFIG_PATH, key)
+    return MegatronLoader(
+        config=cfg,
+        sizes=sizes,
+        columns=columns,
+        shuffle=bool(loader.get("shuffle", False)),
+        python_multiprocessing=bool(loader.get("python_multiprocessing", False)),
+    )
+
+
+def text_loader(loader: Mapping[str, Any]) -> TextLoader:
+    """Type a TextDataLoader mapping, or an HFDataLoader translated into one, without reading a file."""
+    from .text_loader import check_text_loader
+
+    mapping = dict(loader)
+    if mapping.get("type") == "HFDataLoader":
+        from .hf_loader import translate_hf_loader
+
+        mapping = translate_hf_loader(mapping)
+    check_text_loader(mapping)
+    return TextLoader(loader=mapping)
+
+
+def type_dataloader(node: Any) -> TypedDataloader:
+    """The typed form of a dataloader section (mapping or config section); ConfigError when invalid."""
+    loader = written_keys(node)
+    kind = loader.get("type")
+    if kind == MEGATRON_TYPE:
+        return megatron_loader(loader)
+    if kind in TEXT_TYPES:
+        return text_loader(loader)
+    refuse_type(kind)
+    raise AssertionError("unreachable")  # refuse_type raises
+
+
+def _schema(node: Any, path: str, cfg: Mapping[str, Any]) -> TypedDataloader:
+    return type_dataloader(node)
+
+
+def register() -> None:
+    """Register every loader type and the catch-all (idempotent)."""
+    for name in (*SUPPORTED_TYPES, "*"):
+        register_section_schema(SECTION, name, _schema)
+
+
+def typed_dataset(section: Any) -> tuple[Any, TypedDataloader]:
+    """``(train_dataset section, typed dataloader)`` for a builder.
+
+    ``section`` is the ``train_dataset`` section ``load_config`` typed (its ``dataloader.typed`` is
+    used as is) or a plain mapping with the same keys, validated here by the same schema.
+    """
+    if isinstance(section, Mapping):
+        from lmforge.config import validate_section
+
+        section = validate_section("train_dataset", section)
+    typed = getattr(section.dataloader, "typed", None)
+    return section, typed if typed is not None else type_dataloader(section.dataloader)
