@@ -341,6 +341,35 @@ def _apply_layer_plan(layer: nn.Module, plan: dict[str, tuple[Any, ...]], mesh: 
             _apply_style(module, style, mesh, group)
 
 
+def _sequence_parallel_norms(model: nn.Module, tp_mesh: Any) -> None:
+    """The token-wise modules on the residual stream (the layers' norms, the final norm, an MTP depth's
+    norms and ``eh_proj``) as torch's ``SequenceParallel``: replicated DTensor weights on this rank's
+    sequence shard, their gradients summed over tp by DTensor."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    class FrozenAwareSequenceParallel(SequenceParallel):
+        """torch's ``SequenceParallel`` re-creates the parameters as trainable; a frozen base weight (LoRA)
+        must stay frozen."""
+
+        def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+            for p_name, param in module.named_parameters(recurse=False):
+                replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+                module.register_parameter(p_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+    modules = [getattr(getattr(model, "decoder", None), "final_layernorm", None)]
+    for layer in decoder_layers(model):
+        inner = getattr(layer, "transformer_layer", layer)  # an MTP depth wraps a transformer layer
+        modules += [getattr(inner, "input_layernorm", None), getattr(inner, "pre_mlp_layernorm", None)]
+        if inner is not layer:
+            modules += [
+                getattr(layer, name, None) for name in ("enorm", "hnorm", "eh_proj", "final_layernorm")
+            ]
+    for module in modules:
+        if module is not None:
+            parallelize_module(module, tp_mesh, FrozenAwareSequenceParallel(use_local_output=True))
+
+
 def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
     """Apply tensor + sequence parallel in place over ``tp_mesh`` (1-D): the embedding and output layer
     by vocabulary rows, each decoder layer by its family's ``tp_plan`` (``models/<family>/parallelize.py``)."""
@@ -365,8 +394,10 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
         _apply_layer_plan(layer, family.tp_plan(cfg, layer.layer_id), tp_mesh, group)
     if out is not None and not tied:
         _vocab_split_output(out, tp_mesh)
-    # Everything else (norms, routers, routed experts, MLA down projections) is replicated over tp and
-    # sees only this rank's tokens or heads: its gradient is the sum over tp.
+    _sequence_parallel_norms(model, tp_mesh)
+    # Everything else (routers, routed experts, MLA down projections and latent norms, Qwen3's per-head
+    # QK norms) is replicated over tp and sees only this rank's tokens or heads: its gradient is the sum
+    # over tp.
     parents = {id(child): parent for parent in model.modules() for child in parent.children()}
     for module in model.modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
