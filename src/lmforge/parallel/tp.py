@@ -24,10 +24,11 @@ Two mechanisms, per the family's plan (``models/<family>/parallelize.py``):
 * Hand-written (MLA attention; next to convert): the block input is all-gathered with
   :mod:`lmforge.parallel.comm`, the projections' forwards compute on local shards (replaced forwards).
 
+The norms on the residual stream (and Qwen3's per-head QK norms) are torch's ``SequenceParallel``.
 Either way the parameters keep their DTensor placements (FSDP, checkpoints, gradient clipping and
-optimizers see them). A replicated weight that sees only this rank's tokens or heads (norms, routers,
-routed experts, MLA down projections) stays a plain computation on local tensors whose gradient is
-summed over the tp group.
+optimizers see them). A replicated weight inside a block that sees only this rank's tokens or heads
+(routers, routed experts, MLA down projections and latent norms) stays a plain computation on local
+tensors whose gradient is summed over the tp group.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from lmforge.models.common.tp_plan import (
     ColwiseShard,
     GatherSequence,
     LocalHeads,
+    ReplicatedOnShard,
     ReplicateInput,
     RowwiseShard,
     RowwiseToSequence,
@@ -322,6 +324,8 @@ def _apply_style(module: nn.Module, style: Any, mesh: Any, group: Any) -> None:
         _gather_block_input(module, group)
     elif isinstance(style, (ReplicateInput, ColwiseShard, RowwiseShard)):
         _apply_dtensor_style(module, style, mesh)
+    elif isinstance(style, ReplicatedOnShard):
+        _replicated_on_shard(module, mesh, style.dim)
     elif isinstance(style, Colwise):
         _colwise(module, style, mesh, group)
     elif isinstance(style, RowwiseToSequence):
@@ -341,22 +345,25 @@ def _apply_layer_plan(layer: nn.Module, plan: dict[str, tuple[Any, ...]], mesh: 
             _apply_style(module, style, mesh, group)
 
 
-def _sequence_parallel_norms(model: nn.Module, tp_mesh: Any) -> None:
-    """The token-wise modules on the residual stream (the layers' norms, the final norm, an MTP depth's
-    norms and ``eh_proj``) as torch's ``SequenceParallel``: replicated DTensor weights on this rank's
-    sequence shard, their gradients summed over tp by DTensor."""
+def _replicated_on_shard(module: nn.Module, mesh: Any, dim: int) -> None:
+    """torch's ``SequenceParallel`` along ``dim`` (replicated DTensor weights, input this rank's shard,
+    local output), keeping a frozen (LoRA base) weight frozen: torch's re-creates them as trainable."""
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     class FrozenAwareSequenceParallel(SequenceParallel):
-        """torch's ``SequenceParallel`` re-creates the parameters as trainable; a frozen base weight (LoRA)
-        must stay frozen."""
-
         def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
             for p_name, param in module.named_parameters(recurse=False):
                 replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
                 module.register_parameter(p_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
 
+    parallelize_module(module, mesh, FrozenAwareSequenceParallel(sequence_dim=dim, use_local_output=True))
+
+
+def _sequence_parallel_norms(model: nn.Module, tp_mesh: Any) -> None:
+    """The token-wise modules on the residual stream (the layers' norms, the final norm, an MTP depth's
+    norms and ``eh_proj``) as torch's ``SequenceParallel``: replicated DTensor weights on this rank's
+    sequence shard, their gradients summed over tp by DTensor."""
     modules = [getattr(getattr(model, "decoder", None), "final_layernorm", None)]
     for layer in decoder_layers(model):
         inner = getattr(layer, "transformer_layer", layer)  # an MTP depth wraps a transformer layer
@@ -367,7 +374,7 @@ def _sequence_parallel_norms(model: nn.Module, tp_mesh: Any) -> None:
             ]
     for module in modules:
         if module is not None:
-            parallelize_module(module, tp_mesh, FrozenAwareSequenceParallel(use_local_output=True))
+            _replicated_on_shard(module, tp_mesh, 1)
 
 
 def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
@@ -395,9 +402,8 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
     if out is not None and not tied:
         _vocab_split_output(out, tp_mesh)
     _sequence_parallel_norms(model, tp_mesh)
-    # Everything else (routers, routed experts, MLA down projections and latent norms, Qwen3's per-head
-    # QK norms) is replicated over tp and sees only this rank's tokens or heads: its gradient is the sum
-    # over tp.
+    # Everything else (routers, routed experts, MLA down projections and latent norms) is replicated
+    # over tp and sees only this rank's tokens or heads: its gradient is the sum over tp.
     parents = {id(child): parent for parent in model.modules() for child in parent.children()}
     for module in model.modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):

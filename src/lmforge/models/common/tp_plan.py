@@ -58,6 +58,14 @@ class RowwiseShard:
 
 
 @dataclass(frozen=True)
+class ReplicatedOnShard:
+    """DTensor path: a module with replicated weights applied element- or row-wise to this rank's shard of
+    its input along ``dim`` (torch's ``SequenceParallel``; e.g. per-head norms on this rank's heads)."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
 class LocalHeads:
     """A ``CoreAttention`` computing this rank's heads (tracks max logits at their global head index)."""
 
@@ -74,6 +82,7 @@ Style = (
     | ReplicateInput
     | ColwiseShard
     | RowwiseShard
+    | ReplicatedOnShard
     | LocalHeads
     | SequenceAuxLoss
 )
@@ -82,12 +91,15 @@ TPPlan = dict[str, tuple[Style, ...]]
 
 def gqa_attention_plan(cfg: TransformerConfig, prefix: str = "self_attention") -> TPPlan:
     groups = ColwiseShard(cfg.num_key_value_heads, "key-value groups (num_key_value_heads)")
-    return {
+    plan: TPPlan = {
         prefix: (ReplicateInput(),),
         f"{prefix}.linear_qkv": (groups,),
         f"{prefix}.core_attention": (LocalHeads(),),
         f"{prefix}.linear_proj": (RowwiseShard(),),
     }
+    if cfg.qk_norm:  # per-head norms ([b, s, heads, d]) on this rank's heads
+        plan[f"{prefix}.q_layernorm"] = plan[f"{prefix}.k_layernorm"] = (ReplicatedOnShard(2),)
+    return plan
 
 
 def mla_attention_plan(cfg: TransformerConfig, prefix: str = "self_attention") -> TPPlan:
