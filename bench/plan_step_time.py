@@ -97,6 +97,7 @@ def _build_step(rank: int, world: int, raw: dict[str, Any]) -> tuple[Any, list[d
             wrapper_reduces_grads=True,
             grad_reduce_is_mean=False,
             dp_group=info.dp_group,
+            pipeline=info.pipeline,
         )
         dp_rank = info.dp_rank
     else:

@@ -294,6 +294,7 @@ def _train_case(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         wrapper_reduces_grads=True,
         grad_reduce_is_mean=False,
         dp_group=info.dp_group,
+        pipeline=info.pipeline,
     )
     scaler = None
     if spec["model"].get("compute_dtype") == "float16":
@@ -309,6 +310,45 @@ def _train_case(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         losses.append(r.loss)
         norms.append(r.grad_norm)
     return {"loss": losses, "grad_norm": norms}
+
+
+def buffers_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """One training step with max-logit tracking on; this rank's MoE token counts and max logits."""
+    from lmforge.train.parallel_seam import ParallelContext
+    from lmforge.train.step import TrainStep
+
+    model, info, _ = build_parallel(rank, world, spec)
+    model.track_max_logits = True
+    ctx = ParallelContext(
+        rank=rank,
+        world_size=world,
+        dp_rank=info.dp_rank,
+        dp_size=info.dp_size,
+        wrapper_reduces_grads=True,
+        grad_reduce_is_mean=False,
+        dp_group=info.dp_group,
+        pipeline=info.pipeline,
+    )
+    step = TrainStep(model, make_optimizer(model, None), None, max_norm=MAX_NORM, ctx=ctx)
+    data = torch.load(spec["data"], weights_only=True)
+    per_rank = spec["gbs"] // info.dp_size
+    result = step(
+        micro_batches(
+            data, 0, list(range(info.dp_rank * per_rank, (info.dp_rank + 1) * per_rank)), spec["lbs"]
+        )
+    )
+    out: dict[str, Any] = {"aux_losses": result.aux_losses}
+    out |= {
+        name: buf.tolist()
+        for name, buf in model.named_buffers()
+        if name.endswith(("tokens_per_expert", "max_logits"))
+    }
+    # Pipeline parallel runs visible stage modules; nothing is bound to the model's modules.
+    modules = [*model.modules(), *(m for s in info.pipeline.stage_modules for m in s.modules())]
+    out["bound_methods"] = sorted(
+        {f"{type(m).__name__}.{k}" for m in modules for k, v in vars(m).items() if hasattr(v, "__self__")}
+    )
+    return out
 
 
 def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -327,12 +367,13 @@ def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, An
     if world > 1:
         model, info, _ = build_parallel(rank, world, spec)
         dp_rank, dp_size, dp_group = info.dp_rank, info.dp_size, info.dp_group
+        pipeline = info.pipeline
     else:
         from lmforge.models import build_model
 
         model = build_model(spec["model"], seed=INIT_SEED)
-        dp_rank, dp_size, dp_group = 0, 1, None
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+        dp_rank, dp_size, dp_group, pipeline = 0, 1, None, None
+    opt = make_optimizer(model, spec.get("optimizer"))
     state = TrainState()
     target = Checkpointable(model=model, optimizer=opt, state=state)
     first = 0
@@ -350,6 +391,7 @@ def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, An
         wrapper_reduces_grads=world > 1,
         grad_reduce_is_mean=False,
         dp_group=dp_group,
+        pipeline=pipeline,
     )
     step = TrainStep(model, opt, None, max_norm=MAX_NORM, ctx=ctx)
     data = torch.load(spec["data"], weights_only=True)

@@ -163,6 +163,16 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         _case("tp_documents", "llama_docs", tensor_parallel=2),
         _case("tp_tied_embeddings", "llama_tied", tensor_parallel=2),
         _case("pp_tied_embeddings", "llama_tied", pipeline_parallel=2),
+        _case("pp_moe", "qwen3_moe", pipeline_parallel=2),  # balancing loss inside the schedule's backward
+        _case("pp_documents", "llama_docs", pipeline_parallel=2),  # masks reach every stage as step kwargs
+        _case(
+            "pp_interleaved_recompute",
+            "llama",
+            activation={"recompute": ACTIVATION["recompute"]},  # (swap is refused with pipeline parallel)
+            pipeline_parallel=2,
+            pipeline_parallel_schedule="interleaved_1f1b",
+            pipeline_parallel_interleave_num=2,
+        ),
         _case("ep_alltoall", "qwen3_moe", expert_parallel=2),
         _case("tp_moe", "qwen3_moe", tensor_parallel=2),
         _case("tp_mla_shared_experts", "deepseek", tensor_parallel=2),
@@ -185,6 +195,7 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         _case("cp_x_tp", "llama", context_parallel=2, tensor_parallel=2),
         _case("pp_x_cp", "llama", context_parallel=2, pipeline_parallel=2),
         _case("pp_x_fsdp_tied_embeddings", "llama_tied", pipeline_parallel=2),
+        _case("pp_x_tp", "llama", pipeline_parallel=2, tensor_parallel=2),
         _case("ep_x_fsdp", "qwen3_moe", expert_parallel=2),
         _case("ep_x_tp", "qwen3_moe", expert_parallel=2, tensor_parallel=2),
         _case("muon_qkclip_fsdp_x_tp", "deepseek", MUON, tensor_parallel=2),

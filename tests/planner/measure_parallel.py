@@ -89,6 +89,7 @@ def _measure_case(rank: int, world: int, raw: dict[str, Any]) -> int:
         wrapper_reduces_grads=True,
         grad_reduce_is_mean=False,
         dp_group=info.dp_group,
+        pipeline=info.pipeline,
     )
     step = TrainStep(model, optimizer, ScheduleLR(optimizer, schedule), max_norm=1.0, ctx=ctx)
     g = torch.Generator().manual_seed(info.dp_rank)

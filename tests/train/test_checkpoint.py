@@ -178,3 +178,37 @@ def test_resave_of_existing_step_replaces_it(tmp_path):
     load_checkpoint(resolve_checkpoint(tmp_path), Checkpointable(fresh), no_load_optim=True)
     assert torch.equal(fresh.hidden.bias, model.hidden.bias)
     shutil.rmtree(tmp_path)
+
+
+def test_optimizer_is_saved_flat_and_the_previous_nested_form_still_loads(tmp_path, monkeypatch):
+    """New checkpoints keep param-group settings per parameter name ("fqn_flat": pipeline stages group
+    their parameters differently); checkpoints of the nested form ("fqn") written before still resume."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, opt = trained()
+    opt.param_groups[0]["lr"] = 3e-3  # a group setting the fresh optimizer below does not have
+    mgr = CheckpointManager(tmp_path / "flat", save_max=3)
+    assert mgr.save(Checkpointable(model, opt, state=TrainState()), 1)
+    common = json.loads((tmp_path / "flat" / "iteration_00000001" / "common.json").read_text())
+    assert common["optimizer_format"] == "fqn_flat"
+
+    def nested(model, optimizer):  # what save wrote before the flat form
+        return "fqn", ckpt_mod._without_masters(get_optimizer_state_dict(model, optimizer))
+
+    monkeypatch.setattr(ckpt_mod, "_optimizer_state_dict", nested)
+    assert CheckpointManager(tmp_path / "nested", save_max=3).save(
+        Checkpointable(model, opt, state=TrainState()), 1
+    )
+    monkeypatch.undo()
+    for kind in ("flat", "nested"):
+        other, other_opt = trained(seed=1)
+        load_checkpoint(
+            resolve_checkpoint(tmp_path / kind),
+            Checkpointable(other, other_opt, state=TrainState()),
+            no_load_optim=False,
+        )
+        for p, q in zip(model.parameters(), other.parameters()):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(other_opt.state[q][key], opt.state[p][key], rtol=0, atol=0)
+        assert other_opt.param_groups[0]["lr"] == 3e-3

@@ -24,12 +24,7 @@ from lmforge.parallel.cp import DocumentMask, apply_cp, shard_batch, validate_cp
 from lmforge.parallel.dims import ParallelDims, ParallelMesh, parallelism_options
 from lmforge.parallel.ep import apply_ep
 from lmforge.parallel.fsdp import apply_fsdp
-from lmforge.parallel.pp import (
-    PipelineRunner,
-    install_deferred_forward,
-    split_for_pipeline,
-    validate_pp_options,
-)
+from lmforge.parallel.pp import Pipeline, refuse_direct_calls, split_for_pipeline, validate_pp_options
 from lmforge.parallel.tp import apply_tp
 
 logger = logging.getLogger(__name__)
@@ -99,7 +94,8 @@ class ParallelInfo:
     dp_group: Any  # loss / token-count reduction group (data-parallel ranks)
     dp_rank: int
     dp_size: int
-    pipeline: PipelineRunner | None = None
+    # pp > 1: this rank's stages and their schedule, run explicitly by the train step and evaluation.
+    pipeline: Pipeline | None = None
     # Ranks that see the same layers on different tokens/heads (all but pp): QK-Clip's MAX reduction.
     qk_clip_group: Any = None
 
@@ -182,19 +178,29 @@ def refuse_unsupported(model: nn.Module, dims: ParallelDims) -> None:
         )
 
 
-def _check_sequence_length(model: nn.Module, dims: ParallelDims) -> None:
+def _sequence_length_check(dims: ParallelDims) -> Callable[[torch.Tensor], None]:
     """Sequence parallel splits the (context-parallel) sequence over tp: its length must divide."""
     unit = dims.tp * (2 * dims.cp if dims.cp > 1 else 1)
 
-    def pre_hook(mod, args, kwargs):
-        ids = args[0] if args else kwargs.get("input_ids")
-        if ids is not None and ids.shape[-1] % unit:
+    def check(ids: torch.Tensor) -> None:
+        if ids.shape[-1] % unit:
             raise ConfigError(
                 f"the sequence length {ids.shape[-1]} must be divisible by {unit} = "
                 f"{'2 × parallelism.context_parallel × ' if dims.cp > 1 else ''}parallelism.tensor_parallel "
                 "(sequence parallel splits the sequence over the tensor-parallel ranks); change the data's "
                 "seq_length or the parallel degrees."
             )
+
+    return check
+
+
+def _check_sequence_length(model: nn.Module, dims: ParallelDims) -> None:
+    check = _sequence_length_check(dims)
+
+    def pre_hook(mod, args, kwargs):
+        ids = args[0] if args else kwargs.get("input_ids")
+        if ids is not None:
+            check(ids)
 
     # Registered first, so it runs before the context-parallel batch sharding.
     model.register_forward_pre_hook(pre_hook, with_kwargs=True)
@@ -260,25 +266,29 @@ def parallelize(
     pipeline = None
     if dims.pp > 1:
         n_stages = dims.pp * opts["pipeline_parallel_interleave_num"]
-        pipeline = PipelineRunner(
+        pipeline = Pipeline(
             model,
             stage_specs,
             pp_mesh=mesh["pp"],
-            dp_group=mesh["dp_cp"].get_group(),  # the global token count spans data and context ranks
+            cp_mesh=mesh["cp"],  # the pipeline shards each micro-batch over cp itself (no model call)
             n_stages=n_stages,
             schedule=opts["pipeline_parallel_schedule"],
             num_microbatches=num_microbatches,
             device=device,
             compute_dtype=compute_dtype,
+            check_batch=_sequence_length_check(dims) if dims.tp > 1 or dims.cp > 1 else None,
         )
         roots = pipeline.stage_modules
         if tied_output:  # tied embeddings: see pp_tied
             from lmforge.parallel.pp_tied import TiedOutput, pair_groups
 
             pp_rank = mesh["pp"].get_local_rank()
-            pipeline.tied = TiedOutput(
-                model, pair_groups(mesh.world), pp_rank == 0, pp_rank == dims.pp - 1, compute_dtype
+            pipeline.attach_tied_output(
+                TiedOutput(
+                    model, pair_groups(mesh.world), pp_rank == 0, pp_rank == dims.pp - 1, compute_dtype
+                )
             )
+        refuse_direct_calls(model)
     else:
         roots = [model]
     expert_mesh = mesh.expert_fsdp_mesh() if dims.ep > 1 else None
@@ -295,9 +305,6 @@ def parallelize(
     if leftovers:
         raise RuntimeError(f"parameters left unsharded by parallelize (a bug): {leftovers[:5]}")
     _sum_expert_counts(model, mesh["dp_cp_tp"].get_group())
-    if pipeline is not None:
-        # Balancing losses: averaged over micro-batches and data ranks; per chunk pair under cp (see _install_cp_io).
-        install_deferred_forward(model, pipeline, aux_scale=1.0 / (num_microbatches * dims.dp * dims.cp))
     info = ParallelInfo(
         dims=dims,
         mesh=mesh,

@@ -3,23 +3,24 @@
 Each pipeline rank keeps one pruned copy of the model that holds only its layers (under their global
 names, ``decoder.layers.5`` stays ``decoder.layers.5``, so checkpoints load into any layout), the
 embedding on the first stage and the final norm and output layer on the last. Its virtual stages
-(``pipeline_parallel_interleave_num`` of them, stage ``c·pp + rank``) are light wrappers around
-slices of that copy.
+(``pipeline_parallel_interleave_num`` of them, stage ``c·pp + rank``) are :class:`StageModule` s: plain
+modules over slices of that copy, each wrapped in a ``PipelineStage``.
 
-The trainer's step calls the model once per micro-batch and backpropagates each result. The pipeline
-model accepts those calls, keeps the micro-batches, and at the last one (micro-batches = accumulation
-steps, as in the original) runs the whole schedule, forward and backward. Each micro-batch's loss is
-``loss_sum / N_global`` (the global-batch token mean, DESIGN §6), with ``scale_grads=False``. The
-returned outputs carry the token counts and, on the last call, the step's summed loss broadcast from
-the last stage, attached to a dummy leaf so the trainer's ``backward()`` is a no-op. MoE balancing
-losses are added to the gradient where they arise (their layer's output), as Megatron's auto-scaler.
+The train step runs the schedule itself (as torchtitan's ``if pp: schedule.step(...)``):
+:meth:`Pipeline.step_inputs` gives the whole-batch arguments of this rank's stages (micro-batches =
+accumulation steps, as in the original), ``pipeline.schedule.step(...)`` runs forward and backward of
+every micro-batch, and :meth:`Pipeline.finish_step` returns the tied gradient and the loss. The loss function
+(:class:`TokenLoss`) backpropagates each micro-batch's ``loss_sum × scale`` with ``scale = 1/N_global``
+(times the fp16 loss scale): the global-batch token mean of DESIGN §6, with ``scale_grads=False``.
+MoE balancing losses are added to the gradient where they arise (their layer's output), as
+Megatron's auto-scaler. Evaluation runs the stages forward-only, one micro-batch at a time
+(:meth:`Pipeline.evaluate_batch`). Calling the pruned model directly is refused with a clear message.
 """
 
 from __future__ import annotations
 
-import types
-from collections import deque
-from dataclasses import dataclass, field
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,8 +31,12 @@ from torch import nn
 from lmforge.errors import ConfigError, NotSupportedError
 from lmforge.parallel.pp_layout import stage_layers, stages_of_rank
 
+logger = logging.getLogger(__name__)
+
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 IGNORE_INDEX = -100
+# Side inputs every stage receives as keyword arguments of ``schedule.step`` (split per micro-batch).
+STAGE_KWARGS = ("position_ids", "attention_mask", "actual_seq_len")
 
 
 class KeyedLayers(nn.ModuleDict):
@@ -53,15 +58,13 @@ class _AttachAux(torch.autograd.Function):
         return grad, torch.ones((), dtype=torch.float32, device=grad.device)
 
 
-@dataclass
-class _StepInputs:
-    """Per-step side inputs of the stages (positions, masks), consumed one micro-batch at a time."""
-
-    extras: deque = field(default_factory=deque)
-
-
 class StageModule(nn.Module):
-    """One virtual stage: embedding (first), a run of decoder layers, final norm + logits (last)."""
+    """One virtual stage: embedding (first), a run of decoder layers, final norm + logits (last).
+
+    Its submodules are the pruned model's own (one name, one parameter each). The logits use the
+    model's output weight, or, with tied embeddings, ``tied_output``: the first stage's embedding
+    weight as received for this step (:mod:`lmforge.parallel.pp_tied`).
+    """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> None:
         super().__init__()
@@ -70,22 +73,91 @@ class StageModule(nn.Module):
         self.embedding = model.embedding if first else None
         self.final_layernorm = model.decoder.final_layernorm if last else None
         self.output_layer = getattr(model, "output_layer", None) if last else None
+        self.tied_output: nn.Module | None = None  # set on the last stage when embeddings are tied
         object.__setattr__(self, "_model", model)  # not a submodule: no second name for its parameters
-        self.side = _StepInputs()
-        self.aux_scale = 0.0
+        self.aux_scale = 0.0  # weight of the MoE balancing losses in this step's objective
+        self.aux_sum: torch.Tensor | float = 0.0  # this step's balancing losses (for the log)
+        self.moe_layers = 0  # layers of this stage that produced a balancing loss in its last call
+        # The schedule's first step infers the stage's shapes with one extra forward (on the first
+        # micro-batch, or on uninitialised activations past the first stage). The pipeline sets this
+        # flag before that step so that the extra run leaves no trace in the buffers (MoE token
+        # counts, tracked max logits); ``calls`` lets it check that the extra run happened.
+        self.restore_buffers_after_next_call = False
+        self.calls = 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cos, sin, allowed = self.side.extras.popleft()
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        actual_seq_len: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        self.calls += 1
+        if not self.restore_buffers_after_next_call:
+            return self._run(x, position_ids, attention_mask, actual_seq_len)
+        self.restore_buffers_after_next_call = False
+        saved = [(b, _local(b).detach().clone()) for b in self.buffers()]
+        aux_before = self.aux_sum
+        out = self._run(x, position_ids, attention_mask, actual_seq_len)
+        self.aux_sum = aux_before
+        with torch.no_grad():
+            for b, before in saved:
+                if not torch.equal(_local(b), before):  # only counters change (in-place copy is safe)
+                    _local(b).copy_(before)
+        return out
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        actual_seq_len: torch.Tensor | None,
+    ) -> torch.Tensor:
+        from lmforge.models.common.masks import attention_layout
+
+        model = self._model
+        cos, sin = model.rotary_pos_emb(position_ids)
+        allowed = attention_layout(position_ids.shape[-1], x.device, attention_mask, actual_seq_len)
         h = self.embedding.word_embeddings(x) if self.first else x
+        self.moe_layers = 0
         for layer in self.layers:
             h = layer(h, cos, sin, allowed)
             aux = getattr(getattr(layer, "mlp", None), "last_aux_loss", None)
             if aux is not None and torch.is_grad_enabled():
                 h = _AttachAux.apply(h, aux * self.aux_scale)
-        if self.last:
-            model = self._model
-            return F.linear(model.decoder.final_layernorm(h), model._output_weight())
-        return h
+                self.aux_sum = self.aux_sum + aux.detach().to(torch.float64)
+                self.moe_layers += 1
+        if not self.last:
+            return h
+        normed = self.final_layernorm(h)
+        if self.tied_output is not None:
+            return F.linear(normed, self.tied_output.weight.to(self.tied_output.compute_dtype))
+        return F.linear(normed, model._output_weight())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class TokenLoss:
+    """The schedule's loss function: a micro-batch's cross-entropy sum over its valid tokens × ``scale``.
+
+    ``scale`` (a ``loss_kwargs`` entry of ``schedule.step``) is ``1 / N_global`` times the fp16 loss
+    scale, so the micro-batches' backward passes add up to the gradient of the global-batch token mean.
+    The unscaled sums and token counts are kept for the step's reported loss.
+    """
+
+    def __init__(self) -> None:
+        self.sums: list[torch.Tensor] = []
+        self.tokens: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        from lmforge.models.common.loss import token_cross_entropy
+
+        loss_sum, num = token_cross_entropy(logits, target[..., 0], target[..., 1])
+        self.sums.append(loss_sum.detach())
+        self.tokens.append(num.detach())
+        return loss_sum * scale
 
 
 def _schedule_class(name: str):
@@ -140,8 +212,9 @@ def split_for_pipeline(
     return [(s, stages[s]) for s in mine]
 
 
-class PipelineRunner:
-    """Builds the stages and the schedule, and runs one step over the buffered micro-batches."""
+class Pipeline:
+    """This rank's stages and their schedule; the train step calls ``schedule.step`` between
+    :meth:`step_inputs` and :meth:`finish_step`."""
 
     def __init__(
         self,
@@ -149,34 +222,33 @@ class PipelineRunner:
         stage_specs: list[tuple[int, list[int]]],
         *,
         pp_mesh: Any,
-        dp_group: Any,
+        cp_mesh: Any,
         n_stages: int,
         schedule: str,
         num_microbatches: int,
         device: torch.device,
         compute_dtype: torch.dtype = torch.float32,
+        check_batch: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
         self.model = model
         self.pp_group = pp_mesh.get_group()
-        self.dp_group = dp_group
+        self.cp_size = cp_mesh.size()
+        self.cp_rank = cp_mesh.get_local_rank()
+        self.cp_group = cp_mesh.get_group() if self.cp_size > 1 else None
         self.n_micro = num_microbatches
         self.device = device
         self.compute_dtype = compute_dtype
-        self.loss_scale = 1.0  # fp16 dynamic loss scale of the step in progress (set by TrainStep)
-        self.modules = [StageModule(model, ids, s == 0, s == n_stages - 1) for s, ids in stage_specs]
-        self.has_first = any(m.first for m in self.modules)
-        self.has_last = any(m.last for m in self.modules)
-        self.stage_modules = self.modules
+        self.check_batch = check_batch  # e.g. the sequence length against tp / cp
+        self.stage_modules = [StageModule(model, ids, s == 0, s == n_stages - 1) for s, ids in stage_specs]
+        self.has_first = any(m.first for m in self.stage_modules)
+        self.has_last = any(m.last for m in self.stage_modules)
+        self.loss = TokenLoss()
+        self.tied: Any = None  # pp_tied.TiedOutput when the output layer is the embedding
         self._stage_ids = [s for s, _ in stage_specs]
         self._n_stages = n_stages
         self._schedule_name = schedule
-        self._schedule = None
-        self._pipeline_stage = PipelineStage
-        self.inv_tokens = 1.0
-        self.loss_sums: list[torch.Tensor] = []
-        self.tied: Any = None  # pp_tied.TiedOutput when the output layer is the embedding
+        self._schedule: Any = None
+        self._first_step = False
         # Global rank of the last stage in this rank's pipeline (for broadcasting the loss).
         last_pp_rank = (n_stages - 1) % pp_mesh.size()
         self.last_stage_global_rank = dist.get_global_rank(self.pp_group, last_pp_rank)
@@ -189,199 +261,177 @@ class PipelineRunner:
                 f"({pp_mesh.size()}); adjust training.global_batch_size."
             )
 
-    def _build(self) -> None:
-        stages = [
-            self._pipeline_stage(m, sid, self._n_stages, self.device, group=self.pp_group)
-            for m, sid in zip(self.modules, self._stage_ids)
-        ]
-        cls = _schedule_class(self._schedule_name)
-        target = stages if self._schedule_name == "interleaved_1f1b" else stages[0]
-        self._schedule = cls(target, n_microbatches=self.n_micro, loss_fn=self._loss_fn, scale_grads=False)
+    def attach_tied_output(self, tied: Any) -> None:
+        """Tied embeddings: the last stage computes its logits from ``tied``'s copy of the weight."""
+        self.tied = tied
+        for m in self.stage_modules:
+            if m.last:
+                m.tied_output = tied
 
-    def _loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        from lmforge.models.common.gpt import token_cross_entropy
+    @property
+    def schedule(self) -> Any:
+        """The ``torch.distributed.pipelining`` schedule (built at first use, on the materialised model)."""
+        if self._schedule is None:
+            from torch.distributed.pipelining import PipelineStage
 
-        loss_sum, _ = token_cross_entropy(logits, target[..., 0], target[..., 1])
-        self.loss_sums.append(loss_sum.detach())
-        return loss_sum * self.inv_tokens
+            stages = [
+                PipelineStage(m, sid, self._n_stages, self.device, group=self.pp_group)
+                for m, sid in zip(self.stage_modules, self._stage_ids)
+            ]
+            cls = _schedule_class(self._schedule_name)
+            target = stages if self._schedule_name == "interleaved_1f1b" else stages[0]
+            self._schedule = cls(target, n_microbatches=self.n_micro, loss_fn=self.loss, scale_grads=False)
+        return self._schedule
 
-    def run(self, micro_batches: list[dict[str, torch.Tensor]], aux_scale: float) -> torch.Tensor:
-        """Forward + backward of the whole step; returns the summed token loss (same on every pp rank)."""
-        from lmforge.models.common.masks import build_allowed_mask
+    def _local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of a micro-batch (its context-parallel chunks), with explicit positions."""
+        from lmforge.parallel.cp import shard_batch
 
-        first_run = self._schedule is None
-        if first_run:
-            self._build()
-        counts = torch.zeros((), dtype=torch.float64, device=self.device)
-        for b in micro_batches:
-            counts += _valid_tokens(b).to(torch.float64)
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(counts, group=self.dp_group)
-        # The backward runs inside the schedule, so the step's fp16 loss scale is applied here.
-        self.inv_tokens = self.loss_scale / max(float(counts), 1.0)
-        for m in self.modules:
-            m.side.extras.clear()
-            m.aux_scale = aux_scale * self.loss_scale
-            for b in micro_batches:
-                ids = b["input_ids"]
-                s = ids.shape[1]
-                pos = b.get("position_ids")
-                if pos is None:
-                    pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
-                elif pos.dim() == 1:
-                    pos = pos.unsqueeze(0)
-                cos, sin = self.model.rotary_pos_emb(pos)
-                allowed = build_allowed_mask(s, ids.device, b.get("attention_mask"), b.get("actual_seq_len"))
-                m.side.extras.append((cos, sin, allowed))
-            if first_run:
-                # torch infers the stage shapes on the first step by running each stage once more before
-                # the micro-batches (and the loss once); give that run the first micro-batch's inputs.
-                m.side.extras.appendleft(m.side.extras[0])
-        self.loss_sums = []
-        x = torch.cat([b["input_ids"] for b in micro_batches]) if self.has_first else None
-        target = None
+        ids = batch["input_ids"]
+        if self.check_batch is not None:
+            self.check_batch(ids)
+        batch = shard_batch(batch, self.cp_size, self.cp_rank, None)
+        pos = batch.get("position_ids")
+        if pos is None:
+            s = batch["input_ids"].shape[1]
+            pos = torch.arange(s, device=ids.device).unsqueeze(0)
+        elif pos.dim() == 1:
+            pos = pos.unsqueeze(0)
+        return {**batch, "position_ids": pos.expand(batch["input_ids"].shape[0], -1)}
+
+    def step_inputs(
+        self, micro_batches: Sequence[dict[str, torch.Tensor]], *, scale: float, aux_scale: float
+    ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+        """``(args, kwargs)`` of ``schedule.step`` for this rank's stages, over the step's micro-batches.
+
+        ``scale`` multiplies each micro-batch's loss sum (``1/N_global`` × the fp16 loss scale);
+        ``aux_scale`` weighs the balancing losses as the non-pipelined step does (under context
+        parallel each rank's chunk pair contributes ``1/cp`` of it). With tied embeddings this sends
+        the weight to the last stage (see :meth:`finish_step` for its gradient).
+        """
+        if len(micro_batches) != self.n_micro:
+            raise ConfigError(
+                f"pipeline parallel runs {self.n_micro} micro-batches per step (the accumulation steps it was "
+                f"built for), got {len(micro_batches)}; the global batch must not change during the run."
+            )
+        local = [self._local_batch(b) for b in micro_batches]
+        self._first_step = self._schedule is None
+        for m in self.stage_modules:
+            m.aux_scale = aux_scale / self.cp_size
+            m.aux_sum = 0.0
+            m.calls = 0
+            m.restore_buffers_after_next_call = self._first_step  # the schedule's shape inference
+        self.loss.sums.clear()
+        self.loss.tokens.clear()
+        kwargs: dict[str, Any] = {
+            key: torch.cat([b[key] for b in local]) for key in STAGE_KWARGS if local[0].get(key) is not None
+        }
         if self.has_last:
-            labels = torch.cat([b["labels"] for b in micro_batches])
-            mask = [b.get("loss_mask") for b in micro_batches]
+            labels = torch.cat([b["labels"] for b in local])
             mask = torch.cat(
                 [
-                    torch.ones_like(b["labels"]) if m is None else m.to(b["labels"].dtype)
-                    for b, m in zip(micro_batches, mask)
+                    torch.ones_like(b["labels"]) if b.get("loss_mask") is None else b["loss_mask"]
+                    for b in local
                 ]
             )
-            target = torch.stack([labels.long(), mask.long()], dim=-1)
+            kwargs["target"] = torch.stack([labels.long(), mask.long()], dim=-1)
+            kwargs["loss_kwargs"] = {"scale": scale}
         if self.tied is not None:
             self.tied.send_weight(requires_grad=True)
-        if self.has_first and self.has_last:
-            self._schedule.step(x, target=target, losses=[])
-        elif self.has_first:
-            self._schedule.step(x)
-        elif self.has_last:
-            self._schedule.step(target=target, losses=[])
-        else:
-            self._schedule.step()
+        args = (torch.cat([b["input_ids"] for b in local]),) if self.has_first else ()
+        return args, kwargs
+
+    def finish_step(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """After ``schedule.step``: the tied weight's gradient goes back to the first stage, and
+        ``(loss_sum, tokens, aux_losses)`` of this data-parallel rank's micro-batches is returned, the
+        same on every pipeline rank: the loss sum and token count from the last stage (summed over
+        context-parallel ranks), ``aux_losses`` the MoE balancing losses of every stage's layers,
+        summed over micro-batches (averaged over cp chunks), for the log, as the model reports them."""
         if self.tied is not None:
             self.tied.return_grad()
-        # Only the last n_micro loss calls are the micro-batches (the first step adds a shape-inference call).
-        self.loss_sums = self.loss_sums[-self.n_micro :]
-        total = torch.stack(self.loss_sums).sum() if self.loss_sums else torch.zeros((), device=self.device)
-        total = total.to(torch.float32).reshape(1).clone()
-        dist.broadcast(total, src=self.last_stage_global_rank, group=self.pp_group)
-        return total[0]
+        if self._first_step and any(m.calls != self.n_micro + 1 for m in self.stage_modules):
+            logger.warning(
+                "torch.distributed.pipelining ran %s stage forwards in its first step, not one per micro-batch "
+                "(%d) plus one to infer shapes: the buffers restored after the first forward (MoE token counts, "
+                "max logits) missed one micro-batch; lmforge.parallel.pp must follow this torch version.",
+                [m.calls for m in self.stage_modules],
+                self.n_micro,
+            )
+        self._first_step = False
+        # Only the last n_micro loss calls are the micro-batches (the first step infers shapes with one more).
+        sums, tokens = self.loss.sums[-self.n_micro :], self.loss.tokens[-self.n_micro :]
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        if self.has_last:
+            totals[0] = torch.stack(sums).to(torch.float64).sum()
+            totals[1] = torch.stack(tokens).to(torch.float64).sum()
+        for m in self.stage_modules:
+            totals[2] += torch.as_tensor(m.aux_sum, device=self.device) / self.cp_size
+        totals[3] = sum(m.moe_layers for m in self.stage_modules)
+        if self.cp_group is not None:
+            dist.all_reduce(totals, group=self.cp_group)
+        # Loss and tokens are zero outside the last stage, so the sum over pp ranks is its value.
+        dist.all_reduce(totals, group=self.pp_group)
+        aux = {"load_balancing_loss": totals[2]} if totals[3] > 0 else {}
+        return totals[0], totals[1], aux
+
+    def _share_totals(self, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cp_group is not None:
+            dist.all_reduce(totals, group=self.cp_group)
+        dist.broadcast(totals, src=self.last_stage_global_rank, group=self.pp_group)
+        return totals[0], totals[1]
 
     @torch.no_grad()
-    def forward_only(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def evaluate_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Evaluation: one micro-batch through the stages in order (plain send/recv, no schedule).
 
         Returns ``(loss_sum, num_tokens)`` of the batch, the same on every pipeline rank.
         """
-        from lmforge.models.common.gpt import token_cross_entropy
-        from lmforge.models.common.masks import build_allowed_mask
+        from lmforge.models.common.loss import token_cross_entropy
 
+        if batch.get("labels") is None:
+            raise ConfigError(
+                "a pipeline-parallel model computes losses only (labels are required); generation and logits "
+                "need parallelism.pipeline_parallel: 1."
+            )
+        batch = self._local_batch(batch)
         ids = batch["input_ids"]
         b, s = ids.shape
-        pos = batch.get("position_ids")
-        if pos is None:
-            pos = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, -1)
-        elif pos.dim() == 1:
-            pos = pos.unsqueeze(0)
-        cos, sin = self.model.rotary_pos_emb(pos)
-        allowed = build_allowed_mask(s, ids.device, batch.get("attention_mask"), batch.get("actual_seq_len"))
+        side = {key: batch[key] for key in STAGE_KWARGS if batch.get(key) is not None}
         pp = dist.get_world_size(self.pp_group)
         my_rank = dist.get_rank(self.pp_group)
         tp = getattr(self.model, "tensor_parallel_size", 1)
         hidden_shape = (b, s // tp, self.model.config.hidden_size)
-        by_id = dict(zip(self._stage_ids, self.modules))
+        by_id = dict(zip(self._stage_ids, self.stage_modules))
         if self.tied is not None:
             self.tied.send_weight(requires_grad=False)
-        result = torch.zeros(2, dtype=torch.float32, device=self.device)
-        h = None
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for sid in range(self._n_stages):
-            owner = sid % pp
-            if owner != my_rank:
+            if sid % pp != my_rank:
                 continue
-            module = by_id[sid]
             if sid == 0:
                 x = ids
             else:
                 x = torch.empty(hidden_shape, dtype=self.compute_dtype, device=self.device)
                 dist.recv(x, group_src=(sid - 1) % pp, group=self.pp_group)
-            module.side.extras.clear()
-            module.side.extras.append((cos, sin, allowed))
-            h = module(x)
+            h = by_id[sid](x, **side)
             if sid < self._n_stages - 1:
                 dist.send(
                     h.to(self.compute_dtype).contiguous(), group_dst=(sid + 1) % pp, group=self.pp_group
                 )
             else:
-                mask = batch.get("loss_mask")
-                loss_sum, num = token_cross_entropy(h, batch["labels"], mask)
-                result = torch.stack([loss_sum.float(), num.float()])
-        dist.broadcast(result, src=self.last_stage_global_rank, group=self.pp_group)
-        return result[0], result[1]
+                loss_sum, num = token_cross_entropy(h, batch["labels"], batch.get("loss_mask"))
+                totals = torch.stack([loss_sum.to(torch.float64), num.to(torch.float64)])
+        return self._share_totals(totals)
 
 
-def _valid_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    valid = batch["labels"] != IGNORE_INDEX
-    mask = batch.get("loss_mask")
-    if mask is not None:
-        valid = valid & (mask != 0)
-    return valid.sum()
+def refuse_direct_calls(model: nn.Module) -> None:
+    """The pruned model holds only this rank's layers: only its pipeline may run it."""
 
-
-def install_deferred_forward(model: nn.Module, runner: PipelineRunner, *, aux_scale: float) -> None:
-    """Make ``model(**micro_batch)`` collect micro-batches and run the pipeline at the last one."""
-    from lmforge.models.common.gpt import CausalLMOutput
-
-    pending: list[dict[str, torch.Tensor]] = []
-    anchor = torch.zeros((), requires_grad=True)
-
-    def forward(
-        self,
-        input_ids,
-        labels=None,
-        loss_mask=None,
-        position_ids=None,
-        attention_mask=None,
-        actual_seq_len=None,
-    ):
-        batch = {"input_ids": input_ids, "labels": labels}
-        for key, value in (
-            ("loss_mask", loss_mask),
-            ("position_ids", position_ids),
-            ("attention_mask", attention_mask),
-            ("actual_seq_len", actual_seq_len),
-        ):
-            if value is not None:
-                batch[key] = value
-        if labels is None:
-            raise ConfigError(
-                "a pipeline-parallel model computes losses only (labels are required); generation and logits "
-                "need parallelism.pipeline_parallel: 1."
-            )
-        if not torch.is_grad_enabled():  # evaluation: forward only, one micro-batch at a time
-            loss_sum, num = runner.forward_only(batch)
-            return CausalLMOutput(
-                logits=torch.empty(0, device=input_ids.device),
-                loss=loss_sum / num.clamp(min=1),
-                loss_sum=loss_sum,
-                num_tokens=num,
-            )
-        pending.append(batch)
-        num = _valid_tokens(batch).to(torch.float32)
-        a = anchor.to(input_ids.device)
-        if len(pending) < runner.n_micro:
-            loss_sum = a * 0.0
-        else:
-            total = runner.run(list(pending), aux_scale)
-            pending.clear()
-            loss_sum = total.detach() + a * 0.0
-        return CausalLMOutput(
-            logits=torch.empty(0, device=input_ids.device),
-            loss=loss_sum / num.clamp(min=1),
-            loss_sum=loss_sum,
-            num_tokens=num,
+    def pre_hook(mod, args, kwargs):
+        raise ConfigError(
+            "a pipeline-parallel model is run by its pipeline schedule (parallelize's ParallelInfo.pipeline, "
+            "which the train step and evaluation take from ParallelContext.pipeline), not called directly; "
+            "generation and logits need parallelism.pipeline_parallel: 1."
         )
 
-    model.forward = types.MethodType(forward, model)
-    model.pipeline_runner = runner
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True)

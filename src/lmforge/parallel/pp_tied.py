@@ -1,15 +1,17 @@
 """Tied word embeddings under pipeline parallel: the output layer of the last stage is the embedding.
 
 The parameter lives only on the first stage (one name, one optimizer state, counted once by the
-gradient norm, saved once). Each step the first stage sends the full weight to the last stage of the
-same data/context coordinate, which uses it as a leaf for its logits; after the schedule, the last
-stage sends that leaf's gradient back and the first stage adds it, summed over its data and context
-ranks and sliced like the parameter (a ``Partial`` → parameter-placement redistribution).
+gradient norm, saved once). :class:`TiedOutput` is the module that carries it to the last stage: before
+the schedule runs, the first stage sends the full weight to the last stage of the same data/context
+coordinate, where ``TiedOutput.weight`` is a leaf that the last ``StageModule`` multiplies for its
+logits; after the schedule, the last stage sends that leaf's gradient back and the first stage adds it
+to the parameter's, summed over its data and context ranks and sliced like the parameter (a
+``Partial`` → parameter-placement redistribution). Both transfers are called explicitly by the
+pipeline around ``schedule.step``.
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -35,27 +37,26 @@ def pair_groups(world_mesh: Any) -> Any:
     return mine
 
 
-class TiedOutput:
-    """Moves the tied weight to the last stage and its gradient back, around one pipeline step."""
+class TiedOutput(nn.Module):
+    """Moves the tied weight to the last stage and its gradient back, around one pipeline step.
+
+    On the last stage it is a submodule of the last ``StageModule``; it holds no parameter (the
+    weight is the first stage's), only this step's received copy.
+    """
 
     def __init__(
         self, model: nn.Module, group: Any, is_first: bool, is_last: bool, compute_dtype: torch.dtype
     ):
-        self.model, self.group = model, group
+        super().__init__()
+        object.__setattr__(self, "_model", model)  # not a submodule: the embedding keeps one name
+        self.group = group
         self.is_first, self.is_last = is_first, is_last
         self.compute_dtype = compute_dtype
-        self.weight: torch.Tensor | None = None  # the last stage's leaf copy
-        if is_last:
-            shape = (model.config.vocab_size, model.config.hidden_size)
-            self._shape = shape
-
-            def output_weight(this) -> torch.Tensor:
-                return self.weight.to(self.compute_dtype)
-
-            model._output_weight = types.MethodType(output_weight, model)
+        self.weight: torch.Tensor | None = None  # the last stage's leaf copy (fp32)
+        self._shape = (model.config.vocab_size, model.config.hidden_size)
 
     def _param(self) -> Any:
-        return self.model.embedding.word_embeddings.weight
+        return self._model.embedding.word_embeddings.weight
 
     def send_weight(self, requires_grad: bool) -> None:
         if self.group is None:
@@ -91,5 +92,5 @@ class TiedOutput:
                 p.grad.to_local().add_(part.to(p.grad.dtype))
 
     def _device(self) -> torch.device:
-        buffers = list(self.model.buffers())
+        buffers = list(self._model.buffers())
         return buffers[0].device if buffers else torch.device("cpu")

@@ -230,6 +230,7 @@ def build_trainer(
             wrapper_reduces_grads=True,
             grad_reduce_is_mean=False,
             dp_group=info.dp_group,
+            pipeline=info.pipeline,
         )
     logger.info(
         "Model %s: %.2fM parameters, %s; parallel: %s",

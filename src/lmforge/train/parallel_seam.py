@@ -31,6 +31,8 @@ class ParallelContext:
     wrapper_reduces_grads: bool = False
     grad_reduce_is_mean: bool = True
     dp_group: Any = None
+    # pp > 1: the ``lmforge.parallel.pp.Pipeline`` whose schedule the step and evaluation run.
+    pipeline: Any = None
 
     @property
     def distributed(self) -> bool:

@@ -186,16 +186,25 @@ class TrainStep:
         reduce_scale = ctx.dp_size if (ctx.wrapper_reduces_grads and ctx.grad_reduce_is_mean) else 1
         # fp16: backpropagate loss x scale (gradients divided by it again before clipping).
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        runner = getattr(self.model, "pipeline_runner", None)
-        if runner is not None:  # pipeline parallel: the schedule runs backward with its own objective
-            runner.loss_scale = loss_scale
         inv_tokens = loss_scale * reduce_scale / max(n_global, 1.0)
         aux_scale = loss_scale * reduce_scale / (accum * ctx.dp_size)
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         model_tokens = torch.zeros((), dtype=torch.float64, device=device)
         aux_totals: dict[str, torch.Tensor] = {}
-        for batch in batches:
+        pipeline = ctx.pipeline
+        if pipeline is not None:
+            # Pipeline parallel: the schedule runs forward and backward of every micro-batch; each
+            # backpropagates loss_sum × inv_tokens, and the balancing losses enter where they arise.
+            args, kwargs = pipeline.step_inputs(batches, scale=inv_tokens, aux_scale=aux_scale)
+            pipeline.schedule.step(*args, **kwargs)
+            pipe_loss, pipe_tokens, pipe_aux = (
+                pipeline.finish_step()
+            )  # (tied embedding gradients summed here)
+            loss_sum += pipe_loss
+            model_tokens += pipe_tokens
+            aux_totals = {name: value / accum for name, value in pipe_aux.items()}
+        for batch in batches if pipeline is None else ():  # (the pipeline ran them above)
             out = self.model(**{k: v for k, v in batch.items() if k in MODEL_INPUTS})
             objective = out.loss_sum * inv_tokens
             aux = getattr(out, "aux_loss", None)

@@ -50,6 +50,7 @@ class EvaluationCallback(TrainerCallback):
             max_batches=self.steps,
             device=getattr(ctx, "device", None),
             group=getattr(ctx, "dp_group", None),
+            pipeline=getattr(ctx, "pipeline", None),
         )
 
     def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:

@@ -86,8 +86,12 @@ def evaluate(
     max_batches: int | None = None,
     device: torch.device | None = None,
     group: Any = None,
+    pipeline: Any = None,
 ) -> EvalResult:
-    """Loss over ``batches`` (at most ``max_batches``); reduced over ``group`` when distributed."""
+    """Loss over ``batches`` (at most ``max_batches``); reduced over ``group`` when distributed.
+
+    Under pipeline parallel ``pipeline`` (``ParallelContext.pipeline``) runs the stages forward-only.
+    """
     device = device or _device_of(model)
     was_training = model.training
     saved = {name: buf.detach().clone() for name, buf in model.named_buffers()}
@@ -100,9 +104,13 @@ def evaluate(
             if max_batches is not None and count >= max_batches:
                 break
             inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k in MODEL_INPUTS}
-            out = model(**inputs)
-            loss_sum += out.loss_sum.detach().to(torch.float64)
-            tokens += torch.as_tensor(out.num_tokens, device=device).to(torch.float64)
+            if pipeline is not None:
+                batch_loss, batch_tokens = pipeline.evaluate_batch(inputs)
+            else:
+                out = model(**inputs)
+                batch_loss, batch_tokens = out.loss_sum.detach(), out.num_tokens
+            loss_sum += batch_loss.to(torch.float64)
+            tokens += torch.as_tensor(batch_tokens, device=device).to(torch.float64)
             count += 1
     finally:
         model.train(was_training)

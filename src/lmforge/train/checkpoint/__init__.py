@@ -132,19 +132,32 @@ def _masters_by_key(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]
 
 
 def _optimizer_state_dict(model: nn.Module, optimizer: Any) -> tuple[str, dict[str, Any]]:
-    """(format, state dict). "fqn": keyed by parameter names, reshardable; "plain": the optimizer's own.
+    """(format, state dict). "fqn_flat": keyed by parameter names, reshardable; "plain": the optimizer's own.
 
-    In "fqn" form the masters are left out: they are the checkpoint's model weights (see above).
+    "fqn_flat" is torch's flattened form: param-group settings are stored per parameter name too
+    (``param_groups.<name>.lr``), because ranks that hold different parameters (pipeline stages) have
+    different groups, in different orders; the nested form ("fqn", still read) kept one rank's groups.
+    The masters are left out: they are the checkpoint's model weights (see above).
     """
     if isinstance(optimizer, torch.optim.Optimizer) and _optimizer_holds_model_params(model, optimizer):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return "fqn", _without_masters(get_optimizer_state_dict(model, optimizer))
+        return "fqn_flat", _without_masters(
+            get_optimizer_state_dict(model, optimizer, options=_optimizer_options("fqn_flat"))
+        )
     return "plain", optimizer.state_dict()
+
+
+def _optimizer_options(optimizer_format: str) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=optimizer_format == "fqn_flat")
 
 
 def _without_masters(sd: dict[str, Any]) -> dict[str, Any]:
     # A new dict per parameter: torch's optimizer state dict shares them with the live optimizer state.
+    if not isinstance(sd.get("state"), dict):  # flattened: "state.<name>.master" keys
+        return {k: v for k, v in sd.items() if not (k.startswith("state.") and k.endswith(".master"))}
     state = {k: {kk: vv for kk, vv in v.items() if kk != "master"} for k, v in sd.get("state", {}).items()}
     return {**sd, "state": state}
 
@@ -699,12 +712,19 @@ def load_checkpoint(
     optimizer_format = header.common.get("optimizer_format") or "plain"
     own_rng, own_loader = f"rank_{rank}", f"rank_{rank}"
     same_layout = int(header.common.get("world_size", 1)) == (dist.get_world_size() if _distributed() else 1)
+    local_param_names = None
     if not no_load_optim:
         if target.optimizer is not None:
-            if optimizer_format == "fqn":
+            if optimizer_format in ("fqn", "fqn_flat"):
                 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-                sd["optimizer"] = _without_masters(get_optimizer_state_dict(target.model, target.optimizer))
+                sd["optimizer"] = _without_masters(
+                    get_optimizer_state_dict(
+                        target.model, target.optimizer, options=_optimizer_options(optimizer_format)
+                    )
+                )
+                if optimizer_format == "fqn":
+                    local_param_names = [group["params"] for group in sd["optimizer"]["param_groups"]]
             else:
                 sd["optimizer"] = _allocate_encoded(metadata, "optimizer")
         if target.scheduler is not None and _has_key(keys, "scheduler"):
@@ -717,6 +737,11 @@ def load_checkpoint(
 
     with _quiet_single_process():
         load_dcp(sd, header.path, no_dist=not _distributed())
+    if local_param_names is not None:
+        # The nested form saved a group's parameter names once, from one rank; pipeline stages hold
+        # different parameters, so each rank keeps its own names.
+        for group, names in zip(sd["optimizer"]["param_groups"], local_param_names):
+            group["params"] = names
 
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -735,7 +760,7 @@ def load_checkpoint(
         )
         return
     if target.optimizer is not None:
-        if optimizer_format == "fqn":
+        if optimizer_format in ("fqn", "fqn_flat"):
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
             saved_masters = {
@@ -743,7 +768,9 @@ def load_checkpoint(
                 for p in target.model.parameters()
                 if p in target.optimizer.state and "master" in target.optimizer.state[p]
             }
-            set_optimizer_state_dict(target.model, target.optimizer, sd["optimizer"])
+            set_optimizer_state_dict(
+                target.model, target.optimizer, sd["optimizer"], options=_optimizer_options(optimizer_format)
+            )
             for p, m in saved_masters.items():  # loading replaced the state; the masters were loaded above
                 target.optimizer.state[p]["master"] = m
             _copy_masters_to_model(target.optimizer)
