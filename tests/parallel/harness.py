@@ -188,11 +188,7 @@ def _clip(model, max_norm: float) -> float:
     return norm
 
 
-# Every layout initialises from this seed; the reference model too. (1234 drew, under weight layout 2,
-# a tied-embedding Llama whose second-step loss under TP differed by 1.2e-5 relative, just above the
-# tolerance, from summation order alone: seeds 1 and 7 give 2e-7 and 3e-7 on the same code, step-0
-# gradient norms agree to 1.4e-6 at all three.)
-INIT_SEED = 7
+INIT_SEED = 1234  # every layout initialises from this seed; the reference model too
 
 
 def assert_init_matches(model, state: dict[str, torch.Tensor]) -> None:

@@ -164,9 +164,17 @@ class GPTModel(nn.Module):
         """
         seed = draw_seed() if seed is None else int(seed)
         std = self.config.initializer_range
+        # Fused weights are drawn in their logical row order ([Q; K; V], [gate; up], MLA parts grouped):
+        # a seed gives the same model as before their storage layout changed, and as Hugging Face's split.
+        fused = {
+            f"{prefix}.{child}" if prefix else child: rows
+            for prefix, module in self.named_modules()
+            if callable(getattr(module, "layout_v1_rows", None))
+            for child, rows in module.layout_v1_rows().items()
+        }
         for prefix, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding, ExpertWeight, TopKRouter)):
-                init.normal_(module.weight, f"{prefix}.weight", seed, std)
+                init.normal_(module.weight, f"{prefix}.weight", seed, std, fused.get(prefix))
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
                 if getattr(module, "expert_bias", None) is not None:
