@@ -138,7 +138,11 @@ def test_optimizer_item_pickle_payload_refused(run_copy, tmp_path, monkeypatch, 
 
     def evil(model, optimizer):
         form, sd = real(model, optimizer)
-        sd["param_groups"][0]["lr"] = __import__("adversarial.conftest").conftest.Payload(marker)
+        payload = __import__("adversarial.conftest").conftest.Payload(marker)
+        if "param_groups" in sd:  # the nested form
+            sd["param_groups"][0]["lr"] = payload
+        else:  # torch's flattened form: group settings per parameter name
+            sd[next(k for k in sd if k.startswith("param_groups.") and k.endswith(".lr"))] = payload
         return form, sd
 
     monkeypatch.setattr(ckpt_mod, "_optimizer_state_dict", evil)
