@@ -99,7 +99,9 @@ def test_moe_layer_equals_dense_loop_reference():
     for t in range(tokens.shape[0]):
         for k in range(2):
             e = idx[t, k]
-            gate, up = (layer.experts.linear_fc1.weight[e] @ tokens[t]).chunk(2)
+            gate, up = (
+                (layer.experts.linear_fc1.weight[e] @ tokens[t]).view(-1, 2).unbind(1)
+            )  # gate/up row pairs
             ref[t] += w[t, k] * (layer.experts.linear_fc2.weight[e] @ (F.silu(gate) * up))
     assert torch.allclose(out.reshape(-1, 16), ref, atol=1e-5)
 

@@ -33,14 +33,39 @@ def test_muon_split_schema_covers_fused_weights(family, tiny):
         model = tiny(family)
     schema = model.muon_split_schema()
     params = dict(model.named_parameters())
-    for name, (dim, sizes) in schema.items():
-        assert sum(sizes) == params[name].shape[dim], name
+    for name, split in schema.items():
+        assert sum(split.sizes) == params[name].shape[split.dim], name
+        if split.order is not None:  # a permutation of the stored rows
+            assert torch.equal(split.order.sort().values, torch.arange(params[name].shape[split.dim])), name
     fused = [n for n in params if n.endswith(("linear_qkv.weight", "linear_fc1.weight", "_up_proj.weight"))]
     assert fused and all(n in schema for n in fused)
     if family == "deepseek_v3":
-        assert schema["decoder.layers.1.mlp.experts.linear_fc1.weight"] == (1, [32, 32])
-        assert schema["decoder.layers.0.self_attention.linear_q_up_proj.weight"] == (0, [4 * 16, 4 * 8])
-        assert schema["decoder.layers.0.self_attention.linear_kv_up_proj.weight"] == (0, [4 * 16, 4 * 16])
+        assert schema["decoder.layers.1.mlp.experts.linear_fc1.weight"].sizes == [32, 32]
+        assert schema["decoder.layers.0.self_attention.linear_q_up_proj.weight"].sizes == [4 * 16, 4 * 8]
+        assert schema["decoder.layers.0.self_attention.linear_kv_up_proj.weight"].sizes == [4 * 16, 4 * 16]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_muon_pieces_are_the_hugging_face_projections(family, tiny):
+    """Muon orthogonalises Q, K, V, gate and up as whole matrices, whatever the stored row layout."""
+    from lmforge.models.registry import family_for
+    from lmforge.utils.muon_split import split_pieces
+
+    model = tiny(family)
+    hf = family_for(model.config.model_type).hf_adapter.to_hf(model.state_dict(), model.config)
+    schema = model.muon_split_schema()
+    params = dict(model.named_parameters())
+    q, k, v = split_pieces(
+        params["decoder.layers.1.self_attention.linear_qkv.weight"],
+        schema["decoder.layers.1.self_attention.linear_qkv.weight"],
+    )
+    for piece, hf_name in zip((q, k, v), ("q_proj", "k_proj", "v_proj")):
+        assert torch.equal(piece, hf[f"model.layers.1.self_attn.{hf_name}.weight"])
+    gate, up = split_pieces(
+        params["decoder.layers.0.mlp.linear_fc1.weight"], schema["decoder.layers.0.mlp.linear_fc1.weight"]
+    )
+    assert torch.equal(gate, hf["model.layers.0.mlp.gate_proj.weight"])
+    assert torch.equal(up, hf["model.layers.0.mlp.up_proj.weight"])
 
 
 def _hf_max_logits(model, tmp_path, family, monkeypatch, ids):

@@ -1,12 +1,13 @@
 """LoRA adapters in the PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``).
 
-lmforge fuses projections that Hugging Face keeps apart (``linear_qkv`` = [q; k; v], ``linear_fc1`` =
-[gate; up]). One adapter on a fused weight is exactly one adapter per Hugging Face projection: they share
-``A`` and each takes its rows of ``B`` (``ΔW = B A``, so a row slice of ``ΔW`` is that slice of ``B``
-times ``A``). The rows are found by running the family's own ``to_hf`` mapping over a state dict in
-which each adapted weight is replaced by its ``B``: every Hugging Face tensor that comes out as a row
-slice of a ``B`` belongs to that adapter. A mapping that does anything else with an adapted weight
-(concatenation, column permutation) is refused rather than exported wrongly.
+lmforge fuses projections that Hugging Face keeps apart (``linear_qkv``: q, k and v rows grouped per
+key-value group; ``linear_fc1``: gate/up row pairs). One adapter on a fused weight is exactly one adapter
+per Hugging Face projection: they share ``A`` and each takes its rows of ``B`` (``ΔW = B A``, so a row
+selection of ``ΔW`` is that selection of ``B`` times ``A``). The rows are found by running the family's own
+``to_hf`` mapping over a state dict in which each adapted weight is replaced by its *row ids* (``[out, 1]``
+int64, as ``models/hf_read.py`` does): the ids that come out under a Hugging Face name say which rows of
+which ``B`` it is made of. A mapping that does anything else with an adapted weight (mixes two adapted
+weights, drops rows) is refused rather than exported wrongly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from lmforge.errors import CheckpointError
 from lmforge.models.lora import is_lora_param_name, lora_modules
 
 PEFT_PREFIX = "base_model.model."
+_ROW_BITS = 40
 
 
 def peft_adapter_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -36,48 +38,46 @@ def peft_adapter_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], lis
             "the model has no LoRA adapters (lora_config); there is no PEFT adapter to write."
         )
     base = {k: v.detach().cpu() for k, v in model.state_dict().items() if not is_lora_param_name(k)}
-    with_b = dict(base)
-    owner: dict[int, str] = {}
-    for name, m in mods.items():
-        b = m.lora_B.weight.detach().cpu().clone()
-        with_b[f"{name}.weight"] = b
-        owner[b.untyped_storage().data_ptr()] = name
-    hf_b = to_hf(with_b, cfg)
-    hf_base = to_hf(dict(base), cfg)
+    names = sorted(mods)
+    with_ids = dict(base)
+    for number, name in enumerate(names):
+        rows = mods[name].lora_B.weight.shape[0]
+        with_ids[f"{name}.weight"] = ((number << _ROW_BITS) + torch.arange(rows, dtype=torch.int64)).view(
+            rows, 1
+        )
     tensors: dict[str, torch.Tensor] = {}
     targets: list[str] = []
-    covered: set[str] = set()
-    for key, t in hf_b.items():
-        name = owner.get(t.untyped_storage().data_ptr())
-        if name is None:
+    covered: dict[str, list[torch.Tensor]] = {}
+    for key, ids in to_hf(with_ids, cfg).items():
+        if ids.dtype != torch.int64:
             continue
-        m = mods[name]
-        r = m.lora_B.weight.shape[1]
-        offset = t.storage_offset() // r if r else 0
-        rows = t.shape[0]
-        base_w = base[f"{name}.weight"]
-        if (
-            not key.endswith(".weight")
-            or t.dim() != 2
-            or t.shape[1] != r
-            or t.stride() != (r, 1)
-            or t.storage_offset() % r
-            or not torch.equal(hf_base[key], base_w[offset : offset + rows])
-        ):
+        owners = (ids >> _ROW_BITS).unique()
+        name = names[int(owners[0])]
+        if not key.endswith(".weight") or ids.dim() != 2 or ids.shape[1] != 1 or owners.numel() != 1:
             raise CheckpointError(
                 f"cannot write a PEFT adapter for {name}: the {cfg.model_type} Hugging Face mapping does not map "
                 f"its weight to {key} by whole rows. Export the merged model instead (lmforge convert without --peft)."
             )
+        rows = ids.reshape(-1) & ((1 << _ROW_BITS) - 1)
+        covered.setdefault(name, []).append(rows)
+        m = mods[name]
         hf_module = key[: -len(".weight")]
         tensors[f"{PEFT_PREFIX}{hf_module}.lora_A.weight"] = m.lora_A.weight.detach().cpu().float().clone()
-        tensors[f"{PEFT_PREFIX}{hf_module}.lora_B.weight"] = t.float().contiguous().clone()
+        tensors[f"{PEFT_PREFIX}{hf_module}.lora_B.weight"] = (
+            m.lora_B.weight.detach().cpu().float().index_select(0, rows).contiguous()
+        )
         targets.append(hf_module)
-        covered.add(name)
-    lost = sorted(set(mods) - covered)
+    lost = sorted(
+        n
+        for n in names
+        if n not in covered
+        or not torch.equal(torch.cat(covered[n]).sort().values, torch.arange(mods[n].lora_B.weight.shape[0]))
+    )
     if lost:
         raise CheckpointError(
-            f"cannot write a PEFT adapter: {', '.join(lost[:4])} has no Hugging Face counterpart in the "
-            f"{cfg.model_type} mapping. Export the merged model instead (lmforge convert without --peft)."
+            f"cannot write a PEFT adapter: {', '.join(lost[:4])} has no Hugging Face counterpart covering each "
+            f"of its rows once in the {cfg.model_type} mapping. Export the merged model instead (lmforge "
+            "convert without --peft)."
         )
     return tensors, targets
 

@@ -30,6 +30,7 @@ from lmforge.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, Schedule
 from lmforge.optim.qk_clip import apply_qk_clip
 from lmforge.optim.update_rule import UpdateRuleOptimizer, local
 from lmforge.utils.logging import get_logger
+from lmforge.utils.muon_split import MuonSplit, as_muon_split
 from lmforge.utils.qk_clip import QKClipLayer
 
 logger = get_logger("lmforge.optim")
@@ -84,7 +85,7 @@ class Muon(UpdateRuleOptimizer):
         ns_dtype: str | torch.dtype = "bfloat16",
         *,
         model: nn.Module | None = None,
-        split_schema: dict[str, tuple[int, list[int]]] | None = None,
+        split_schema: dict[str, MuonSplit | tuple[int, list[int]]] | None = None,
         qk_clip_group: dist.ProcessGroup | None = None,
         moment_dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -126,7 +127,7 @@ class Muon(UpdateRuleOptimizer):
                 self._by_name.setdefault(name, p)
         if split_schema is None and model is not None and callable(getattr(model, "muon_split_schema", None)):
             split_schema = model.muon_split_schema()
-        self.split_schema = dict(split_schema or {})
+        self.split_schema = {k: as_muon_split(v) for k, v in (split_schema or {}).items()}
         self._check_split_schema()
         self._pending: list[dict] = []
         self._qk_layers = self._find_qk_layers()
@@ -152,7 +153,7 @@ class Muon(UpdateRuleOptimizer):
                 split = self.split_schema.get(self._names.get(id(p), ""))
                 if split is None:
                     continue
-                dim, sizes = split
+                dim, sizes = split.dim, split.sizes
                 if sum(sizes) != p.shape[dim]:
                     raise ValueError(
                         f"muon_split_schema of {self._names[id(p)]}: sizes {sizes} do not add up to dim {dim} "

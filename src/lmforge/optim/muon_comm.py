@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from lmforge.optim.newton_schulz import Schedule, orthogonalize_many
+from lmforge.utils.muon_split import MuonSplit, join_pieces, split_pieces
 
 
 @dataclass
@@ -32,15 +33,12 @@ class MuonWork:
 
     u: torch.Tensor
     layout: DTensor | None  # the master when sharded: mesh, placements and global shape
-    split: tuple[int, list[int]] | None  # (dim, sizes) from the model's split schema
+    split: MuonSplit | None  # from the model's split schema
     lr_rms: float  # lr * matched_adamw_rms; each piece also gets sqrt(max(A, B))
 
 
-def _pieces(u: torch.Tensor, split: tuple[int, list[int]] | None) -> list[torch.Tensor]:
-    if split is None:
-        return [u]
-    dim, sizes = split
-    return list(torch.split(u, sizes, dim=dim))
+def _pieces(u: torch.Tensor, split: MuonSplit | None) -> list[torch.Tensor]:
+    return [u] if split is None else split_pieces(u, split)
 
 
 def scaled_updates(
@@ -62,7 +60,7 @@ def scaled_updates(
             for j, o in enumerate(ortho[k : k + n])
         ]
         k += n
-        out.append(scaled[0] if n == 1 else torch.cat(scaled, dim=w.split[0]))  # type: ignore[index]
+        out.append(scaled[0] if w.split is None else join_pieces(scaled, w.split))
     return out
 
 
@@ -103,10 +101,10 @@ def ns_cost(w: MuonWork, ns_steps: int) -> float:
     return total
 
 
-def _piece_shapes(shape: torch.Size, split: tuple[int, list[int]] | None) -> list[list[int]]:
+def _piece_shapes(shape: torch.Size, split: MuonSplit | None) -> list[list[int]]:
     if split is None:
         return [list(shape)]
-    dim, sizes = split
+    dim, sizes = split.dim, split.sizes
     out = []
     for s in sizes:
         ps = list(shape)

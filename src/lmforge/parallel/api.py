@@ -10,7 +10,6 @@ run time when set to a non-default value; see docs/parallel.md.
 from __future__ import annotations
 
 import logging
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,6 @@ from torch import nn
 
 from lmforge.errors import ConfigError, NotSupportedError
 from lmforge.models.common.transformer_config import TransformerConfig
-from lmforge.parallel import comm
 from lmforge.parallel.cp import DocumentMask, apply_cp, shard_batch, validate_cp_options
 from lmforge.parallel.dims import ParallelDims, ParallelMesh, parallelism_options
 from lmforge.parallel.ep import apply_ep
@@ -208,36 +206,20 @@ def _check_sequence_length(model: nn.Module, dims: ParallelDims) -> None:
 
 
 def _install_tp_output(model: nn.Module, tp_mesh: Any) -> None:
-    """The model computes ``F.linear(final_layernorm(h), _output_weight())``: gather both over tp."""
-    group = tp_mesh.get_group()
+    """The logits need the whole sequence: the final norms' outputs are gathered over tp (torch's
+    ``PrepareModuleOutput``: sequence shard → replicated; the gradient keeps this rank's slice). The output
+    weight is a DTensor split by vocabulary rows; the model's loss reads its local rows, or gathers it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
+
     norms = [model.decoder.final_layernorm]
     mtp = getattr(model, "mtp", None)
     if mtp is not None:  # each MTP depth computes logits from its own final norm
         norms += [depth.final_layernorm for depth in mtp.layers]
+    gather = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
     for norm in norms:
         if norm is not None:
-            norm.register_forward_hook(lambda mod, args, out: comm.gather_replicated(out, 1, group))
-    if not hasattr(model, "_output_weight"):
-        return
-
-    def output_weight(self) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        w = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
-        local = w.to_local() if isinstance(w, DTensor) else w
-        return comm.gather_replicated(local, 0, group)
-
-    model._output_weight = types.MethodType(output_weight, model)
-
-    def vocab_parallel_output(self) -> tuple[torch.Tensor, int, Any]:
-        """This rank's output-weight rows, their first vocabulary id and the tp group (chunked loss)."""
-        from torch.distributed.tensor import DTensor
-
-        w = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
-        local = w.to_local() if isinstance(w, DTensor) else w
-        return local, tp_mesh.get_local_rank() * local.shape[0], group
-
-    model.vocab_parallel_output = types.MethodType(vocab_parallel_output, model)
+            parallelize_module(norm, tp_mesh, gather)
 
 
 def parallelize(

@@ -6,21 +6,29 @@ Layout over the ``tp`` mesh dimension (size t):
   norms on it run locally with replicated weights.
 * Attention and MLP blocks gather the sequence at their input, compute on ``1/t`` of the heads / of
   the FFN width, and reduce-scatter back to sequence shards at their output projection.
-* The embedding and the output layer are split by vocabulary rows; the output gathers full logits.
+* The embedding (torch's ``RowwiseParallel``) and the output layer are split by vocabulary rows; the
+  output gathers full logits.
 
-The fused weights of lmforge's models are stored as contiguous logical pieces (``linear_qkv`` =
-``[Q; K; V]``, SwiGLU ``linear_fc1`` = ``[gate; up]``, MLA's up projections), so a plain row split
-(``Shard(0)``) would hand a rank rows of the wrong piece. Those weights are split by **input
-columns** instead (``Shard(1)``): each rank computes a partial product for every output row, the
-output columns are permuted so each rank's pieces are adjacent, and one reduce-scatter leaves rank r
-with ``[Q_r; K_r; V_r]`` (its heads). The stored weight keeps the checkpoint layout of every other
-parallel layout (resharding works), at the price of a reduce-scatter of the fused activations
-instead of an all-gather of the block input.
+The input projections (``linear_qkv``, SwiGLU ``linear_fc1``, MLA's up projections) are split by
+output rows (``Shard(0)``, Megatron's column parallel): their stored layout puts whole units (key-value
+groups, gate/up pairs, heads) in every equal chunk of rows (``models/common/fused_layout.py``), so rank r
+computes exactly its heads / FFN width from the gathered block input, and the blocks find their local
+head counts from the width they get. One all-gather in, one reduce-scatter out per block.
 
-Parameters keep their DTensor placements (FSDP, checkpoints, gradient clipping and optimizers see
-them), while the computation runs on local tensors with explicit, differentiable collectives
-(:mod:`lmforge.parallel.comm`). A replicated weight that sees only this rank's tokens or heads gets
-its gradient summed over the tp group.
+Two mechanisms, per the family's plan (``models/<family>/parallelize.py``):
+
+* DTensor styles (GQA attention, SwiGLU MLPs including shared experts): ``parallelize_module`` with
+  torch's ``ColwiseParallel`` / ``RowwiseParallel`` (LoRA-aware subclasses: the adapters' factors are
+  replicated DTensors and the adapter's own forward runs on DTensors) and a first-input
+  ``PrepareModuleInput`` (sequence shard → replicated DTensor); DTensor's autograd does the collectives.
+* Hand-written (MLA attention; next to convert): the block input is all-gathered with
+  :mod:`lmforge.parallel.comm`, the projections' forwards compute on local shards (replaced forwards).
+
+The norms on the residual stream (and Qwen3's per-head QK norms) are torch's ``SequenceParallel``.
+Either way the parameters keep their DTensor placements (FSDP, checkpoints, gradient clipping and
+optimizers see them). A replicated weight inside a block that sees only this rank's tokens or heads
+(routers, routed experts, MLA down projections and latent norms) stays a plain computation on local
+tensors whose gradient is summed over the tp group.
 """
 
 from __future__ import annotations
@@ -34,10 +42,13 @@ from torch import nn
 
 from lmforge.errors import ConfigError
 from lmforge.models.common.tp_plan import (
-    FusedColwise,
+    Colwise,
+    ColwiseShard,
     GatherSequence,
     LocalHeads,
-    PerRankCounts,
+    ReplicatedOnShard,
+    ReplicateInput,
+    RowwiseShard,
     RowwiseToSequence,
     SequenceAuxLoss,
 )
@@ -94,47 +105,28 @@ def _replicate_params(module: nn.Module, mesh: Any, group: Any, caller: nn.Modul
 # ------------------------------------------------------------------ linear layers
 
 
-def _pieces_colwise(linear: nn.Linear, pieces: list[int], mesh: Any, group: Any) -> None:
-    """Output rows split piece by piece over tp (see the module docstring); input is the full block input."""
-    from torch.distributed.tensor import Replicate, Shard
+def _colwise(linear: nn.Linear, style: Colwise, mesh: Any, group: Any) -> None:
+    """Output rows split in ``t`` equal chunks of whole units; the input is the full (gathered) block input,
+    identical on every rank, so the weight's gradient is local and the input's a partial sum (the
+    gather's backward reduce-scatters it)."""
+    from torch.distributed.tensor import Shard
 
-    t = mesh.size()
-    rank = mesh.get_local_rank()
-    in_features = linear.in_features
-    if in_features % t or any(p % t for p in pieces):
-        raise ConfigError(
-            f"parallelism.tensor_parallel={t} must divide the input width ({in_features}) and every fused piece "
-            f"{pieces} of a fused projection."
-        )
-    _distribute(linear, "weight", mesh, Shard(1))
+    t, rank = mesh.size(), mesh.get_local_rank()
+    _check_units(style, t)
+    _distribute(linear, "weight", mesh, Shard(0))
     if linear.bias is not None:
-        _distribute(linear, "bias", mesh, Replicate())
-    cols = slice(rank * in_features // t, (rank + 1) * in_features // t)
-    # perm lists the global output rows in the order [pieces of rank 0, pieces of rank 1, ...].
-    starts = [sum(pieces[:i]) for i in range(len(pieces))]
-    order: list[int] = []
-    for j in range(t):
-        for start, size in zip(starts, pieces):
-            order.extend(range(start + j * size // t, start + (j + 1) * size // t))
-    local_rows = order[rank * sum(pieces) // t : (rank + 1) * sum(pieces) // t]
-    cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        _distribute(linear, "bias", mesh, Shard(0))
+    out = linear.out_features
+    rows = slice(rank * out // t, (rank + 1) * out // t)
 
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.device not in cache:
-            cache[x.device] = (
-                torch.tensor(order, device=x.device),
-                torch.tensor(local_rows, device=x.device),
-            )
-        perm, rows = cache[x.device]
-        partial = F.linear(x[..., cols], _local(self.weight))
-        y = comm.reduce_scatter(partial.index_select(-1, perm), -1, group)
-        if self.bias is not None:
-            y = y + comm.all_reduce_grad(_local(self.bias), group).index_select(0, rows)
+        bias = _local(self.bias) if self.bias is not None else None
+        y = F.linear(x, _local(self.weight), bias)
         if getattr(self, "lora_A", None) is not None:
             # LoRA: A and B are replicated; x is the full block input, so A(x) is whole on every rank and
-            # this rank applies B's rows of its own output pieces (gradients summed over tp).
+            # this rank applies B's rows of its own outputs (gradients summed over tp).
             a, b = _adapter_factors(self, group)
-            y = y + F.linear(F.linear(self.lora_dropout(x), a), b.index_select(0, rows)) * self.scaling
+            y = y + F.linear(F.linear(self.lora_dropout(x), a), b[rows]) * self.scaling
         return y
 
     linear.forward = types.MethodType(forward, linear)
@@ -189,28 +181,102 @@ def _gather_block_input(block: nn.Module, group: Any) -> None:
     block.register_forward_pre_hook(pre_hook)
 
 
-def _vocab_parallel_embedding(emb: nn.Embedding, mesh: Any, group: Any) -> None:
-    from torch.distributed.tensor import Shard
+# ------------------------------------------------------------------ DTensor styles (dense blocks)
 
-    t, rank = mesh.size(), mesh.get_local_rank()
-    vocab = emb.num_embeddings
+
+def _shard_linear(linear: nn.Module, mesh: Any, weight: Any, bias: Any) -> None:
+    """Weight and bias as DTensors with the given placements; LoRA factors (``lora_A``/``lora_B``)
+    replicated, so the adapter's own forward runs on DTensors too."""
+    from torch.distributed.tensor import Replicate
+
+    _distribute(linear, "weight", mesh, weight)
+    if linear.bias is not None:
+        _distribute(linear, "bias", mesh, bias)
+    for name in ("lora_A", "lora_B"):
+        factor = getattr(linear, name, None)
+        if factor is not None:
+            _distribute(factor, "weight", mesh, Replicate())
+
+
+def _styles() -> tuple[type, type, type]:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+    class LinearColwise(ColwiseParallel):
+        """``ColwiseParallel`` that also takes a ``LoRALinear`` (torch's would register its adapters' dotted
+        parameter names on the linear itself)."""
+
+        def _partition_linear_fn(self, name, module, device_mesh):
+            if (
+                name == ""
+            ):  # distribute_module calls this for every submodule: the adapters come with the root
+                _shard_linear(module, device_mesh, Shard(0), Shard(0))
+
+    class LinearRowwise(RowwiseParallel):
+        def _partition_linear_fn(self, name, module, device_mesh):
+            if name == "":
+                _shard_linear(module, device_mesh, Shard(1), Replicate())
+
+    class FirstInputReplicated(ParallelStyle):
+        """``PrepareModuleInput`` for the first positional input only (blocks differ in their other
+        arguments: cos/sin/mask for attention, none for an MLP): sequence shard → replicated DTensor."""
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            def pre_hook(mod: nn.Module, args: tuple) -> tuple:
+                x = args[0]
+                if not isinstance(x, DTensor):
+                    x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+                return (x.redistribute(device_mesh, (Replicate(),)), *args[1:])
+
+            module.register_forward_pre_hook(pre_hook)
+            return module
+
+    return LinearColwise, LinearRowwise, FirstInputReplicated
+
+
+def _check_units(style: ColwiseShard | Colwise, t: int) -> None:
+    if style.units % t:
+        raise ConfigError(
+            f"parallelism.tensor_parallel={t} must divide the {style.what} ({style.units}): each rank computes "
+            "whole ones."
+        )
+
+
+def _apply_dtensor_style(module: nn.Module, style: Any, mesh: Any) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    colwise, rowwise, first_input = _styles()
+    if isinstance(style, ReplicateInput):
+        parallelize_module(module, mesh, first_input())
+    elif isinstance(style, ColwiseShard):
+        _check_units(style, mesh.size())
+        parallelize_module(module, mesh, colwise(input_layouts=Replicate()))
+    elif isinstance(style, RowwiseShard):
+        if module.in_features % mesh.size():
+            raise ConfigError(
+                f"parallelism.tensor_parallel={mesh.size()} must divide the input width {module.in_features} "
+                "of an output projection."
+            )
+        parallelize_module(module, mesh, rowwise(output_layouts=Shard(1)))
+
+
+def _vocab_parallel_embedding(emb: nn.Embedding, mesh: Any) -> None:
+    """Rows split by vocabulary (torch's ``RowwiseParallel`` on an embedding): each rank looks up the ids
+    in its rows, and the partial sums are reduce-scattered to this rank's sequence shard."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    t, vocab = mesh.size(), emb.num_embeddings
     if vocab % t:
         raise ConfigError(f"parallelism.tensor_parallel={t} must divide the vocabulary size ({vocab}).")
-    _distribute(emb, "weight", mesh, Shard(0))
-    lo, hi = rank * vocab // t, (rank + 1) * vocab // t
-
-    def forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-        outside = (ids < lo) | (ids >= hi)
-        local = F.embedding((ids - lo).masked_fill(outside, 0), _local(self.weight))
-        local = local.masked_fill(outside[..., None], 0.0)
-        return comm.reduce_scatter(local, 1, group)  # sum of the ranks' rows, then sequence shards
-
-    emb.forward = types.MethodType(forward, emb)
+    parallelize_module(emb, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
 
 
 def _vocab_split_output(linear: nn.Linear, mesh: Any) -> None:
-    """Store the output layer split by vocabulary rows. lmforge's models compute their logits as
-    ``F.linear(final_layernorm(h), _output_weight())``; ``parallel.api`` gathers both for that."""
+    """Store the output layer split by vocabulary rows (a ``Shard(0)`` DTensor): the model's loss reads this
+    rank's rows (chunked, vocabulary-parallel) or gathers them (``GPTModel._output_weight``); ``parallel.api``
+    gathers the final norm's output over the sequence."""
     from torch.distributed.tensor import Shard
 
     t = mesh.size()
@@ -226,79 +292,15 @@ def _vocab_split_output(linear: nn.Linear, mesh: Any) -> None:
 # ------------------------------------------------------------------ blocks
 
 
-def _localise(module: nn.Module, t: int, names: tuple[str, ...]) -> None:
-    """The attention code reads head counts and row sizes from attributes: make them per rank.
-
-    The hooks that describe the *stored* (global) weights to the optimizer and monitors
-    (``muon_split_schema``, ``qk_clip_layer``, ``flops_per_token``) keep seeing the global values.
-    """
-    global_values = {}
-    for name in names:
-        value = getattr(module, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            if value % t:
-                raise ConfigError(
-                    f"parallelism.tensor_parallel={t} must divide {type(module).__name__}.{name}={value} "
-                    "(attention heads / key-value groups)."
-                )
-            global_values[name] = value
-            setattr(module, name, value // t)
-    for method in ("muon_split_schema", "qk_clip_layer", "flops_per_token"):
-        if hasattr(type(module), method):
-            setattr(
-                module,
-                method,
-                types.MethodType(_with_values(getattr(type(module), method), global_values), module),
-            )
-
-
-def _with_values(fn, values: dict[str, int]):
-    def call(self, *args, **kwargs):
-        local = {k: getattr(self, k) for k in values}
-        for k, v in values.items():
-            setattr(self, k, v)
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            for k, v in local.items():
-                setattr(self, k, v)
-
-    return call
-
-
-def _tp_core_attention(core: nn.Module, tp_rank: int) -> None:
-    """Local heads: track their max logits at their global positions (QK-Clip reduces with MAX)."""
-    from lmforge.parallel.cp import track_max_logits
-
-    core.head_offset = tp_rank * core.num_heads
-
-    def forward(self, q, k, v, allowed=None):
-        from lmforge.models.common.attention import segment_attention
-        from lmforge.models.common.masks import DocumentSegments
-
-        if isinstance(allowed, DocumentSegments):
-            if getattr(self, "track_max_logits", False):
-                mask = allowed.dense(q.device)
-                track_max_logits(self, q, k, mask, self.scale, head_offset=self.head_offset)
-            dropout = self.dropout if self.training else 0.0
-            return segment_attention(q, k, v, allowed, self.scale, dropout)
-        if getattr(self, "track_max_logits", False):
-            mask = allowed
-            if mask is None:
-                s = q.shape[2]
-                mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-            track_max_logits(self, q, k, mask, self.scale, head_offset=self.head_offset)
-        dropout = self.dropout if self.training else 0.0
-        gqa = q.shape[1] != k.shape[1]
-        if allowed is None:
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout, enable_gqa=gqa
-            )
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=self.scale, dropout_p=dropout, enable_gqa=gqa
+def _tp_core_attention(core: nn.Module, mesh: Any) -> None:
+    """Local heads: ``CoreAttention`` tracks their max logits at their global positions from its
+    ``head_offset`` (QK-Clip reduces them with MAX over the ranks)."""
+    t = mesh.size()
+    if core.num_heads % t:
+        raise ConfigError(
+            f"parallelism.tensor_parallel={t} must divide the attention heads ({core.num_heads})."
         )
-
-    core.forward = types.MethodType(forward, core)
+    core.head_offset = mesh.get_local_rank() * (core.num_heads // t)
 
 
 def _sequence_aux_loss(router: nn.Module, group: Any) -> None:
@@ -320,14 +322,16 @@ def _sequence_aux_loss(router: nn.Module, group: Any) -> None:
 def _apply_style(module: nn.Module, style: Any, mesh: Any, group: Any) -> None:
     if isinstance(style, GatherSequence):
         _gather_block_input(module, group)
-    elif isinstance(style, FusedColwise):
-        _pieces_colwise(module, list(style.pieces), mesh, group)
+    elif isinstance(style, (ReplicateInput, ColwiseShard, RowwiseShard)):
+        _apply_dtensor_style(module, style, mesh)
+    elif isinstance(style, ReplicatedOnShard):
+        _replicated_on_shard(module, mesh, style.dim)
+    elif isinstance(style, Colwise):
+        _colwise(module, style, mesh, group)
     elif isinstance(style, RowwiseToSequence):
         _rowwise_to_sequence(module, mesh, group)
-    elif isinstance(style, PerRankCounts):
-        _localise(module, mesh.size(), style.attributes)
     elif isinstance(style, LocalHeads):
-        _tp_core_attention(module, mesh.get_local_rank())
+        _tp_core_attention(module, mesh)
     elif isinstance(style, SequenceAuxLoss):
         _sequence_aux_loss(module, group)
     else:
@@ -339,6 +343,38 @@ def _apply_layer_plan(layer: nn.Module, plan: dict[str, tuple[Any, ...]], mesh: 
         module = layer.get_submodule(path)
         for style in styles:
             _apply_style(module, style, mesh, group)
+
+
+def _replicated_on_shard(module: nn.Module, mesh: Any, dim: int) -> None:
+    """torch's ``SequenceParallel`` along ``dim`` (replicated DTensor weights, input this rank's shard,
+    local output), keeping a frozen (LoRA base) weight frozen: torch's re-creates them as trainable."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    class FrozenAwareSequenceParallel(SequenceParallel):
+        def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+            for p_name, param in module.named_parameters(recurse=False):
+                replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+                module.register_parameter(p_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+    parallelize_module(module, mesh, FrozenAwareSequenceParallel(sequence_dim=dim, use_local_output=True))
+
+
+def _sequence_parallel_norms(model: nn.Module, tp_mesh: Any) -> None:
+    """The token-wise modules on the residual stream (the layers' norms, the final norm, an MTP depth's
+    norms and ``eh_proj``) as torch's ``SequenceParallel``: replicated DTensor weights on this rank's
+    sequence shard, their gradients summed over tp by DTensor."""
+    modules = [getattr(getattr(model, "decoder", None), "final_layernorm", None)]
+    for layer in decoder_layers(model):
+        inner = getattr(layer, "transformer_layer", layer)  # an MTP depth wraps a transformer layer
+        modules += [getattr(inner, "input_layernorm", None), getattr(inner, "pre_mlp_layernorm", None)]
+        if inner is not layer:
+            modules += [
+                getattr(layer, name, None) for name in ("enorm", "hnorm", "eh_proj", "final_layernorm")
+            ]
+    for module in modules:
+        if module is not None:
+            _replicated_on_shard(module, tp_mesh, 1)
 
 
 def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
@@ -359,14 +395,15 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
     out = getattr(model, "output_layer", None)
     tied = emb is not None and out is not None and out.weight is emb.weight
     if emb is not None:
-        _vocab_parallel_embedding(emb, tp_mesh, group)
+        _vocab_parallel_embedding(emb, tp_mesh)
     for layer in decoder_layers(model):
         layer = getattr(layer, "transformer_layer", layer)  # an MTP depth wraps a transformer layer
         _apply_layer_plan(layer, family.tp_plan(cfg, layer.layer_id), tp_mesh, group)
     if out is not None and not tied:
         _vocab_split_output(out, tp_mesh)
-    # Everything else (norms, routers, routed experts, MLA down projections) is replicated over tp and
-    # sees only this rank's tokens or heads: its gradient is the sum over tp.
+    _sequence_parallel_norms(model, tp_mesh)
+    # Everything else (routers, routed experts, MLA down projections and latent norms) is replicated
+    # over tp and sees only this rank's tokens or heads: its gradient is the sum over tp.
     parents = {id(child): parent for parent in model.modules() for child in parent.children()}
     for module in model.modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):

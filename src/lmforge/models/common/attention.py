@@ -1,8 +1,10 @@
 """Attention: the SDPA core (with optional per-head max-logit tracking) and the GQA self-attention block.
 
-Parameter names follow Megatron / MindSpore Transformers: ``linear_qkv`` holds the fused rows
-``[Q (heads*d); K (groups*d); V (groups*d)]`` as three contiguous blocks, ``linear_proj`` is the output
-projection, and ``q_layernorm`` / ``k_layernorm`` are the per-head QK norms (Qwen3).
+Parameter names follow Megatron / MindSpore Transformers: ``linear_qkv`` holds the fused rows grouped per
+key-value group, ``[q of the group's heads (H/G*d); k_g (d); v_g (d)]`` for g = 0..G-1 (Megatron's layout,
+``models/common/fused_layout.py``), ``linear_proj`` is the output projection, and ``q_layernorm`` /
+``k_layernorm`` are the per-head QK norms (Qwen3). The forward reads the number of groups from the
+projection's output width, so a tensor-parallel rank holding whole groups runs the same code.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.models.common.fused_layout import qkv_rows
 from lmforge.models.common.masks import DocumentSegments
 from lmforge.models.common.norms import RMSNorm
 from lmforge.models.common.rope import apply_rope
+from lmforge.utils.muon_split import MuonSplit
 from lmforge.utils.qk_clip import QKClipLayer, QKClipTarget
 
 
@@ -68,6 +72,9 @@ class CoreAttention(nn.Module):
         self.scale = scale
         self.dropout = dropout
         self.track_max_logits = False
+        # The global index of the first head this module computes: 0, or this rank's first head when
+        # tensor parallel hands it a slice of the heads (max_logits stays indexed by global head).
+        self.head_offset = 0
         self.register_buffer("max_logits", torch.zeros(num_heads, dtype=torch.float32), persistent=False)
         # parallel/cp.py sets a ContextParallelAttention here: attention across context-parallel ranks.
         self.register_module("context_parallel", None)
@@ -113,7 +120,8 @@ class CoreAttention(nn.Module):
             allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()[None, None]
         logits = logits.masked_fill(~allowed, float("-inf"))
         per_head = logits.amax(dim=(0, 2, 3))
-        torch.maximum(self.max_logits, per_head.to(self.max_logits.device), out=self.max_logits)
+        target = self.max_logits[self.head_offset : self.head_offset + per_head.shape[0]]
+        torch.maximum(target, per_head.to(target.device), out=target)
 
 
 class SelfAttention(nn.Module):
@@ -131,7 +139,10 @@ class SelfAttention(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        # The global counts describe the stored weights (optimizer, QK-Clip and FLOPs hooks); the
+        # forward uses only the ratio heads-per-group and the head size.
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.heads_per_group = num_heads // num_kv_heads
         self.q_rows, self.kv_rows = num_heads * head_dim, num_kv_heads * head_dim
         self.linear_qkv = nn.Linear(hidden_size, self.q_rows + 2 * self.kv_rows, bias=bias)
         self.linear_proj = nn.Linear(self.q_rows, hidden_size, bias=bias)
@@ -143,20 +154,28 @@ class SelfAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None
     ) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self.linear_qkv(x).split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
-        q = q.view(b, s, self.num_heads, self.head_dim)
-        k = k.view(b, s, self.num_kv_heads, self.head_dim)
-        v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        r, d = self.heads_per_group, self.head_dim
+        qkv = self.linear_qkv(x).unflatten(-1, (-1, r + 2, d))  # [b, s, groups, r + 2, d]
+        # split, not slices: its backward is one concatenation, not a zero-filled gradient per piece.
+        q, k, v = qkv.split([r, 1, 1], dim=-2)
+        q = q.flatten(2, 3)  # head g*r + j is the j-th query head of group g
+        k, v = k.squeeze(-2), v.squeeze(-2).transpose(1, 2)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         out = self.core_attention(q, k, v, allowed)
-        return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.q_rows))
+        return self.linear_proj(out.transpose(1, 2).flatten(2))
 
-    # ---- hooks for the optimizer -------------------------------------------------------------
-    def muon_split_schema(self, prefix: str) -> dict[str, tuple[int, list[int]]]:
-        return {f"{prefix}.linear_qkv.weight": (0, [self.q_rows, self.kv_rows, self.kv_rows])}
+    # ---- hooks for the optimizer and checkpoints -------------------------------------------------
+    def layout_v1_rows(self) -> dict[str, tuple[int, torch.Tensor]]:
+        """Fused child → (dim, rows) with ``stored = layout1[rows]`` (``fused_layout.py``)."""
+        return {"linear_qkv": (0, qkv_rows(self.num_heads, self.num_kv_heads, self.head_dim))}
+
+    def muon_split_schema(self, prefix: str) -> dict[str, MuonSplit]:
+        """Q, K and V as three matrices (all heads / all groups each), as Megatron's Muon does."""
+        order = torch.argsort(qkv_rows(self.num_heads, self.num_kv_heads, self.head_dim))
+        return {f"{prefix}.linear_qkv.weight": MuonSplit(0, [self.q_rows, self.kv_rows, self.kv_rows], order)}
 
     def qk_clip_layer(self, prefix: str) -> QKClipLayer:
         """Per head for Q, per KV group for K (the minimum clip factor of the heads sharing it)."""
@@ -172,8 +191,9 @@ class SelfAttention(nn.Module):
                     QKClipTarget(f"{prefix}.{name}.weight", 0, torch.arange(d)[None], all_heads, 0.5)
                 )
             return layer
-        q_rows = torch.arange(n * d).view(n, d)
-        k_rows = self.q_rows + torch.arange(g * d).view(g, d)
+        group_rows = torch.arange(n * d + 2 * g * d).view(g, per_group + 2, d)  # the stored layout
+        q_rows = group_rows[:, :per_group].reshape(n, d)
+        k_rows = group_rows[:, per_group]
         k_heads = torch.arange(n).view(g, per_group)
         # A q/k bias is part of the same rows: it scales with them so the logit scales exactly.
         kinds = ("weight", "bias") if self.linear_qkv.bias is not None else ("weight",)

@@ -21,12 +21,13 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.models.common import init
 from lmforge.models.common.attention import CoreAttention
 from lmforge.models.common.blocks import LayerBlocks
 from lmforge.models.common.init import draw_seed
-from lmforge.models.common.loss import chunked_linear_cross_entropy, token_cross_entropy
+from lmforge.models.common.loss import chunked_linear_cross_entropy, token_cross_entropy, vocab_shard
 from lmforge.models.common.masks import attention_layout
 from lmforge.models.common.moe import ExpertWeight, MoELayer, TopKRouter, moe_layers
 from lmforge.models.common.norms import RMSNorm
@@ -89,6 +90,15 @@ class MTPLayer(nn.Module):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.transformer_layer = TransformerLayer(cfg, layer_id, blocks)
         self.final_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this depth's hidden states, their final norm). One call of the depth, so wrappers of it
+        (FSDP's per-layer unshard, tensor-parallel styles) run around all of its parameters."""
+        hidden = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
+        hidden = self.transformer_layer(hidden, cos, sin, allowed)
+        return hidden, self.final_layernorm(hidden)
 
 
 class MultiTokenPrediction(nn.Module):
@@ -154,9 +164,17 @@ class GPTModel(nn.Module):
         """
         seed = draw_seed() if seed is None else int(seed)
         std = self.config.initializer_range
+        # Fused weights are drawn in their logical row order ([Q; K; V], [gate; up], MLA parts grouped):
+        # a seed gives the same model as before their storage layout changed, and as Hugging Face's split.
+        fused = {
+            f"{prefix}.{child}" if prefix else child: rows
+            for prefix, module in self.named_modules()
+            if callable(getattr(module, "layout_v1_rows", None))
+            for child, rows in module.layout_v1_rows().items()
+        }
         for prefix, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding, ExpertWeight, TopKRouter)):
-                init.normal_(module.weight, f"{prefix}.weight", seed, std)
+                init.normal_(module.weight, f"{prefix}.weight", seed, std, fused.get(prefix))
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
                 if getattr(module, "expert_bias", None) is not None:
@@ -168,10 +186,18 @@ class GPTModel(nn.Module):
                 module.bias_update_counts.zero_()
 
     # ---- forward ------------------------------------------------------------------------------
+    def _stored_output_weight(self) -> torch.Tensor | None:
+        """The output weight as stored (the embedding's when tied): a plain tensor, or a DTensor, e.g. split
+        by vocabulary rows under tensor parallel; None on a pipeline stage that holds neither."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        emb = getattr(self.embedding, "word_embeddings", None) if self.embedding is not None else None
+        return emb.weight if emb is not None else None
+
     def _output_weight(self) -> torch.Tensor:
-        return (
-            self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
-        )
+        """The whole output weight (a DTensor is gathered; its gradient goes back to this rank's rows)."""
+        w = self._stored_output_weight()
+        return w.full_tensor() if isinstance(w, DTensor) else w
 
     def forward(
         self,
@@ -220,10 +246,13 @@ class GPTModel(nn.Module):
         """(CE sum, valid tokens, logits or None): chunked when ``loss_chunk_size`` > 0, else plain."""
         chunk = self.config.loss_chunk_size
         if chunk > 0:
-            # Tensor parallel sets ``vocab_parallel_output`` (→ local weight rows, their offset, the group):
-            # the chunks then run on this rank's vocabulary shard and the logits are never gathered.
-            shard = getattr(self, "vocab_parallel_output", None)
-            weight, offset, group = shard() if shard is not None else (self._output_weight(), 0, None)
+            # An output weight split by vocabulary rows (a DTensor under tensor parallel): the chunks run on
+            # this rank's rows and the logits are never gathered.
+            stored = self._stored_output_weight()
+            if isinstance(stored, DTensor):
+                weight, offset, group = vocab_shard(stored)
+            else:
+                weight, offset, group = self._output_weight(), 0, None
             lsum, n = chunked_linear_cross_entropy(normed, weight, labels, loss_mask, chunk, group, offset)
             return lsum, n, None
         logits = F.linear(normed, self._output_weight())
@@ -245,9 +274,8 @@ class GPTModel(nn.Module):
         for k, mtp in enumerate(self.mtp.layers, start=1):
             ids, lab, mask = _shift_left(ids, 0), _shift_left(lab, -100), _shift_left(mask, 0.0)
             emb = self.embedding.word_embeddings(ids)
-            hidden = mtp.eh_proj(torch.cat([mtp.enorm(emb), mtp.hnorm(hidden)], dim=-1))
-            hidden = mtp.transformer_layer(hidden, cos, sin, allowed)
-            lsum, n, _ = self._token_loss(mtp.final_layernorm(hidden), lab, mask)
+            hidden, normed = mtp(hidden, emb, cos, sin, allowed)
+            lsum, n, _ = self._token_loss(normed, lab, mask)
             loss_k = lsum / n.clamp(min=1)
             aux_losses[f"mtp_{k}_loss"] = loss_k
             total = total + loss_k

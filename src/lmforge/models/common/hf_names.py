@@ -1,8 +1,10 @@
 """Hugging Face ↔ lmforge parameter mapping pieces shared by the family adapters.
 
-Every adapter maps a whole state dict both ways; fused lmforge weights are concatenations (``linear_qkv``
-= [q; k; v], ``linear_fc1`` = [gate; up], expert ``linear_fc1[e]`` = [gate_e; up_e]) so the round trip
-lmforge → HF → lmforge is exact (no arithmetic, only copies).
+Every adapter maps a whole state dict both ways; fused lmforge weights are row permutations of Hugging
+Face's separate projections (``models/common/fused_layout.py``: ``linear_qkv`` grouped per key-value group
+``[q heads of group g; k_g; v_g]``, ``linear_fc1`` and each expert's ``linear_fc1[e]`` in gate/up row pairs),
+so the round trip lmforge → HF → lmforge is exact (no arithmetic, only copies). The same functions run
+on row ids (``models/hf_read.py``), so they only move rows, never columns.
 """
 
 from __future__ import annotations
@@ -40,12 +42,35 @@ def embeddings_to_hf(sd: dict, cfg: TransformerConfig, out: dict) -> None:
         out["lm_head.weight"] = sd["output_layer.weight"]
 
 
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[q; k; v]`` rows (weights or biases) → rows grouped per key-value group."""
+    per_group = [t.reshape(groups, t.shape[0] // groups, *t.shape[1:]) for t in (q, k, v)]
+    return torch.cat(per_group, dim=1).reshape(-1, *q.shape[1:])
+
+
+def unfuse_qkv(qkv: torch.Tensor, q_rows: int, kv_rows: int, groups: int) -> list[torch.Tensor]:
+    """The inverse of :func:`fuse_qkv`: ``q``, ``k``, ``v`` rows."""
+    per_group = qkv.reshape(groups, -1, *qkv.shape[1:])
+    parts = per_group.split([q_rows // groups, kv_rows // groups, kv_rows // groups], dim=1)
+    return [p.reshape(-1, *qkv.shape[1:]) for p in parts]
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Gate and up rows along ``dim`` → gate/up row pairs."""
+    return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
+
+
+def unfuse_gate_up(fused: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = fused.unflatten(dim, (-1, 2))
+    return pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)
+
+
 def gqa_attention_from_hf(hf: dict, hp: str, lp: str, cfg: TransformerConfig, out: dict) -> None:
     for kind in ("weight", "bias"):
         if kind == "bias" and not cfg.attention_bias:
             continue
-        parts = [take(hf, f"{hp}self_attn.{n}_proj.{kind}") for n in ("q", "k", "v")]
-        out[f"{lp}self_attention.linear_qkv.{kind}"] = torch.cat(parts, dim=0)
+        q, k, v = (take(hf, f"{hp}self_attn.{n}_proj.{kind}") for n in ("q", "k", "v"))
+        out[f"{lp}self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, cfg.num_key_value_heads)
         out[f"{lp}self_attention.linear_proj.{kind}"] = take(hf, f"{hp}self_attn.o_proj.{kind}")
     if cfg.qk_norm:
         out[f"{lp}self_attention.q_layernorm.weight"] = take(hf, f"{hp}self_attn.q_norm.weight")
@@ -58,7 +83,9 @@ def gqa_attention_to_hf(sd: dict, hp: str, lp: str, cfg: TransformerConfig, out:
     for kind in ("weight", "bias"):
         if kind == "bias" and not cfg.attention_bias:
             continue
-        q, k, v = sd[f"{lp}self_attention.linear_qkv.{kind}"].split([q_rows, kv_rows, kv_rows], dim=0)
+        q, k, v = unfuse_qkv(
+            sd[f"{lp}self_attention.linear_qkv.{kind}"], q_rows, kv_rows, cfg.num_key_value_heads
+        )
         out[f"{hp}self_attn.q_proj.{kind}"], out[f"{hp}self_attn.k_proj.{kind}"] = q, k
         out[f"{hp}self_attn.v_proj.{kind}"] = v
         out[f"{hp}self_attn.o_proj.{kind}"] = sd[f"{lp}self_attention.linear_proj.{kind}"]
@@ -81,29 +108,31 @@ def swiglu_from_hf(hf: dict, hp: str, lp: str, out: dict, bias: bool = False) ->
     """``{hp}gate_proj/up_proj/down_proj`` → ``{lp}linear_fc1/linear_fc2``."""
     for kind in ("weight", "bias") if bias else ("weight",):
         gate, up = take(hf, f"{hp}gate_proj.{kind}"), take(hf, f"{hp}up_proj.{kind}")
-        out[f"{lp}linear_fc1.{kind}"] = torch.cat([gate, up], dim=0)
+        out[f"{lp}linear_fc1.{kind}"] = fuse_gate_up(gate, up)
         out[f"{lp}linear_fc2.{kind}"] = take(hf, f"{hp}down_proj.{kind}")
 
 
 def swiglu_to_hf(sd: dict, hp: str, lp: str, out: dict, bias: bool = False) -> None:
     for kind in ("weight", "bias") if bias else ("weight",):
-        gate, up = sd[f"{lp}linear_fc1.{kind}"].chunk(2, dim=0)
+        gate, up = unfuse_gate_up(sd[f"{lp}linear_fc1.{kind}"])
         out[f"{hp}gate_proj.{kind}"], out[f"{hp}up_proj.{kind}"] = gate, up
         out[f"{hp}down_proj.{kind}"] = sd[f"{lp}linear_fc2.{kind}"]
 
 
 def experts_from_hf(hf: dict, hp: str, lp: str, num_experts: int, out: dict) -> None:
     """Per-expert ``experts.{e}.gate_proj/up_proj/down_proj`` (checkpoint format) or the fused 3-D
-    ``experts.gate_up_proj`` ``[E, 2F, H]`` / ``experts.down_proj`` ``[E, H, F]`` (transformers 5 in memory)."""
+    ``experts.gate_up_proj`` ``[E, 2F, H]`` (rows ``[gate; up]``) / ``experts.down_proj`` ``[E, H, F]``
+    (transformers 5 in memory)."""
     fused = f"{hp}experts.gate_up_proj"
     if fused in hf:
-        out[f"{lp}experts.linear_fc1.weight"] = take(hf, fused)
+        gate, up = take(hf, fused).chunk(2, dim=1)
+        out[f"{lp}experts.linear_fc1.weight"] = fuse_gate_up(gate, up, dim=1)
         out[f"{lp}experts.linear_fc2.weight"] = take(hf, f"{hp}experts.down_proj")
         return
     fc1, fc2 = [], []
     for e in range(num_experts):
         ep = f"{hp}experts.{e}."
-        fc1.append(torch.cat([take(hf, f"{ep}gate_proj.weight"), take(hf, f"{ep}up_proj.weight")], dim=0))
+        fc1.append(fuse_gate_up(take(hf, f"{ep}gate_proj.weight"), take(hf, f"{ep}up_proj.weight")))
         fc2.append(take(hf, f"{ep}down_proj.weight"))
     out[f"{lp}experts.linear_fc1.weight"] = torch.stack(fc1)
     out[f"{lp}experts.linear_fc2.weight"] = torch.stack(fc2)
@@ -112,7 +141,7 @@ def experts_from_hf(hf: dict, hp: str, lp: str, num_experts: int, out: dict) -> 
 def experts_to_hf(sd: dict, hp: str, lp: str, out: dict) -> None:
     fc1, fc2 = sd[f"{lp}experts.linear_fc1.weight"], sd[f"{lp}experts.linear_fc2.weight"]
     for e in range(fc1.shape[0]):
-        gate, up = fc1[e].chunk(2, dim=0)
+        gate, up = unfuse_gate_up(fc1[e])
         ep = f"{hp}experts.{e}."
         out[f"{ep}gate_proj.weight"], out[f"{ep}up_proj.weight"] = gate, up
         out[f"{ep}down_proj.weight"] = fc2[e]

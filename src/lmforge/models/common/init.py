@@ -82,8 +82,14 @@ def _as_range(index: torch.Tensor) -> tuple[int, int] | None:
 
 
 @torch.no_grad()
-def normal_(param: torch.Tensor, name: str, seed: int, std: float) -> None:
-    """Fill ``param`` (a tensor or a DTensor shard) with N(0, std²), layout-invariantly."""
+def normal_(
+    param: torch.Tensor, name: str, seed: int, std: float, order: tuple[int, torch.Tensor] | None = None
+) -> None:
+    """Fill ``param`` (a tensor or a DTensor shard) with N(0, std²), layout-invariantly.
+
+    ``order`` = ``(dim, rows)``: the stored index ``i`` along ``dim`` holds the drawn index ``rows[i]`` (a
+    fused weight stored in another row order than the one it is drawn in, ``models/common/fused_layout.py``:
+    the same seed then gives the same function whatever the storage layout)."""
     shape = tuple(param.shape)
     local = param.to_local() if hasattr(param, "to_local") else param
     if local.numel() == 0:
@@ -93,6 +99,9 @@ def normal_(param: torch.Tensor, name: str, seed: int, std: float) -> None:
         local.copy_(torch.randn((), generator=g) * std)
         return
     indices = _global_indices(param) or [torch.arange(n, dtype=torch.int64) for n in shape]
+    if order is not None:
+        dim, drawn = order
+        indices[dim] = drawn.to(torch.int64).index_select(0, indices[dim])
     # Other dimensions: a contiguous range is a slice (the common case), anything else a gather.
     other: list[tuple[int, int] | torch.Tensor] = []
     for d in range(1, len(shape)):

@@ -109,6 +109,20 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None
 
 
+def vocab_shard(weight: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
+    """(rows, first vocabulary id, group) for :func:`chunked_linear_cross_entropy`: a DTensor output weight
+    split by vocabulary rows over one mesh dimension gives its local rows; any other is gathered whole."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(weight, DTensor):
+        return weight, 0, None
+    mesh = weight.device_mesh
+    if mesh.ndim == 1 and tuple(weight.placements) == (Shard(0),):
+        rows = -(-weight.shape[0] // mesh.size())  # DTensor's Shard follows torch.chunk
+        return weight.to_local(), mesh.get_local_rank() * rows, mesh.get_group()
+    return weight.full_tensor(), 0, None
+
+
 def chunked_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

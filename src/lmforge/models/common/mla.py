@@ -1,13 +1,15 @@
 """Multi-head Latent Attention (DeepSeek-V2/V3) with optional q LoRA and decoupled RoPE.
 
-Weight layout (rows of the up projections are grouped by part, not interleaved per head, so each
-logical piece is one contiguous block for Muon and QK-Clip):
+Weight layout (the up projections per head, as Hugging Face's ``q_b_proj`` / ``kv_b_proj``, so a row
+split into whole heads is a valid tensor-parallel shard; ``models/common/fused_layout.py``):
 
 * ``linear_q_proj`` (no q LoRA) or ``linear_q_down_proj`` → ``q_layernorm`` → ``linear_q_up_proj``:
-  rows ``[q_nope of all heads (heads*qk_nope); q_rope of all heads (heads*qk_rope)]``.
+  rows ``[q_nope_h (qk_nope); q_rope_h (qk_rope)]`` for h = 0..heads-1.
 * ``linear_kv_down_proj``: rows ``[kv latent (kv_lora_rank); shared k_rope (qk_rope)]``.
-* ``kv_layernorm`` on the latent, then ``linear_kv_up_proj``: rows ``[k_nope of all heads; v of all heads]``.
+* ``kv_layernorm`` on the latent, then ``linear_kv_up_proj``: rows ``[k_nope_h; v_h]`` per head.
 * ``linear_proj``: ``[hidden, heads*v_head_dim]``.
+
+The forward reads the number of heads from the up projections' output width.
 
 The latent norms use eps 1e-6 as Hugging Face's DeepSeek-V3 does (it ignores ``rms_norm_eps`` there).
 """
@@ -18,8 +20,10 @@ import torch
 from torch import nn
 
 from lmforge.models.common.attention import CoreAttention
+from lmforge.models.common.fused_layout import per_head_rows
 from lmforge.models.common.norms import RMSNorm
 from lmforge.models.common.rope import apply_rope
+from lmforge.utils.muon_split import MuonSplit
 from lmforge.utils.qk_clip import QKClipLayer, QKClipTarget
 
 LATENT_NORM_EPS = 1e-6
@@ -63,34 +67,45 @@ class MultiLatentAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor | None
     ) -> torch.Tensor:
         b, s, _ = x.shape
-        n = self.num_heads
         if self.q_lora_rank:
             q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)))
         else:
             q = self.linear_q_proj(x)
-        q_nope, q_rope = q.split([n * self.dn, n * self.dr], dim=-1)
-        q_nope = q_nope.view(b, s, n, self.dn).transpose(1, 2)
-        q_rope = apply_rope(q_rope.view(b, s, n, self.dr).transpose(1, 2), cos, sin)
+        q = q.unflatten(-1, (-1, self.dn + self.dr)).transpose(1, 2)  # [b, heads, s, dn + dr]
+        n = q.shape[1]
+        q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin)
 
         latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.dr], dim=-1)
         k_rope = apply_rope(k_rope.view(b, s, 1, self.dr).transpose(1, 2), cos, sin)
         kv = self.linear_kv_up_proj(self.kv_layernorm(latent))
-        k_nope, v = kv.split([n * self.dn, n * self.dv], dim=-1)
-        k_nope = k_nope.view(b, s, n, self.dn).transpose(1, 2)
-        v = v.view(b, s, n, self.dv).transpose(1, 2)
+        k_nope, v = (
+            kv.unflatten(-1, (-1, self.dn + self.dv)).transpose(1, 2).split([self.dn, self.dv], dim=-1)
+        )
 
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, n, -1, -1)], dim=-1)
         out = self.core_attention(q, k, v, allowed)
-        return self.linear_proj(out.transpose(1, 2).reshape(b, s, n * self.dv))
+        return self.linear_proj(out.transpose(1, 2).flatten(2))
 
-    # ---- hooks for the optimizer -------------------------------------------------------------
-    def muon_split_schema(self, prefix: str) -> dict[str, tuple[int, list[int]]]:
+    # ---- hooks for the optimizer and checkpoints -------------------------------------------------
+    def layout_v1_rows(self) -> dict[str, tuple[int, torch.Tensor]]:
+        """Fused child → (dim, rows) with ``stored = layout1[rows]`` (``fused_layout.py``)."""
         n = self.num_heads
         return {
-            f"{prefix}.{self._q_weight_name}.weight": (0, [n * self.dn, n * self.dr]),
-            f"{prefix}.linear_kv_down_proj.weight": (0, [self.kv_lora_rank, self.dr]),
-            f"{prefix}.linear_kv_up_proj.weight": (0, [n * self.dn, n * self.dv]),
+            self._q_weight_name: (0, per_head_rows(n, self.dn, self.dr)),
+            "linear_kv_up_proj": (0, per_head_rows(n, self.dn, self.dv)),
+        }
+
+    def muon_split_schema(self, prefix: str) -> dict[str, MuonSplit]:
+        """nope / rope of q and k_nope / v as separate matrices (all heads each)."""
+        n = self.num_heads
+        q_order = torch.argsort(per_head_rows(n, self.dn, self.dr))
+        kv_order = torch.argsort(per_head_rows(n, self.dn, self.dv))
+        return {
+            f"{prefix}.{self._q_weight_name}.weight": MuonSplit(0, [n * self.dn, n * self.dr], q_order),
+            f"{prefix}.linear_kv_down_proj.weight": MuonSplit(0, [self.kv_lora_rank, self.dr]),
+            f"{prefix}.linear_kv_up_proj.weight": MuonSplit(0, [n * self.dn, n * self.dv], kv_order),
         }
 
     def qk_clip_layer(self, prefix: str) -> QKClipLayer:
@@ -98,12 +113,14 @@ class MultiLatentAttention(nn.Module):
         n = self.num_heads
         heads = torch.arange(n)[:, None]
         q_name = f"{prefix}.{self._q_weight_name}.weight"
-        nope_rows = torch.arange(n * self.dn).view(n, self.dn)
-        rope_rows = n * self.dn + torch.arange(n * self.dr).view(n, self.dr)
+        q_heads = torch.arange(n * (self.dn + self.dr)).view(n, self.dn + self.dr)  # the stored layout
+        kv_heads = torch.arange(n * (self.dn + self.dv)).view(n, self.dn + self.dv)
         layer = QKClipLayer(name=prefix, max_logits=self.core_attention.max_logits)
-        layer.targets.append(QKClipTarget(q_name, 0, nope_rows, heads, 0.5))
-        layer.targets.append(QKClipTarget(q_name, 0, rope_rows, heads, 1.0))
-        layer.targets.append(QKClipTarget(f"{prefix}.linear_kv_up_proj.weight", 0, nope_rows, heads, 0.5))
+        layer.targets.append(QKClipTarget(q_name, 0, q_heads[:, : self.dn], heads, 0.5))
+        layer.targets.append(QKClipTarget(q_name, 0, q_heads[:, self.dn :], heads, 1.0))
+        layer.targets.append(
+            QKClipTarget(f"{prefix}.linear_kv_up_proj.weight", 0, kv_heads[:, : self.dn], heads, 0.5)
+        )
         return layer
 
     def flops_per_token(self, hidden_size: int, seq_length: int) -> float:

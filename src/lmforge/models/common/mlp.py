@@ -1,10 +1,22 @@
-"""SwiGLU MLP with the fused ``linear_fc1`` (rows ``[gate (F); up (F)]``) and ``linear_fc2``."""
+"""SwiGLU MLP: ``linear_fc1`` holds gate and up rows in pairs ``[gate_0; up_0; gate_1; up_1; ...]``
+(``models/common/fused_layout.py``: any row split into whole pairs is a valid tensor-parallel shard), and
+``linear_fc2``."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lmforge.models.common.fused_layout import gate_up_rows
+from lmforge.utils.muon_split import MuonSplit
+
+
+def swiglu(fused: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused gate/up activation whose last dim holds (gate, up) pairs."""
+    # unbind, not two selects: its backward is one stack, not a zero-filled gradient per half.
+    gate, up = fused.unflatten(-1, (-1, 2)).unbind(-1)
+    return F.silu(gate) * up
 
 
 class SwiGLUMLP(nn.Module):
@@ -15,12 +27,16 @@ class SwiGLUMLP(nn.Module):
         self.linear_fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
-        return self.linear_fc2(F.silu(gate) * up)
+        return self.linear_fc2(swiglu(self.linear_fc1(x)))
 
-    def muon_split_schema(self, prefix: str) -> dict[str, tuple[int, list[int]]]:
+    def layout_v1_rows(self) -> dict[str, tuple[int, torch.Tensor]]:
+        """Fused child → (dim, rows) with ``stored = layout1[rows]``."""
+        return {"linear_fc1": (0, gate_up_rows(self.ffn_hidden_size))}
+
+    def muon_split_schema(self, prefix: str) -> dict[str, MuonSplit]:
+        """Gate and up as two matrices."""
         f = self.ffn_hidden_size
-        return {f"{prefix}.linear_fc1.weight": (0, [f, f])}
+        return {f"{prefix}.linear_fc1.weight": MuonSplit(0, [f, f], torch.argsort(gate_up_rows(f)))}
 
     def flops_per_token(self, hidden_size: int) -> float:
         return 2 * hidden_size * 2 * self.ffn_hidden_size + 2 * self.ffn_hidden_size * hidden_size

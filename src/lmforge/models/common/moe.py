@@ -2,7 +2,7 @@
 
 Names: ``mlp.router.weight`` ``[E, H]`` (kept in fp32, the original's ``router_dense_type``),
 ``mlp.router.expert_bias`` ``[E]`` (a persistent fp32 buffer, aux-loss-free balancing),
-``mlp.experts.linear_fc1.weight`` ``[E, 2F, H]`` (rows ``[gate; up]`` per expert),
+``mlp.experts.linear_fc1.weight`` ``[E, 2F, H]`` (per expert, gate/up row pairs as in ``mlp.py``),
 ``mlp.experts.linear_fc2.weight`` ``[E, H, F]``, ``mlp.shared_experts.linear_fc1/fc2``.
 
 Experts are computed batched: tokens are sorted by expert and one padded ``bmm`` per projection runs
@@ -20,7 +20,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.common.mlp import SwiGLUMLP
+from lmforge.models.common.fused_layout import gate_up_rows
+from lmforge.models.common.mlp import SwiGLUMLP, swiglu
+from lmforge.utils.muon_split import MuonSplit
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens sorted by (local) expert; counts: tokens per expert."""
-        gate, up = grouped_matmul(x, self.linear_fc1.weight, counts).chunk(2, dim=-1)
-        return grouped_matmul(F.silu(gate) * up, self.linear_fc2.weight, counts)
+        return grouped_matmul(
+            swiglu(grouped_matmul(x, self.linear_fc1.weight, counts)), self.linear_fc2.weight, counts
+        )
 
 
 @dataclass
@@ -236,9 +239,14 @@ class MoELayer(nn.Module):
             self.router.expert_bias += delta.to(self.router.expert_bias)
         self.bias_update_counts.zero_()
 
-    def muon_split_schema(self, prefix: str) -> dict[str, tuple[int, list[int]]]:
+    def layout_v1_rows(self) -> dict[str, tuple[int, torch.Tensor]]:
+        """Fused child → (dim, rows) with ``stored = layout1[rows]`` (the shared experts give their own)."""
+        return {"experts.linear_fc1": (1, gate_up_rows(self.experts.ffn_hidden_size))}
+
+    def muon_split_schema(self, prefix: str) -> dict[str, MuonSplit]:
         f = self.experts.ffn_hidden_size
-        schema = {f"{prefix}.experts.linear_fc1.weight": (1, [f, f])}
+        order = torch.argsort(gate_up_rows(f))
+        schema = {f"{prefix}.experts.linear_fc1.weight": MuonSplit(1, [f, f], order)}
         if self.shared_experts is not None:
             schema.update(self.shared_experts.muon_split_schema(f"{prefix}.shared_experts"))
         return schema

@@ -6,8 +6,8 @@ import anything distributed. Modules a plan does not name stay replicated over t
 rank's sequence shard (right for token-wise blocks such as routed experts; attention must be named).
 Styles are applied in the plan's order.
 
-The fused weights are stored as contiguous logical pieces (``[Q; K; V]``, ``[gate; up]``), so a
-projection declares its pieces and each is split over the ranks (see ``parallel/tp.py``).
+The fused weights are stored so that a plain row split gives whole units (``models/common/fused_layout.py``):
+one piece each.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ class GatherSequence:
 
 
 @dataclass(frozen=True)
-class FusedColwise:
-    """A Linear whose output rows are ``pieces`` (sizes); every piece is split over the tp ranks."""
+class Colwise:
+    """A Linear whose output rows are ``units`` equal whole units (``what``: key-value groups, heads,
+    gate/up pairs), split by rows over the tp ranks; its input is the full block input."""
 
-    pieces: tuple[int, ...]
+    units: int
+    what: str
 
 
 @dataclass(frozen=True)
@@ -35,11 +37,32 @@ class RowwiseToSequence:
 
 
 @dataclass(frozen=True)
-class PerRankCounts:
-    """Integer attributes (head counts, row sizes) divided by the tp degree; optimizer and monitor hooks
-    (``muon_split_schema``, ``qk_clip_layer``, ``flops_per_token``) still see the global values."""
+class ReplicateInput:
+    """DTensor path: the block's first input arrives as a sequence shard and becomes a replicated DTensor
+    (one all-gather, whose backward reduce-scatters) for the ``ColwiseShard`` projections that read it."""
 
-    attributes: tuple[str, ...]
+
+@dataclass(frozen=True)
+class ColwiseShard:
+    """DTensor path: torch's ``ColwiseParallel`` on a Linear whose output rows are ``units`` equal whole
+    units (``what``); reads a replicated DTensor input, returns this rank's output columns."""
+
+    units: int
+    what: str
+
+
+@dataclass(frozen=True)
+class RowwiseShard:
+    """DTensor path: torch's ``RowwiseParallel`` on a Linear whose input is this rank's slice of the
+    features; the output is reduce-scattered to this rank's sequence shard."""
+
+
+@dataclass(frozen=True)
+class ReplicatedOnShard:
+    """DTensor path: a module with replicated weights applied element- or row-wise to this rank's shard of
+    its input along ``dim`` (torch's ``SequenceParallel``; e.g. per-head norms on this rank's heads)."""
+
+    dim: int
 
 
 @dataclass(frozen=True)
@@ -52,39 +75,50 @@ class SequenceAuxLoss:
     """A router whose balancing loss must see the whole sequence, not this rank's shard."""
 
 
-Style = GatherSequence | FusedColwise | RowwiseToSequence | PerRankCounts | LocalHeads | SequenceAuxLoss
+Style = (
+    GatherSequence
+    | Colwise
+    | RowwiseToSequence
+    | ReplicateInput
+    | ColwiseShard
+    | RowwiseShard
+    | ReplicatedOnShard
+    | LocalHeads
+    | SequenceAuxLoss
+)
 TPPlan = dict[str, tuple[Style, ...]]
 
 
 def gqa_attention_plan(cfg: TransformerConfig, prefix: str = "self_attention") -> TPPlan:
-    q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return {
-        prefix: (GatherSequence(), PerRankCounts(("num_heads", "num_kv_heads", "q_rows", "kv_rows"))),
-        f"{prefix}.linear_qkv": (FusedColwise((q_rows, kv_rows, kv_rows)),),
-        f"{prefix}.core_attention": (PerRankCounts(("num_heads",)), LocalHeads()),
-        f"{prefix}.linear_proj": (RowwiseToSequence(),),
+    groups = ColwiseShard(cfg.num_key_value_heads, "key-value groups (num_key_value_heads)")
+    plan: TPPlan = {
+        prefix: (ReplicateInput(),),
+        f"{prefix}.linear_qkv": (groups,),
+        f"{prefix}.core_attention": (LocalHeads(),),
+        f"{prefix}.linear_proj": (RowwiseShard(),),
     }
+    if cfg.qk_norm:  # per-head norms ([b, s, heads, d]) on this rank's heads
+        plan[f"{prefix}.q_layernorm"] = plan[f"{prefix}.k_layernorm"] = (ReplicatedOnShard(2),)
+    return plan
 
 
 def mla_attention_plan(cfg: TransformerConfig, prefix: str = "self_attention") -> TPPlan:
-    n = cfg.num_attention_heads
-    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    heads = Colwise(cfg.num_attention_heads, "attention heads (num_attention_heads)")
     q_name = "linear_q_up_proj" if cfg.q_lora_rank else "linear_q_proj"
     return {
-        prefix: (GatherSequence(), PerRankCounts(("num_heads",))),
-        f"{prefix}.{q_name}": (FusedColwise((n * dn, n * dr)),),
-        f"{prefix}.linear_kv_up_proj": (FusedColwise((n * dn, n * dv)),),
-        f"{prefix}.core_attention": (PerRankCounts(("num_heads",)), LocalHeads()),
+        prefix: (GatherSequence(),),
+        f"{prefix}.{q_name}": (heads,),
+        f"{prefix}.linear_kv_up_proj": (heads,),
+        f"{prefix}.core_attention": (LocalHeads(),),
         f"{prefix}.linear_proj": (RowwiseToSequence(),),
     }
 
 
 def swiglu_plan(ffn_hidden_size: int, prefix: str = "mlp") -> TPPlan:
-    f = ffn_hidden_size
     return {
-        prefix: (GatherSequence(),),
-        f"{prefix}.linear_fc1": (FusedColwise((f, f)),),
-        f"{prefix}.linear_fc2": (RowwiseToSequence(),),
+        prefix: (ReplicateInput(),),
+        f"{prefix}.linear_fc1": (ColwiseShard(ffn_hidden_size, f"gate/up pairs ({prefix} FFN width)"),),
+        f"{prefix}.linear_fc2": (RowwiseShard(),),
     }
 
 

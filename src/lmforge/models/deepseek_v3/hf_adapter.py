@@ -20,8 +20,8 @@
 | model.layers.(L+K).<decoder layer keys>                | mtp.layers.K.transformer_layer.<decoder layer keys>          |
 | model.layers.(L+K).{embed_tokens, shared_head.head}    | (shared with the main embedding / output layer; written on export) |
 
-(*) HF rows are per head ``[nope (qk_nope); rope (qk_rope)]``; lmforge groups them ``[all nope; all rope]``.
-(†) the last qk_rope rows are the shared rope key. (‡) HF rows per head ``[k_nope; v]`` → ``[all k_nope; all v]``.
+(*) rows per head ``[nope (qk_nope); rope (qk_rope)]`` in both (lmforge's layout is Hugging Face's).
+(†) the last qk_rope rows are the shared rope key. (‡) rows per head ``[k_nope; v]`` in both.
 With ``rope_interleave: true`` (the default, DeepSeek's own layout) the rope rows of q and k hold
 interleaved pairs; they are reordered to the rotate-half layout lmforge uses (evens then odds), which
 gives the same attention logits. Hugging Face itself ignores MTP weights (it does not train MTP).
@@ -55,18 +55,19 @@ def _interleave(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _heads_from_hf(w: torch.Tensor, n: int, first: int, second: int, rope_second: bool) -> torch.Tensor:
+    """Per-head rows stay per head; only the rope rows of each head are reordered (when interleaved)."""
+    if not rope_second:
+        return w
     per_head = w.view(n, first + second, w.shape[-1])
-    a, b = per_head[:, :first], per_head[:, first:]
-    if rope_second:
-        b = _deinterleave(b)
-    return torch.cat([a.reshape(n * first, -1), b.reshape(n * second, -1)], dim=0)
+    a, b = per_head[:, :first], _deinterleave(per_head[:, first:])
+    return torch.cat([a, b], dim=1).reshape(n * (first + second), -1)
 
 
 def _heads_to_hf(w: torch.Tensor, n: int, first: int, second: int, rope_second: bool) -> torch.Tensor:
-    a = w[: n * first].view(n, first, -1)
-    b = w[n * first :].view(n, second, -1)
-    if rope_second:
-        b = _interleave(b)
+    if not rope_second:
+        return w
+    per_head = w.view(n, first + second, w.shape[-1])
+    a, b = per_head[:, :first], _interleave(per_head[:, first:])
     return torch.cat([a, b], dim=1).reshape(n * (first + second), -1)
 
 

@@ -4,10 +4,10 @@
 |-----------------------------------------------------|------------------------------------------------------|
 | model.embed_tokens.weight                           | embedding.word_embeddings.weight                     |
 | model.layers.N.input_layernorm.weight               | decoder.layers.N.input_layernorm.weight              |
-| model.layers.N.self_attn.{q,k,v}_proj.weight (bias) | decoder.layers.N.self_attention.linear_qkv.weight (rows [q; k; v]) |
+| model.layers.N.self_attn.{q,k,v}_proj.weight (bias) | decoder.layers.N.self_attention.linear_qkv.weight (rows per kv group [q; k; v]) |
 | model.layers.N.self_attn.o_proj.weight (bias)       | decoder.layers.N.self_attention.linear_proj.weight   |
 | model.layers.N.post_attention_layernorm.weight      | decoder.layers.N.pre_mlp_layernorm.weight            |
-| model.layers.N.mlp.{gate,up}_proj.weight (bias)     | decoder.layers.N.mlp.linear_fc1.weight (rows [gate; up]) |
+| model.layers.N.mlp.{gate,up}_proj.weight (bias)     | decoder.layers.N.mlp.linear_fc1.weight (gate/up row pairs) |
 | model.layers.N.mlp.down_proj.weight (bias)          | decoder.layers.N.mlp.linear_fc2.weight               |
 | model.norm.weight                                   | decoder.final_layernorm.weight                       |
 | lm_head.weight (absent when tied)                   | output_layer.weight                                  |

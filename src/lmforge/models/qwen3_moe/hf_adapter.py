@@ -3,7 +3,7 @@
 | Hugging Face                                          | lmforge                                            |
 |-------------------------------------------------------|----------------------------------------------------|
 | model.layers.N.mlp.gate.weight                        | decoder.layers.N.mlp.router.weight (fp32)          |
-| model.layers.N.mlp.experts.E.{gate,up}_proj.weight    | decoder.layers.N.mlp.experts.linear_fc1.weight[E] (rows [gate; up]) |
+| model.layers.N.mlp.experts.E.{gate,up}_proj.weight    | decoder.layers.N.mlp.experts.linear_fc1.weight[E] (gate/up row pairs) |
 | model.layers.N.mlp.experts.E.down_proj.weight         | decoder.layers.N.mlp.experts.linear_fc2.weight[E]  |
 
 (transformers 5's in-memory fused ``experts.gate_up_proj`` / ``experts.down_proj`` are read too.)

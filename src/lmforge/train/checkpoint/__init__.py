@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StoragePr
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmforge.errors import CheckpointError
+from lmforge.models.common.fused_layout import WEIGHT_LAYOUT
 from lmforge.train.checkpoint.safe_load import TensorRef as _TensorRef
 from lmforge.train.checkpoint.safe_load import (
     decode_skeleton,
@@ -366,6 +367,7 @@ class CheckpointManager:
             "ckpt_status": None,
             # lmforge's additions.
             "format": FORMAT,
+            "weight_layout": WEIGHT_LAYOUT,  # rows of the fused weights (models/common/fused_layout.py)
             "world_size": self.world_size,
             "has_optimizer": "optimizer" in sd,
             "optimizer_format": optimizer_format,
@@ -743,7 +745,9 @@ def load_checkpoint(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     set_model_state_dict(target.model, {**sd["model"], **masters}, options=_non_strict())
+    adapters_only = bool(lora_base and any(is_lora_param_name(k) for k in model_sd))
     if no_load_optim:
+        _upgrade_layout(header, target, adapters_only)
         logger.info(
             "Loaded model weights from %s (no_load_optim: optimizer and step start fresh).", header.path
         )
@@ -760,6 +764,7 @@ def load_checkpoint(
             )
         else:
             target.optimizer.load_state_dict(decode_state(sd["optimizer"]))
+    _upgrade_layout(header, target, adapters_only)
     if "scheduler" in sd:
         target.scheduler.load_state_dict(decode_state(sd["scheduler"]))
     target.state.load_dict(decode_state(sd["trainer"]))
@@ -775,6 +780,14 @@ def load_checkpoint(
     if "dataloader" in sd and hasattr(target.dataloader, "load_state_dict"):
         target.dataloader.load_state_dict(decode_state(sd["dataloader"][own_loader]))
     logger.info("Resumed from %s at step %d.", header.path, target.state.global_step)
+
+
+def _upgrade_layout(header: CheckpointHeader, target: Checkpointable, adapters_only: bool) -> None:
+    from lmforge.train.checkpoint.layout_upgrade import checkpoint_layout, upgrade_fused_layout
+
+    layout = checkpoint_layout(header.common)
+    if layout != WEIGHT_LAYOUT:
+        upgrade_fused_layout(target.model, target.optimizer, layout, header.path, adapters_only)
 
 
 def load_model_weights(path: str | os.PathLike, model: nn.Module) -> CheckpointHeader:
