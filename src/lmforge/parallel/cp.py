@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
 from lmforge.errors import ConfigError, DataError
 from lmforge.models.common.attention import CoreAttention, segment_attention
 from lmforge.models.common.masks import DocumentSegments, attention_layout
-from lmforge.parallel import comm
 
 CP_METHODS = ("colossal", "ulysses", "hybrid")  # hybrid: Ulysses groups of ulysses_degree_in_cp
 SEQUENCE_KEYS = ("input_ids", "labels", "loss_mask", "position_ids")
@@ -247,9 +247,21 @@ def _attend_chunks(core: nn.Module, q, k_all, v_all, chunks: list[int], cp: int,
     return chunk_document_attention(q, k_nat, v_nat, chunks, segments, core.scale, dropout)
 
 
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Any) -> torch.Tensor:
+    """Split ``scatter_dim`` in world chunks, send chunk j to rank j, concatenate what arrives on ``gather_dim``.
+
+    torch's autograd-aware ``all_to_all_single`` on the chunks stacked along a new leading dimension; its
+    backward is the reverse all-to-all.
+    """
+    world = dist.get_world_size(group)
+    send = torch.stack(x.chunk(world, dim=scatter_dim))
+    received = funcol.all_to_all_single_autograd(send, None, None, group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
 def _attend_gathered_kv(core: nn.Module, q, k, v, group, cp: int, rank: int, doc=None) -> torch.Tensor:
-    k_all = comm.gather_with_partial_grad(k, 2, group)
-    v_all = comm.gather_with_partial_grad(v, 2, group)
+    k_all = funcol.all_gather_single_autograd(k.contiguous(), 2, group)
+    v_all = funcol.all_gather_single_autograd(v.contiguous(), 2, group)
     chunks = [rank, 2 * cp - 1 - rank]
     return _attend_chunks(core, q, k_all, v_all, chunks, cp, doc, getattr(core, "head_offset", 0))
 
@@ -263,7 +275,7 @@ def _attend_ulysses(core: nn.Module, q, k, v, group, cp: int, rank: int, doc=Non
     # gathered position p*c + i holds global chunk order[p]; the index sorts back to natural order.
     index = natural_order_index(cp, q.shape[2] // 2, q.device)
     back = torch.argsort(index)
-    qf, kf, vf = (comm.all_to_all(t, 1, 2, group).index_select(2, index) for t in (q, k, v))
+    qf, kf, vf = (_all_to_all(t, 1, 2, group).index_select(2, index) for t in (q, k, v))
     # Natural order here: the whole sequence for H/cp heads, exactly as on one process.
     if getattr(core, "track_max_logits", False):
         seq = qf.shape[2]
@@ -289,7 +301,7 @@ def _attend_ulysses(core: nn.Module, q, k, v, group, cp: int, rank: int, doc=Non
         out = F.scaled_dot_product_attention(
             qf, kf, vf, is_causal=True, scale=core.scale, dropout_p=dropout, enable_gqa=gqa
         )
-    return comm.all_to_all(out.index_select(2, back), 2, 1, group)
+    return _all_to_all(out.index_select(2, back), 2, 1, group)
 
 
 def _attend_hybrid(core: nn.Module, q, k, v, groups, cp: int, rank: int, doc=None) -> torch.Tensor:
@@ -304,14 +316,14 @@ def _attend_hybrid(core: nn.Module, q, k, v, groups, cp: int, rank: int, doc=Non
     if hkv % u:
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
-    qf, kf, vf = (comm.all_to_all(t, 1, 2, uly_group) for t in (q, k, v))
-    k_all = comm.gather_with_partial_grad(kf, 2, ring_group)
-    v_all = comm.gather_with_partial_grad(vf, 2, ring_group)
+    qf, kf, vf = (_all_to_all(t, 1, 2, uly_group) for t in (q, k, v))
+    k_all = funcol.all_gather_single_autograd(kf.contiguous(), 2, ring_group)
+    v_all = funcol.all_gather_single_autograd(vf.contiguous(), 2, ring_group)
     # The group's queries: the two chunks of each of its u ranks, in rank order.
     chunks = [g for r in range(a * u, (a + 1) * u) for g in (r, 2 * cp - 1 - r)]
     offset = getattr(core, "head_offset", 0) + j * qf.shape[1]
     out = _attend_chunks(core, qf, k_all, v_all, chunks, cp, doc, offset)
-    return comm.all_to_all(out, 2, 1, uly_group)
+    return _all_to_all(out, 2, 1, uly_group)
 
 
 @torch.no_grad()

@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from lmforge.errors import ConfigError
 from lmforge.models.common.moe import moe_layers
-from lmforge.parallel import comm
+from lmforge.parallel.replicated_grad import local_summing_grad
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class AllToAllDispatcher:
         recv_counts = recv_counts.view(ep, el)
         send_splits = counts.view(ep, el).sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
-        rows = comm.all_to_all_single(x[token_index], recv_splits, send_splits, self.group)
+        rows = funcol.all_to_all_single_autograd(x[token_index], recv_splits, send_splits, self.group)
         # Received rows are ordered (source rank, local expert); the experts want (local expert, source).
         expert_of_row = torch.repeat_interleave(
             torch.arange(el, device=x.device).repeat(ep), recv_counts.reshape(-1)
@@ -73,7 +74,7 @@ class AllToAllDispatcher:
 
     def combine(self, y: torch.Tensor, state: EPDispatchState) -> torch.Tensor:
         back = torch.empty_like(y).index_copy(0, state.local_order, y)
-        returned = comm.all_to_all_single(back, state.send_splits, state.recv_splits, self.group)
+        returned = funcol.all_to_all_single_autograd(back, state.send_splits, state.recv_splits, self.group)
         weighted = returned.float() * state.weights[:, None]
         out = weighted.new_zeros(state.num_tokens, y.shape[-1])
         out.index_add_(0, state.token_index, weighted)
@@ -126,8 +127,9 @@ def apply_ep(model: nn.Module, ep_mesh: Any, opts: dict[str, Any], tp_mesh: Any 
 def _swap_in_local_weights(experts: nn.Module, holders: list[nn.Module], tp_group: Any) -> None:
     def pre_hook(mod: nn.Module, args: Any) -> None:
         for h in holders:
-            local = h._parameters["weight"].to_local()
-            h.__dict__["weight"] = comm.all_reduce_grad(local, tp_group) if tp_group is not None else local
+            weight = h._parameters["weight"]
+            # With tp the expert shard is replicated over tp and sees this rank's tokens.
+            h.__dict__["weight"] = local_summing_grad(weight) if tp_group is not None else weight.to_local()
 
     def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
         for h in holders:

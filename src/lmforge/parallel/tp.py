@@ -37,6 +37,7 @@ import types
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -52,8 +53,8 @@ from lmforge.models.common.tp_plan import (
     RowwiseToSequence,
     SequenceAuxLoss,
 )
-from lmforge.parallel import comm
 from lmforge.parallel.fsdp import decoder_layers
+from lmforge.parallel.replicated_grad import local_summing_grad
 
 
 def _distribute(module: nn.Module, name: str, mesh: Any, placement: Any) -> None:
@@ -91,7 +92,7 @@ def _replicate_params(module: nn.Module, mesh: Any, group: Any, caller: nn.Modul
 
     def pre_hook(mod: nn.Module, args: Any) -> None:
         for n in names:
-            module.__dict__[n] = comm.all_reduce_grad(_local(module._parameters[n]), group)
+            module.__dict__[n] = local_summing_grad(module._parameters[n])
 
     def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
         for n in names:
@@ -155,9 +156,9 @@ def _rowwise_to_sequence(linear: nn.Linear, mesh: Any, group: Any) -> None:
             # B is linear, so the partial updates sum up in the same reduce-scatter as the base.
             a, b = _adapter_factors(self, group)
             partial = partial + F.linear(F.linear(self.lora_dropout(x), a[:, cols]), b) * self.scaling
-        y = comm.reduce_scatter(partial, 1, group)
+        y = funcol.reduce_scatter_single_autograd(partial.contiguous(), "sum", 1, group)
         if self.bias is not None:
-            y = y + comm.all_reduce_grad(_local(self.bias), group)
+            y = y + local_summing_grad(self.bias)
         return y
 
     linear.forward = types.MethodType(forward, linear)
@@ -167,8 +168,8 @@ def _adapter_factors(linear: nn.Module, group: Any) -> tuple[torch.Tensor, torch
     """A LoRA linear's ``A`` and ``B`` (replicated over tp, see ``apply_tp``) as local tensors whose
     gradient is summed over tp: each rank's use covers only its own output rows or input columns."""
     return (
-        comm.all_reduce_grad(_local(linear.lora_A.weight), group),
-        comm.all_reduce_grad(_local(linear.lora_B.weight), group),
+        local_summing_grad(linear.lora_A.weight),
+        local_summing_grad(linear.lora_B.weight),
     )
 
 
@@ -176,7 +177,7 @@ def _gather_block_input(block: nn.Module, group: Any) -> None:
     """The block's first argument arrives as a sequence shard; gather it (gradients are partial sums)."""
 
     def pre_hook(mod: nn.Module, args: tuple) -> tuple:
-        return (comm.gather_with_partial_grad(args[0], 1, group), *args[1:])
+        return (funcol.all_gather_single_autograd(args[0].contiguous(), 1, group), *args[1:])
 
     block.register_forward_pre_hook(pre_hook)
 
@@ -303,20 +304,18 @@ def _tp_core_attention(core: nn.Module, mesh: Any) -> None:
     core.head_offset = mesh.get_local_rank() * (core.num_heads // t)
 
 
-def _sequence_aux_loss(router: nn.Module, group: Any) -> None:
-    """The balancing loss sees the whole sequence, not this rank's shard: gather scores and choices first."""
-    original = router._aux_loss
+def _sequence_balance_inputs(module: nn.Module, mesh: Any) -> None:
+    """The router's ``balance_inputs`` (scores and choices ``[b, s/t, ...]`` of this rank's sequence shard)
+    gathered over the sequence with torch's ``PrepareModuleOutput``, so the balancing loss sees whole
+    sequences; every rank computes the same loss, so each keeps its own tokens' gradient (the backward of
+    Shard → Replicate is the local slice)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
 
-    def aux_loss(scores: torch.Tensor, topk_idx: torch.Tensor, batch_size: int) -> torch.Tensor:
-        b = batch_size
-        full_scores = comm.gather_replicated(scores.view(b, -1, scores.shape[-1]), 1, group)
-        with torch.no_grad():
-            full_idx = comm.gather_replicated(topk_idx.view(b, -1, topk_idx.shape[-1]), 1, group)
-        return original(
-            full_scores.reshape(-1, scores.shape[-1]), full_idx.reshape(-1, topk_idx.shape[-1]), b
-        )
-
-    router._aux_loss = aux_loss
+    style = PrepareModuleOutput(
+        output_layouts=(Shard(1), Shard(1)), desired_output_layouts=(Replicate(), Replicate())
+    )
+    parallelize_module(module, mesh, style)
 
 
 def _apply_style(module: nn.Module, style: Any, mesh: Any, group: Any) -> None:
@@ -333,7 +332,7 @@ def _apply_style(module: nn.Module, style: Any, mesh: Any, group: Any) -> None:
     elif isinstance(style, LocalHeads):
         _tp_core_attention(module, mesh)
     elif isinstance(style, SequenceAuxLoss):
-        _sequence_aux_loss(module, group)
+        _sequence_balance_inputs(module, mesh)
     else:
         raise ConfigError(f"unknown tensor-parallel style {style!r} in a family's TP plan.")
 

@@ -47,6 +47,17 @@ def in_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
+class BalanceInputs(nn.Module):
+    """What the balancing loss sees: the micro-batch's scores ``[b, s, E]`` and choices ``[b, s, K]``.
+
+    The identity in the model; a seam for parallel plans: under tensor parallel each rank routes a shard of
+    the sequence, and the plan gathers both over the sequence here (``parallel/tp.py``).
+    """
+
+    def forward(self, scores: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return scores, topk_idx
+
+
 class TopKRouter(nn.Module):
     keep_fp32 = True  # excluded from the cast to compute_dtype
 
@@ -57,6 +68,7 @@ class TopKRouter(nn.Module):
         # Only with aux-loss-free balancing, so checkpoints of models without it carry no such tensor.
         bias = torch.zeros(settings.num_experts) if settings.enable_expert_bias else None
         self.register_buffer("expert_bias", bias)
+        self.balance_inputs = BalanceInputs()
 
     def reset_parameters(self, std: float) -> None:
         with torch.no_grad():
@@ -101,6 +113,11 @@ class TopKRouter(nn.Module):
         ``seq_aux_loss`` computes both per sequence and averages the sequences (DeepSeek-V3).
         """
         st = self.settings
+        e, k = scores.shape[-1], topk_idx.shape[-1]
+        scores, topk_idx = self.balance_inputs(
+            scores.reshape(batch_size, -1, e), topk_idx.reshape(batch_size, -1, k)
+        )
+        scores, topk_idx = scores.reshape(-1, e), topk_idx.reshape(-1, k)
         probs = scores / scores.sum(dim=-1, keepdim=True) if st.score_function == "sigmoid" else scores
         groups = batch_size if st.load_balancing_type == "seq_aux_loss" else 1
         t = probs.shape[0] // groups

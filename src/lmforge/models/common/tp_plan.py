@@ -72,7 +72,8 @@ class LocalHeads:
 
 @dataclass(frozen=True)
 class SequenceAuxLoss:
-    """A router whose balancing loss must see the whole sequence, not this rank's shard."""
+    """A router's ``balance_inputs`` (``models/common/moe.py``): its balancing loss must see the whole
+    sequence, not this rank's shard, so its scores and choices are gathered over the sequence."""
 
 
 Style = (
@@ -126,7 +127,7 @@ def moe_plan(cfg: TransformerConfig, layer_id: int, prefix: str = "mlp") -> TPPl
     """The plan of ``blocks.moe_mlp``: routed experts replicated on sequence shards; shared experts split."""
     if not cfg.is_moe_layer(layer_id):
         return swiglu_plan(cfg.intermediate_size, prefix)
-    plan: TPPlan = {f"{prefix}.router": (SequenceAuxLoss(),)}
+    plan: TPPlan = {f"{prefix}.router.balance_inputs": (SequenceAuxLoss(),)}
     if cfg.shared_expert_intermediate_size:
         plan.update(swiglu_plan(cfg.shared_expert_intermediate_size, f"{prefix}.shared_experts"))
     return plan
