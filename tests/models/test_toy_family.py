@@ -41,7 +41,7 @@ from lmforge.models.common import hf_names as h
 from lmforge.models.common.blocks import LayerBlocks, gqa_attention
 from lmforge.models.common.config_keys import FamilyKeys
 from lmforge.models.common.family_build import common_fields, positive_int
-from lmforge.models.common.tp_plan import Colwise, GatherSequence, RowwiseToSequence, gqa_attention_plan
+from lmforge.models.common.tp_plan import ColwiseShard, ReplicateInput, RowwiseShard, gqa_attention_plan
 
 TOY = "toy_gelu"
 VOCAB = 64
@@ -139,9 +139,9 @@ def hf_config(cfg: TransformerConfig) -> dict:
 def tp_plan(cfg: TransformerConfig, layer_id: int) -> dict:
     return {
         **gqa_attention_plan(cfg),
-        "mlp": (GatherSequence(),),
-        "mlp.linear_fc1": (Colwise(cfg.intermediate_size, "FFN width"),),
-        "mlp.linear_fc2": (RowwiseToSequence(),),
+        "mlp": (ReplicateInput(),),
+        "mlp.linear_fc1": (ColwiseShard(cfg.intermediate_size, "FFN width"),),
+        "mlp.linear_fc2": (RowwiseShard(),),
     }
 
 

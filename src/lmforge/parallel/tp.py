@@ -15,43 +15,43 @@ groups, gate/up pairs, heads) in every equal chunk of rows (``models/common/fuse
 computes exactly its heads / FFN width from the gathered block input, and the blocks find their local
 head counts from the width they get. One all-gather in, one reduce-scatter out per block.
 
-Two mechanisms, per the family's plan (``models/<family>/parallelize.py``):
+Every block is declared as DTensor styles in the family's plan (``models/<family>/parallelize.py``,
+styles in ``models/common/tp_plan.py``), applied with ``parallelize_module`` or as forward hooks; no
+module's forward is replaced:
 
-* DTensor styles (GQA attention, SwiGLU MLPs including shared experts): ``parallelize_module`` with
-  torch's ``ColwiseParallel`` / ``RowwiseParallel`` (LoRA-aware subclasses: the adapters' factors are
-  replicated DTensors and the adapter's own forward runs on DTensors) and a first-input
-  ``PrepareModuleInput`` (sequence shard → replicated DTensor); DTensor's autograd does the collectives.
-* Hand-written (MLA attention; next to convert): the block input is all-gathered with
-  :mod:`lmforge.parallel.comm`, the projections' forwards compute on local shards (replaced forwards).
+* GQA attention and SwiGLU MLPs (shared experts included): torch's ``ColwiseParallel`` /
+  ``RowwiseParallel`` (LoRA-aware subclasses: the adapters' factors are replicated DTensors and the
+  adapter's own forward runs on DTensors) and a first-input ``PrepareModuleInput`` (sequence shard →
+  replicated DTensor); DTensor's autograd does the collectives.
+* MLA attention: the same, plus replicated DTensor down projections and latent norms computing on the
+  replicated block input, and the shared rope key turned into a local tensor for this rank's heads with
+  a ``Partial`` gradient at the model's ``shared_k_rope`` seam.
+* A MoE router's balancing loss: its ``balance_inputs`` seam gathered over the sequence with torch's
+  ``PrepareModuleOutput``.
 
 The norms on the residual stream (and Qwen3's per-head QK norms) are torch's ``SequenceParallel``.
-Either way the parameters keep their DTensor placements (FSDP, checkpoints, gradient clipping and
-optimizers see them). A replicated weight inside a block that sees only this rank's tokens or heads
-(routers, routed experts, MLA down projections and latent norms) stays a plain computation on local
-tensors whose gradient is summed over the tp group.
+The parameters keep their DTensor placements (FSDP, checkpoints, gradient clipping and optimizers see
+them). A replicated weight that the plan does not name and that sees only this rank's tokens (routers,
+routed experts) stays a plain computation on local tensors whose gradient DTensor sums over the tp group
+(``parallel/replicated_grad.py``).
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
-import torch
-import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 
 from lmforge.errors import ConfigError
 from lmforge.models.common.tp_plan import (
-    Colwise,
     ColwiseShard,
-    GatherSequence,
     LocalHeads,
+    Replicated,
     ReplicatedOnShard,
     ReplicateInput,
     RowwiseShard,
-    RowwiseToSequence,
     SequenceAuxLoss,
+    SharedToLocal,
 )
 from lmforge.parallel.fsdp import decoder_layers
 from lmforge.parallel.replicated_grad import local_summing_grad
@@ -67,16 +67,10 @@ def _distribute(module: nn.Module, name: str, mesh: Any, placement: Any) -> None
     module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
 
-def _local(param: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
 # ------------------------------------------------------------------ replicated parameters
 
 
-def _replicate_params(module: nn.Module, mesh: Any, group: Any, caller: nn.Module | None = None) -> None:
+def _replicate_params(module: nn.Module, mesh: Any, caller: nn.Module | None = None) -> None:
     """Make the direct parameters of ``module`` replicated DTensors whose gradient is summed over tp.
 
     ``caller`` is the module whose forward reads them (the module itself, or the parent of a parameter
@@ -103,86 +97,7 @@ def _replicate_params(module: nn.Module, mesh: Any, group: Any, caller: nn.Modul
     target.register_forward_hook(post_hook)
 
 
-# ------------------------------------------------------------------ linear layers
-
-
-def _colwise(linear: nn.Linear, style: Colwise, mesh: Any, group: Any) -> None:
-    """Output rows split in ``t`` equal chunks of whole units; the input is the full (gathered) block input,
-    identical on every rank, so the weight's gradient is local and the input's a partial sum (the
-    gather's backward reduce-scatters it)."""
-    from torch.distributed.tensor import Shard
-
-    t, rank = mesh.size(), mesh.get_local_rank()
-    _check_units(style, t)
-    _distribute(linear, "weight", mesh, Shard(0))
-    if linear.bias is not None:
-        _distribute(linear, "bias", mesh, Shard(0))
-    out = linear.out_features
-    rows = slice(rank * out // t, (rank + 1) * out // t)
-
-    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        bias = _local(self.bias) if self.bias is not None else None
-        y = F.linear(x, _local(self.weight), bias)
-        if getattr(self, "lora_A", None) is not None:
-            # LoRA: A and B are replicated; x is the full block input, so A(x) is whole on every rank and
-            # this rank applies B's rows of its own outputs (gradients summed over tp).
-            a, b = _adapter_factors(self, group)
-            y = y + F.linear(F.linear(self.lora_dropout(x), a), b[rows]) * self.scaling
-        return y
-
-    linear.forward = types.MethodType(forward, linear)
-
-
-def _rowwise_to_sequence(linear: nn.Linear, mesh: Any, group: Any) -> None:
-    """Input is this rank's slice of the features; output is reduce-scattered along the sequence (dim 1)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    t = mesh.size()
-    if linear.in_features % t:
-        raise ConfigError(
-            f"parallelism.tensor_parallel={t} must divide the input width {linear.in_features} of an output projection."
-        )
-    _distribute(linear, "weight", mesh, Shard(1))
-    if linear.bias is not None:
-        _distribute(linear, "bias", mesh, Replicate())
-
-    t, rank = mesh.size(), mesh.get_local_rank()
-    cols = slice(rank * linear.in_features // t, (rank + 1) * linear.in_features // t)
-
-    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, _local(self.weight))
-        if getattr(self, "lora_A", None) is not None:
-            # LoRA: x is this rank's slice of the features, so A's matching columns give a partial A(x);
-            # B is linear, so the partial updates sum up in the same reduce-scatter as the base.
-            a, b = _adapter_factors(self, group)
-            partial = partial + F.linear(F.linear(self.lora_dropout(x), a[:, cols]), b) * self.scaling
-        y = funcol.reduce_scatter_single_autograd(partial.contiguous(), "sum", 1, group)
-        if self.bias is not None:
-            y = y + local_summing_grad(self.bias)
-        return y
-
-    linear.forward = types.MethodType(forward, linear)
-
-
-def _adapter_factors(linear: nn.Module, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A LoRA linear's ``A`` and ``B`` (replicated over tp, see ``apply_tp``) as local tensors whose
-    gradient is summed over tp: each rank's use covers only its own output rows or input columns."""
-    return (
-        local_summing_grad(linear.lora_A.weight),
-        local_summing_grad(linear.lora_B.weight),
-    )
-
-
-def _gather_block_input(block: nn.Module, group: Any) -> None:
-    """The block's first argument arrives as a sequence shard; gather it (gradients are partial sums)."""
-
-    def pre_hook(mod: nn.Module, args: tuple) -> tuple:
-        return (funcol.all_gather_single_autograd(args[0].contiguous(), 1, group), *args[1:])
-
-    block.register_forward_pre_hook(pre_hook)
-
-
-# ------------------------------------------------------------------ DTensor styles (dense blocks)
+# ------------------------------------------------------------------ DTensor styles
 
 
 def _shard_linear(linear: nn.Module, mesh: Any, weight: Any, bias: Any) -> None:
@@ -235,7 +150,7 @@ def _styles() -> tuple[type, type, type]:
     return LinearColwise, LinearRowwise, FirstInputReplicated
 
 
-def _check_units(style: ColwiseShard | Colwise, t: int) -> None:
+def _check_units(style: ColwiseShard, t: int) -> None:
     if style.units % t:
         raise ConfigError(
             f"parallelism.tensor_parallel={t} must divide the {style.what} ({style.units}): each rank computes "
@@ -260,6 +175,29 @@ def _apply_dtensor_style(module: nn.Module, style: Any, mesh: Any) -> None:
                 "of an output projection."
             )
         parallelize_module(module, mesh, rowwise(output_layouts=Shard(1)))
+
+
+def _replicated(module: nn.Module, mesh: Any) -> None:
+    """Every parameter of ``module`` (LoRA adapters included) a replicated DTensor; the module computes on
+    the block's replicated DTensor input, and DTensor sums the gradients its sharded consumers leave."""
+    from torch.distributed.tensor import Replicate
+
+    for sub in module.modules():
+        for name, _ in list(sub.named_parameters(recurse=False)):
+            _distribute(sub, name, mesh, Replicate())
+
+
+def _shared_to_local(module: nn.Module) -> None:
+    """The module's replicated DTensor output becomes this rank's plain tensor for its local heads; each
+    rank's gradient covers only its heads, so it is declared ``Partial`` (summed by DTensor upstream)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    def hook(mod: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, DTensor):
+            return output.to_local(grad_placements=(Partial(),))
+        return output
+
+    module.register_forward_hook(hook)
 
 
 def _vocab_parallel_embedding(emb: nn.Embedding, mesh: Any) -> None:
@@ -318,17 +256,15 @@ def _sequence_balance_inputs(module: nn.Module, mesh: Any) -> None:
     parallelize_module(module, mesh, style)
 
 
-def _apply_style(module: nn.Module, style: Any, mesh: Any, group: Any) -> None:
-    if isinstance(style, GatherSequence):
-        _gather_block_input(module, group)
-    elif isinstance(style, (ReplicateInput, ColwiseShard, RowwiseShard)):
+def _apply_style(module: nn.Module, style: Any, mesh: Any) -> None:
+    if isinstance(style, (ReplicateInput, ColwiseShard, RowwiseShard)):
         _apply_dtensor_style(module, style, mesh)
     elif isinstance(style, ReplicatedOnShard):
         _replicated_on_shard(module, mesh, style.dim)
-    elif isinstance(style, Colwise):
-        _colwise(module, style, mesh, group)
-    elif isinstance(style, RowwiseToSequence):
-        _rowwise_to_sequence(module, mesh, group)
+    elif isinstance(style, Replicated):
+        _replicated(module, mesh)
+    elif isinstance(style, SharedToLocal):
+        _shared_to_local(module)
     elif isinstance(style, LocalHeads):
         _tp_core_attention(module, mesh)
     elif isinstance(style, SequenceAuxLoss):
@@ -337,11 +273,11 @@ def _apply_style(module: nn.Module, style: Any, mesh: Any, group: Any) -> None:
         raise ConfigError(f"unknown tensor-parallel style {style!r} in a family's TP plan.")
 
 
-def _apply_layer_plan(layer: nn.Module, plan: dict[str, tuple[Any, ...]], mesh: Any, group: Any) -> None:
+def _apply_layer_plan(layer: nn.Module, plan: dict[str, tuple[Any, ...]], mesh: Any) -> None:
     for path, styles in plan.items():
         module = layer.get_submodule(path)
         for style in styles:
-            _apply_style(module, style, mesh, group)
+            _apply_style(module, style, mesh)
 
 
 def _replicated_on_shard(module: nn.Module, mesh: Any, dim: int) -> None:
@@ -389,7 +325,6 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
         raise ConfigError(
             f"model_type {family.model_type!r} declares no tensor-parallel plan; set parallelism.tensor_parallel: 1."
         )
-    group = tp_mesh.get_group()
     emb = getattr(getattr(model, "embedding", None), "word_embeddings", None)
     out = getattr(model, "output_layer", None)
     tied = emb is not None and out is not None and out.weight is emb.weight
@@ -397,15 +332,15 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
         _vocab_parallel_embedding(emb, tp_mesh)
     for layer in decoder_layers(model):
         layer = getattr(layer, "transformer_layer", layer)  # an MTP depth wraps a transformer layer
-        _apply_layer_plan(layer, family.tp_plan(cfg, layer.layer_id), tp_mesh, group)
+        _apply_layer_plan(layer, family.tp_plan(cfg, layer.layer_id), tp_mesh)
     if out is not None and not tied:
         _vocab_split_output(out, tp_mesh)
     _sequence_parallel_norms(model, tp_mesh)
-    # Everything else (routers, routed experts, MLA down projections and latent norms) is replicated
-    # over tp and sees only this rank's tokens or heads: its gradient is the sum over tp.
+    # Everything else (routers, routed experts) is replicated over tp and sees only this rank's tokens:
+    # its gradient is the sum over tp.
     parents = {id(child): parent for parent in model.modules() for child in parent.children()}
     for module in model.modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             # A holder that is never called itself (no forward of its own): hook its parent instead.
             caller = parents.get(id(module)) if type(module).forward is nn.Module.forward else None
-            _replicate_params(module, tp_mesh, group, caller)
+            _replicate_params(module, tp_mesh, caller)

@@ -5,7 +5,8 @@ split into whole heads is a valid tensor-parallel shard; ``models/common/fused_l
 
 * ``linear_q_proj`` (no q LoRA) or ``linear_q_down_proj`` → ``q_layernorm`` → ``linear_q_up_proj``:
   rows ``[q_nope_h (qk_nope); q_rope_h (qk_rope)]`` for h = 0..heads-1.
-* ``linear_kv_down_proj``: rows ``[kv latent (kv_lora_rank); shared k_rope (qk_rope)]``.
+* ``linear_kv_down_proj``: rows ``[kv latent (kv_lora_rank); shared k_rope (qk_rope)]``; the shared
+  part passes ``shared_k_rope`` (an identity seam for tensor parallel plans).
 * ``kv_layernorm`` on the latent, then ``linear_kv_up_proj``: rows ``[k_nope_h; v_h]`` per head.
 * ``linear_proj``: ``[hidden, heads*v_head_dim]``.
 
@@ -27,6 +28,18 @@ from lmforge.utils.muon_split import MuonSplit
 from lmforge.utils.qk_clip import QKClipLayer, QKClipTarget
 
 LATENT_NORM_EPS = 1e-6
+
+
+class SharedRopeKey(nn.Module):
+    """The rope part of the key ``[b, s, qk_rope]``, shared by all heads, as the heads read it.
+
+    The identity in the model; a seam for parallel plans: under tensor parallel the down projection runs
+    replicated while each rank's heads read this part, so the plan turns it into this rank's local tensor
+    whose gradient is a partial sum (``parallel/tp.py``). The latent part stays replicated.
+    """
+
+    def forward(self, k_rope: torch.Tensor) -> torch.Tensor:
+        return k_rope
 
 
 class MultiLatentAttention(nn.Module):
@@ -55,6 +68,7 @@ class MultiLatentAttention(nn.Module):
             self.linear_q_proj = nn.Linear(hidden_size, q_out, bias=False)
         self.linear_kv_down_proj = nn.Linear(hidden_size, kv_lora_rank + self.dr, bias=False)
         self.kv_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
+        self.shared_k_rope = SharedRopeKey()
         self.linear_kv_up_proj = nn.Linear(kv_lora_rank, num_heads * (self.dn + self.dv), bias=False)
         self.linear_proj = nn.Linear(num_heads * self.dv, hidden_size, bias=False)
         self.core_attention = CoreAttention(num_heads, softmax_scale, dropout)
@@ -77,7 +91,7 @@ class MultiLatentAttention(nn.Module):
         q_rope = apply_rope(q_rope, cos, sin)
 
         latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.dr], dim=-1)
-        k_rope = apply_rope(k_rope.view(b, s, 1, self.dr).transpose(1, 2), cos, sin)
+        k_rope = apply_rope(self.shared_k_rope(k_rope).view(b, s, 1, self.dr).transpose(1, 2), cos, sin)
         kv = self.linear_kv_up_proj(self.kv_layernorm(latent))
         k_nope, v = (
             kv.unflatten(-1, (-1, self.dn + self.dv)).transpose(1, 2).split([self.dn, self.dv], dim=-1)

@@ -18,25 +18,6 @@ from lmforge.models.common.transformer_config import TransformerConfig
 
 
 @dataclass(frozen=True)
-class GatherSequence:
-    """The block's first input arrives as a sequence shard and is gathered to the full sequence."""
-
-
-@dataclass(frozen=True)
-class Colwise:
-    """A Linear whose output rows are ``units`` equal whole units (``what``: key-value groups, heads,
-    gate/up pairs), split by rows over the tp ranks; its input is the full block input."""
-
-    units: int
-    what: str
-
-
-@dataclass(frozen=True)
-class RowwiseToSequence:
-    """A Linear whose input is this rank's slice of the features; output reduce-scattered to sequence shards."""
-
-
-@dataclass(frozen=True)
 class ReplicateInput:
     """DTensor path: the block's first input arrives as a sequence shard and becomes a replicated DTensor
     (one all-gather, whose backward reduce-scatters) for the ``ColwiseShard`` projections that read it."""
@@ -66,6 +47,18 @@ class ReplicatedOnShard:
 
 
 @dataclass(frozen=True)
+class Replicated:
+    """DTensor path: a module whose parameters (LoRA adapters included) are replicated DTensors, computing
+    on the block's replicated DTensor input (MLA's down projections and latent norms)."""
+
+
+@dataclass(frozen=True)
+class SharedToLocal:
+    """DTensor path: a module whose replicated DTensor output is read by this rank's heads only; it becomes
+    a plain local tensor whose gradient is a partial sum over the ranks (MLA's ``shared_k_rope``)."""
+
+
+@dataclass(frozen=True)
 class LocalHeads:
     """A ``CoreAttention`` computing this rank's heads (tracks max logits at their global head index)."""
 
@@ -77,13 +70,12 @@ class SequenceAuxLoss:
 
 
 Style = (
-    GatherSequence
-    | Colwise
-    | RowwiseToSequence
-    | ReplicateInput
+    ReplicateInput
     | ColwiseShard
     | RowwiseShard
     | ReplicatedOnShard
+    | Replicated
+    | SharedToLocal
     | LocalHeads
     | SequenceAuxLoss
 )
@@ -104,15 +96,27 @@ def gqa_attention_plan(cfg: TransformerConfig, prefix: str = "self_attention") -
 
 
 def mla_attention_plan(cfg: TransformerConfig, prefix: str = "self_attention") -> TPPlan:
-    heads = Colwise(cfg.num_attention_heads, "attention heads (num_attention_heads)")
-    q_name = "linear_q_up_proj" if cfg.q_lora_rank else "linear_q_proj"
-    return {
-        prefix: (GatherSequence(),),
-        f"{prefix}.{q_name}": (heads,),
-        f"{prefix}.linear_kv_up_proj": (heads,),
-        f"{prefix}.core_attention": (LocalHeads(),),
-        f"{prefix}.linear_proj": (RowwiseToSequence(),),
-    }
+    """Up projections split per head; down projections and latent norms replicated, computing on the
+    gathered block input; the shared rope key leaves DTensor for this rank's heads."""
+    heads = ColwiseShard(cfg.num_attention_heads, "attention heads (num_attention_heads)")
+    plan: TPPlan = {prefix: (ReplicateInput(),)}
+    if cfg.q_lora_rank:
+        plan[f"{prefix}.linear_q_down_proj"] = (Replicated(),)
+        plan[f"{prefix}.q_layernorm"] = (Replicated(),)
+        plan[f"{prefix}.linear_q_up_proj"] = (heads,)
+    else:
+        plan[f"{prefix}.linear_q_proj"] = (heads,)
+    plan.update(
+        {
+            f"{prefix}.linear_kv_down_proj": (Replicated(),),
+            f"{prefix}.shared_k_rope": (SharedToLocal(),),
+            f"{prefix}.kv_layernorm": (Replicated(),),
+            f"{prefix}.linear_kv_up_proj": (heads,),
+            f"{prefix}.core_attention": (LocalHeads(),),
+            f"{prefix}.linear_proj": (RowwiseShard(),),
+        }
+    )
+    return plan
 
 
 def swiglu_plan(ffn_hidden_size: int, prefix: str = "mlp") -> TPPlan:
