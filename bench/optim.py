@@ -5,7 +5,8 @@
 For each model's parameter shapes it times ``optimizer.step()`` (median of repeats, ours and torch's
 interleaved so background load hits both alike) and prints the ratio ours / torch:
 
-* AdamW, fp32 parameters: ours (fused kernel on the parameters) vs ``torch.optim.AdamW(foreach=True)``.
+* AdamW, fp32 parameters: ours vs torch's fastest variant, ``torch.optim.AdamW(fused=True)`` (issue 15:
+  compare with the peer in its fastest form, not its default foreach path).
 * Muon on the 2-D hidden matrices (torch's Muon takes 2-D only; no split schema, so both do the same
   Newton-Schulz work): ours (batched by shape) vs ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")``.
 
@@ -98,12 +99,12 @@ def bench_model(name, repeats):
     a, b = make_params(shapes, torch.float32), make_params(shapes, torch.float32)
     t = time_pair(
         lambda: AdamW(a, lr=1e-3, weight_decay=0.1),
-        lambda: torch.optim.AdamW(b, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), foreach=True),
+        lambda: torch.optim.AdamW(b, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), fused=True),
         a,
         b,
         repeats,
     )
-    rows.append((name, n_params, "AdamW, fp32 params", "torch AdamW foreach (fp32)", *t))
+    rows.append((name, n_params, "AdamW, fp32 params", "torch AdamW fused (fp32)", *t))
     del a, b
 
     n_hidden = sum(torch.Size(s).numel() for s in hidden)
@@ -148,7 +149,7 @@ def render(rows, repeats) -> str:
         "|---:|---|---:|---|---|---:|---:|---:|---|",
     ]
     for threads, model, n, ours, peer, t_ours, t_peer, ratio in rows:
-        target = 0.8 if ours.startswith("Muon") else 1.1
+        target = 0.9 if ours.startswith("Muon") else 1.05
         verdict = "met" if ratio <= target else "**missed**"
         lines.append(
             f"| {threads} | {model} | {n / 1e6:.1f}M | {ours} | {peer} | {t_ours * 1e3:.1f} | {t_peer * 1e3:.1f} | "
@@ -156,11 +157,11 @@ def render(rows, repeats) -> str:
         )
     lines += [
         "",
-        "Targets (issue 4): AdamW <= 1.1x torch's step; Muon <= 0.8x torch's Muon. Parameters are fp32 on "
+        "Targets (issue 15): AdamW <= 1.05x torch's fused AdamW; Muon <= 0.9x torch's Muon. Parameters are fp32 on "
         "every layout (they are the master weights), so there is no bf16-parameter case.",
         "",
-        "Why: ours runs torch's fused AdamW kernel (one pass over each tensor) where torch's default is the",
-        "foreach path (several passes). Both Muons run the same Newton-Schulz (same FLOPs, bf16); ours stacks every matrix of one shape",
+        "Why: ours runs the same fused AdamW kernel as the peer (one pass over each tensor), so the ratio is the",
+        "cost of our bookkeeping around it. Both Muons run the same Newton-Schulz (same FLOPs, bf16); ours stacks every matrix of one shape",
         "into one batched matmul, which pays off most when matrices are small; large matrices keep the matmul",
         "units busy one at a time, so there the ratio tends to 1.",
         "",

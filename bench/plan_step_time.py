@@ -89,14 +89,7 @@ def _build_step(rank: int, world: int, raw: dict[str, Any]) -> tuple[Any, list[d
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights(0)
-        ctx = ParallelContext(
-            rank=rank,
-            world_size=world,
-            dp_rank=info.dp_rank,
-            dp_size=info.dp_size,
-            dp_group=info.dp_group,
-            pipeline=info.pipeline,
-        )
+        ctx = ParallelContext(rank=rank, world_size=world).placed(info)
         dp_rank = info.dp_rank
     else:
         from lmforge.train.builder import build_training_model

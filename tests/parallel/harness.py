@@ -275,14 +275,7 @@ def _train_case(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     assert_init_matches(model, torch.load(spec["state"], weights_only=True))
     data = torch.load(spec["data"], weights_only=True)
     opt = make_optimizer(model, spec.get("optimizer"))
-    ctx = ParallelContext(
-        rank=rank,
-        world_size=world,
-        dp_rank=info.dp_rank,
-        dp_size=info.dp_size,
-        dp_group=info.dp_group,
-        pipeline=info.pipeline,
-    )
+    ctx = ParallelContext(rank=rank, world_size=world).placed(info)
     scaler = None
     if spec["model"].get("compute_dtype") == "float16":
         from lmforge.train.loss_scale import LossScaler
@@ -306,14 +299,7 @@ def buffers_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
     model, info, _ = build_parallel(rank, world, spec)
     model.track_max_logits = True
-    ctx = ParallelContext(
-        rank=rank,
-        world_size=world,
-        dp_rank=info.dp_rank,
-        dp_size=info.dp_size,
-        dp_group=info.dp_group,
-        pipeline=info.pipeline,
-    )
+    ctx = ParallelContext(rank=rank, world_size=world).placed(info)
     step = TrainStep(model, make_optimizer(model, None), None, max_norm=MAX_NORM, ctx=ctx)
     data = torch.load(spec["data"], weights_only=True)
     per_rank = spec["gbs"] // info.dp_size

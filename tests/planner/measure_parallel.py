@@ -81,14 +81,7 @@ def _measure_case(rank: int, world: int, raw: dict[str, Any]) -> int:
         model.init_weights(0)
     schedule = build_scheduler(cfg.lr_scheduler, int(cfg.training.steps))
     optimizer = build_optimizer(cfg.optimizer, model, schedule, qk_clip_group=info.qk_clip_group)
-    ctx = ParallelContext(
-        rank=rank,
-        world_size=world,
-        dp_rank=info.dp_rank,
-        dp_size=info.dp_size,
-        dp_group=info.dp_group,
-        pipeline=info.pipeline,
-    )
+    ctx = ParallelContext(rank=rank, world_size=world).placed(info)
     step = TrainStep(model, optimizer, ScheduleLR(optimizer, schedule), max_norm=1.0, ctx=ctx)
     g = torch.Generator().manual_seed(info.dp_rank)
     batches = []

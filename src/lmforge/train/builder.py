@@ -179,16 +179,7 @@ def build_training_model(
     model.to_empty(device=_storage_device(parallelism, ctx.device))
     with torch.no_grad():
         model.init_weights(int(seed))
-    ctx = ParallelContext(
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        local_rank=ctx.local_rank,
-        dp_rank=info.dp_rank,
-        dp_size=info.dp_size,
-        device=ctx.device,
-        dp_group=info.dp_group,
-        pipeline=info.pipeline,
-    )
+    ctx = ctx.placed(info)
     return model, ctx
 
 
@@ -279,16 +270,7 @@ def build_trainer(
         from lmforge.models.lora import init_lora_weights
 
         init_lora_weights(model, int(training.seed))
-    ctx = ParallelContext(
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        local_rank=ctx.local_rank,
-        dp_rank=info.dp_rank,
-        dp_size=info.dp_size,
-        device=ctx.device,
-        dp_group=info.dp_group,
-        pipeline=info.pipeline,
-    )
+    ctx = ctx.placed(info)
     logger.info(
         "Model %s: %.2fM parameters, %s; parallel: %s",
         getattr(cfg.model, "architectures", "?"),

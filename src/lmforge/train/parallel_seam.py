@@ -8,7 +8,7 @@ Gradients are always reduced by FSDP2 (a sum, in fp32); the step divides once, b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -33,6 +33,13 @@ class ParallelContext:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    def placed(self, info: Any) -> ParallelContext:
+        """This context once ``parallelize`` has placed the model (its ``ParallelInfo``): the data-parallel
+        rank, size and group the step reduces over, and the pipeline whose schedule it runs."""
+        return replace(
+            self, dp_rank=info.dp_rank, dp_size=info.dp_size, dp_group=info.dp_group, pipeline=info.pipeline
+        )
 
 
 def init_one_process_group(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

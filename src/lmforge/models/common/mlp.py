@@ -16,7 +16,9 @@ def swiglu(fused: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a fused gate/up activation whose last dim holds (gate, up) pairs."""
     # unbind, not two selects: its backward is one stack, not a zero-filled gradient per half.
     gate, up = fused.unflatten(-1, (-1, 2)).unbind(-1)
-    return F.silu(gate) * up
+    # The halves are stride-2 views; elementwise kernels on them run 2-3x slower on CPU than one
+    # contiguous copy each plus contiguous kernels (bench: 10-12 ms -> 3.9 ms fwd+bwd at 4x256x4096 bf16).
+    return F.silu(gate.contiguous()) * up.contiguous()
 
 
 class SwiGLUMLP(nn.Module):
