@@ -39,6 +39,9 @@ MODELS = {
     "qwen3_moe": tiny_qwen3_moe,
     "deepseek": tiny_deepseek,
     "deepseek_mtp": lambda: tiny_deepseek(num_nextn_predict_layers=1),
+    # MLA without q-LoRA (q projected straight from the block input). Under TP its step-1 loss exposed
+    # expert-bias counts summed over data parallel only (each tp rank steered the bias by its own tokens).
+    "deepseek_no_q_lora": lambda: tiny_deepseek(q_lora_rank=None),
 }
 TOL = {"loss": 1e-5, "grad_norm": 1e-4}
 
@@ -177,6 +180,7 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         _case("tp_moe", "qwen3_moe", tensor_parallel=2),
         _case("tp_mla_shared_experts", "deepseek", tensor_parallel=2),
         _case("tp_mtp", "deepseek_mtp", tensor_parallel=2),
+        _case("tp_mla_no_q_lora", "deepseek_no_q_lora", tensor_parallel=2),
         _case("ep_mla", "deepseek", expert_parallel=2, moe_token_dispatcher_type="alltoall_deredundancy"),
         _case(
             "muon_qkclip_cp_ulysses", "deepseek", MUON, context_parallel=2, context_parallel_method="ulysses"

@@ -271,14 +271,12 @@ class TrainStep:
             self.scheduler.step()
         update_bias = getattr(self.model, "update_expert_bias", None)
         if callable(update_bias):
-            # Aux-loss-free balancing uses the token counts of the whole data-parallel batch.
-            update_bias(self._reduce_over_dp if ctx.distributed else None)
+            # Aux-loss-free balancing from the token counts of every rank that routed other tokens: each
+            # MoE layer sums its counts over the group parallelize gave it (data, context and tensor/
+            # sequence parallel ranks). Summing over data parallel only here missed the other ranks.
+            update_bias()
         self.optimizer.zero_grad(set_to_none=True)
         return result
-
-    def _reduce_over_dp(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, group=self.ctx.dp_group)
-        return t
 
     def _current_lr(self) -> float:
         group = self.optimizer.param_groups[0]

@@ -14,7 +14,6 @@ Module tree (Megatron / MindSpore Transformers names, so YAML name patterns matc
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -348,12 +347,12 @@ class GPTModel(nn.Module):
         for m in self._moe_layers().values():
             m.tokens_per_expert.zero_()
 
-    def update_expert_bias(self, reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """Aux-loss-free balancing step, once per optimizer step. ``reduce_counts`` (e.g. an all-reduce
-        over data-parallel ranks) sums the counts of all ranks so every replica applies the same update."""
+    def update_expert_bias(self) -> None:
+        """Aux-loss-free balancing step, once per optimizer step. Each MoE layer sums its counts over the
+        ranks that routed other tokens (its ``bias_counts_group``, set by ``parallelize``), so every
+        replica applies the same update."""
         for m in self._moe_layers().values():
-            counts = reduce_counts(m.bias_update_counts.clone()) if reduce_counts is not None else None
-            m.update_expert_bias(counts)
+            m.update_expert_bias()
 
     def flops_per_token(self, seq_length: int | None = None) -> float:
         """Training FLOPs per token: 3 × the forward matmul FLOPs (backward = 2 × forward).
