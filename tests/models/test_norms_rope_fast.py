@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lmforge.models.common.norms import RMSNorm
+from lmforge.models.common.rope import RotaryEmbedding, apply_rope
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,3 +43,35 @@ def test_rms_norm_is_bitwise_the_pow_mean_rsqrt_chain(dtype, shape):
     assert out.dtype == ref.dtype and torch.equal(out, ref)
     for a, b in zip(grads(out, (x, norm.weight)), grads(ref, (x, norm.weight)), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}]
+)
+def test_rope_is_bitwise_rotate_half(dtype, scaling):
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(32, 10000.0, scaling, 256)
+    x = torch.randn(2, 3, 24, 32, dtype=dtype, requires_grad=True)
+    cached = rope.table(24, x.device)
+    assert rope.table(24, x.device)[0] is cached[0]  # computed once per length
+    for positions, (cos, sin) in (
+        (torch.arange(24)[None], cached),
+        (torch.arange(5, 29)[None].expand(2, -1), rope(torch.arange(5, 29)[None].expand(2, -1))),
+    ):
+        out = apply_rope(x, cos, sin)
+        ref = reference_rope(x, positions, rope.inv_freq, rope.attention_factor)
+        assert out.dtype == dtype and torch.equal(out, ref)
+        assert torch.equal(grads(out, (x,))[0], grads(ref, (x,))[0])
+
+
+def test_rope_table_cache_is_dropped_when_frequencies_are_reset():
+    rope = RotaryEmbedding(16, 10000.0, None, 64)
+    first = rope.table(8, torch.device("cpu"))
+    rope.reset_parameters()
+    again = rope.table(8, torch.device("cpu"))
+    assert again[0] is not first[0] and torch.equal(again[0], first[0])
+    with torch.inference_mode():
+        rope.reset_parameters()
+        rope.table(8, torch.device("cpu"))
+    assert not rope._tables  # inference tensors are not kept for later training steps

@@ -209,12 +209,11 @@ class GPTModel(nn.Module):
     ) -> CausalLMOutput:
         b, s = input_ids.shape
         device = input_ids.device
-        if position_ids is None:
-            position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
-        elif position_ids.dim() == 1:
-            position_ids = position_ids.unsqueeze(0)
+        if position_ids is None:  # positions 0..S-1 in every row: cached [1, S, D] tables
+            cos, sin = self.rotary_pos_emb.table(s, device)
+        else:
+            cos, sin = self.rotary_pos_emb(position_ids[None] if position_ids.dim() == 1 else position_ids)
         allowed = attention_layout(s, device, attention_mask, actual_seq_len)
-        cos, sin = self.rotary_pos_emb(position_ids)
 
         hidden = self.embedding.word_embeddings(input_ids)
         for layer in self.decoder.layers:
