@@ -10,8 +10,8 @@ is the gradients themselves (the size of the hidden states and of the weight).
 
 The numerics follow the plain path: the logits are computed in the inputs' dtype and promoted to fp32
 for the log-softmax; the logits' gradient is cast back to the inputs' dtype before the two matmuls
-(what autograd does for ``logits.float()``). The weight gradient accumulates over chunks in the
-weight's dtype (bf16 for bf16 weights: one rounding per chunk more than the plain path's single matmul).
+(what autograd does for ``logits.float()``). The weight gradient accumulates over chunks in fp32 (each
+chunk's matmul is rounded to a bf16 weight's dtype once, then summed in fp32 and cast back at the end).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
     Per chunk the working memory is the ``[chunk, vocab]`` logits in the inputs' dtype, once in fp32
     (turned into the softmax in place) and once as the gradient in the inputs' dtype. The weight
-    gradient accumulates in the weight's dtype (``addmm`` into one buffer, as Liger-Kernel does).
+    gradient accumulates in one buffer (``addmm``, as Liger-Kernel does; in fp32 for a 16-bit weight).
     """
 
     @staticmethod
@@ -53,7 +53,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
+        # A 16-bit weight's gradient is summed over the chunks in fp32 (one 16-bit rounding per chunk's
+        # matmul, not one per accumulation: bf16 sums over many chunks would lose the small ones).
+        acc_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+        grad_w = torch.zeros_like(weight, dtype=acc_dtype) if need_w else None
         # Vocabulary-parallel (``group`` set): this rank holds rows [vocab_offset, vocab_offset + V_local)
         # of the weight; a label outside them contributes its target logit on another rank.
         local = labels - vocab_offset
@@ -85,11 +88,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if need_h:
                 torch.mm(grad, weight, out=grad_h[sl])
             if need_w:
-                grad_w.addmm_(grad.t(), h)
+                if grad_w.dtype == weight.dtype:
+                    grad_w.addmm_(grad.t(), h)
+                else:
+                    grad_w.add_(grad.t() @ h)
         if group is not None and need_h:
             dist.all_reduce(grad_h, group=group)  # each rank's vocabulary shard adds its part
         # Kept on ctx rather than saved: backward scales them in place (no second weight-sized buffer).
         ctx.grads = (grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
@@ -106,6 +113,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             grad_h.mul_(scale)
         if grad_w is not None:
             grad_w.mul_(scale)
+            grad_w = grad_w.to(ctx.weight_dtype)
         return grad_h, grad_w, None, None, None, None, None
 
 
