@@ -37,7 +37,10 @@ def _train(default_comms: bool, steps: int = 3) -> dict[str, torch.Tensor]:
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     assert len(fsdp_modules) == 3  # two layers and the root
     for m in fsdp_modules:  # installed by apply_fsdp at a shard group of one
-        assert type(m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm).__name__ == "OneRankReduceScatter"
+        assert (
+            type(m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm).__name__
+            == "OneRankReduceScatter"
+        )
     if default_comms:
         for m in fsdp_modules:
             m.set_custom_all_gather(DefaultAllGather())
