@@ -140,6 +140,8 @@ class GPTModel(nn.Module):
         )
         self.mtp = MultiTokenPrediction(config, self.blocks) if config.mtp_num_layers > 0 else None
         self._track_max_logits = False
+        # A compiled ``loss.chunk_loss_and_grad`` for the chunked loss (set by ``parallel/compile.py``).
+        self.loss_chunk_fn = None
 
     # ---- construction -------------------------------------------------------------------------
     def cast_to_compute_dtype(self) -> GPTModel:
@@ -251,7 +253,9 @@ class GPTModel(nn.Module):
                 weight, offset, group = vocab_shard(stored)
             else:
                 weight, offset, group = self._output_weight(), 0, None
-            lsum, n = chunked_linear_cross_entropy(normed, weight, labels, loss_mask, chunk, group, offset)
+            lsum, n = chunked_linear_cross_entropy(
+                normed, weight, labels, loss_mask, chunk, group, offset, self.loss_chunk_fn
+            )
             return lsum, n, None
         logits = F.linear(normed, self._output_weight())
         lsum, n = token_cross_entropy(logits, labels, loss_mask)
