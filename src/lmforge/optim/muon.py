@@ -277,8 +277,13 @@ class Muon(UpdateRuleOptimizer):
                 slot.copy_(st.pieces[j])
             elif st.mu is None:
                 slot.copy_(st.m)
+            elif slot.dtype == st.m.dtype:
+                torch.add(st.g, st.m, alpha=st.mu, out=slot)
             else:
-                torch.add(st.g, st.m, alpha=st.mu, out=slot)  # bitwise (g + mu m).to(slot.dtype)
+                # fp32 sum into a kept scratch, then the cast: add(out=bf16) would allocate (and on a
+                # CPU page-fault) a fresh fp32 temporary per parameter.
+                u = self._workspace.get("nesterov", tuple(slot.shape), st.m.dtype, slot.device)
+                slot.copy_(torch.add(st.g, st.m, alpha=st.mu, out=u))
 
         device = steps[0].m.device
         ortho = orthogonalize_into(

@@ -108,10 +108,10 @@ class Workspace:
 
 
 def _normalize_(X: torch.Tensor, eps: float) -> None:
-    # Frobenius norm per matrix, accumulated in fp32 (bf16 would round the sum).
-    acc = torch.float64 if X.dtype == torch.float64 else torch.float32
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=acc)
-    X.div_((norm + eps).to(X.dtype))
+    # Frobenius norm per matrix. The CPU kernel accumulates a bf16 input in fp32 and rounds only the
+    # result, as the former dtype=float32 call followed by a cast did, without its fp32 copy of X.
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    X.div_(norm.add_(eps))
 
 
 def _bounds(size: int, parts: int) -> list[int]:
