@@ -47,7 +47,11 @@ class KeyedLayers(nn.ModuleDict):
 
 
 class _AttachAux(torch.autograd.Function):
-    """Returns ``h`` unchanged; in backward, seeds ``aux`` with gradient 1 (its scale is in ``aux``)."""
+    """Returns ``h`` unchanged; in backward, seeds ``aux`` with gradient 1 (its scale is in ``aux``).
+
+    Not a collective (DTensor has nothing for it): the schedule backpropagates only a stage's output, so
+    a balancing loss that arose inside the stage gets its gradient here, where its layer's output does.
+    """
 
     @staticmethod
     def forward(ctx, h, aux):
