@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.common.fused_layout import gate_up_rows
+from lmforge.models.common.local_weight import local_weight
 from lmforge.models.common.mlp import SwiGLUMLP, swiglu
 from lmforge.utils.muon_split import MuonSplit
 
@@ -81,7 +82,8 @@ class TopKRouter(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x ``[T, H]`` → (expert ids ``[T, K]``, fp32 weights ``[T, K]``, weighted aux loss or None)."""
         st = self.settings
-        logits = F.linear(x.float(), self.weight.float())
+        # Under tensor parallel the weight is a replicated DTensor applied to this rank's tokens.
+        logits = F.linear(x.float(), local_weight(self.weight).float())
         scores = logits.sigmoid() if st.score_function == "sigmoid" else logits.softmax(dim=-1)
         choice = scores + self.expert_bias if st.enable_expert_bias else scores
         if st.n_group > 1:
@@ -163,10 +165,11 @@ class GroupedExperts(nn.Module):
         self.linear_fc2 = ExpertWeight(num_experts, hidden_size, ffn_hidden_size)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: tokens sorted by (local) expert; counts: tokens per expert."""
-        return grouped_matmul(
-            swiglu(grouped_matmul(x, self.linear_fc1.weight, counts)), self.linear_fc2.weight, counts
-        )
+        """x: tokens sorted by (local) expert; counts: tokens per expert.
+
+        Under expert / tensor parallel the weights are DTensors: this rank's experts, read locally."""
+        fc1, fc2 = local_weight(self.linear_fc1.weight), local_weight(self.linear_fc2.weight)
+        return grouped_matmul(swiglu(grouped_matmul(x, fc1, counts)), fc2, counts)
 
 
 @dataclass
