@@ -71,7 +71,7 @@ def test_full_recompute_identical_gradients_less_saved_memory():
     reference = _run(base)
     summary = apply_activation_memory(
         other, {"mode": "full", "full_recompute_layer": ["0-2"]}, None, None, NUM_LAYERS
-    )
+    ).summary()
     assert "recompute full: layers 0-2" in summary
     names_before = [n for n, _ in base.named_parameters()]
     assert [n for n, _ in other.named_parameters()] == names_before  # names unchanged
@@ -267,7 +267,7 @@ def test_recompute_comm_without_collectives_warns_and_changes_nothing():
     with pytest.warns(UserWarning, match="no communication ops"):
         summary = apply_activation_memory(
             other, None, {"enable": True, "select_module": {"self_attention": ["0-3"]}}, None, NUM_LAYERS
-        )
+        ).summary()
     assert "no effect" in summary
     assert not any(is_recomputed(m) for m in other.modules())
     with pytest.raises(ConfigError, match="recompute_comm.select_module is required"):
@@ -275,7 +275,9 @@ def test_recompute_comm_without_collectives_warns_and_changes_nothing():
     # The spec's example 'attention.qkv' names self_attention.linear_qkv (name patterns: parts with the
     # original's aliases), so it applies where there are collectives.
     spec_example = {"enable": True, "select_module": {"attention.qkv": ["0-3"]}}
-    summary = apply_activation_memory(other, None, spec_example, None, NUM_LAYERS, has_comm_ops=True)
+    summary = apply_activation_memory(
+        other, None, spec_example, None, NUM_LAYERS, has_comm_ops=True
+    ).summary()
     assert "collectives re-run in backward in" in summary and " 0 module" not in summary
     # A pattern naming nothing: a warning here, an error where it would apply.
     missing = {"enable": True, "select_module": {"attention.nothing": ["0-3"]}}
@@ -298,7 +300,7 @@ def test_disabled_sections_change_nothing():
         warnings.simplefilter("error")
         summary = apply_activation_memory(
             other, {"mode": "None"}, {"enable": False}, {"enable": False}, NUM_LAYERS
-        )
+        ).summary()
     assert summary.startswith("activation memory: no recompute")
     assert not any(is_recomputed(m) for m in other.modules())
 
@@ -488,6 +490,25 @@ def test_plan_reports_wrapped_modules_whose_forward_never_runs():
     model.decoder.layers[1].forward = lambda x: x + model.decoder.layers[1].self_attention(x)
     model(*_batch()).backward()
     assert plan.never_ran() == ["decoder.layers.1.mlp"]
+
+
+def test_the_trainer_gets_the_plan_from_the_builder_not_from_the_model(caplog):
+    """``apply_activation_memory`` returns the plan and leaves no attribute on the model; the callback the
+    builder makes from it logs the summary and, after the first step, the parts that never ran."""
+    from lmforge.train.callbacks.monitor import ActivationPlanCallback
+
+    _, model = _pair()
+    attributes = set(vars(model))
+    plan = apply_activation_memory(
+        model, {"mode": "select", "select_module": {"mlp": ["0-1"]}}, None, None, NUM_LAYERS
+    )
+    assert set(vars(model)) == attributes
+    callback = ActivationPlanCallback(plan)
+    with caplog.at_level("INFO", logger="lmforge"):
+        callback.on_train_begin(None, None)
+        callback.on_step_end(None, None)
+    assert f"Activation memory: {plan.summary()}" in caplog.text
+    assert "recompute / swap has no effect on decoder.layers.0.mlp, decoder.layers.1.mlp" in caplog.text
 
 
 def test_pipeline_stage_keeps_global_layer_ids():

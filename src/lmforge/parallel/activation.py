@@ -591,8 +591,10 @@ def apply_activation_memory(
     *,
     pipeline_parallel: int = 1,
     has_comm_ops: bool = False,
-) -> str:
-    """Apply recompute, comm recompute and swap to ``model`` in place; return a one-line summary.
+) -> ActivationPlan:
+    """Apply recompute, comm recompute and swap to ``model`` in place; return the plan (``summary()`` is
+    its one-line description, ``never_ran()`` the parts whose forward has not run; the builder hands it to
+    the trainer's ``ActivationPlanCallback``).
 
     ``num_layers``: decoder layers of the whole model (MTP layers come after them); layer specs are
     checked against it plus the MTP layers found. ``has_comm_ops``: whether the model's forward runs
@@ -608,8 +610,7 @@ def apply_activation_memory(
         pipeline_parallel=pipeline_parallel,
         has_comm_ops=has_comm_ops,
     )
-    model._lmforge_activation_plan = plan
-    return plan.summary()
+    return plan
 
 
 def plan_activation_memory(
