@@ -242,10 +242,38 @@ def _is_comm_op(op: Any) -> bool:
     return namespace in _COMM_NAMESPACES
 
 
+# Ops that only move data (no arithmetic) and save nothing of their input for backward.
+_DATA_MOVEMENT = {"cat", "stack", "index_select", "index", "clone", "_unsafe_view", "contiguous"}
+
+
+def _moves_pending_collective(op: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``op`` only moves (views, concatenates, indexes) a functional collective's result that
+    nobody has waited for yet (torch's ``AsyncCollectiveTensor``, e.g. what ``all_to_all_single_autograd``
+    returns; a view of it stays pending, the first other op waits for it)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.utils._pytree import tree_leaves
+
+    schema = getattr(op, "_schema", None)
+    is_view = schema is not None and any(r.alias_info is not None for r in schema.returns)
+    name = getattr(getattr(op, "overloadpacket", None), "__name__", "")
+    if not (is_view or name in _DATA_MOVEMENT):
+        return False
+    return any(isinstance(a, AsyncCollectiveTensor) for a in tree_leaves((args, kwargs)))
+
+
 def _comm_recompute_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    # Only the collectives are re-run in backward; every other op keeps its output as without
-    # checkpointing would (plus the region's intermediate outputs), so compute is never repeated.
-    return CheckpointPolicy.PREFER_RECOMPUTE if _is_comm_op(op) else CheckpointPolicy.MUST_SAVE
+    """Re-run the collectives in backward; keep every other op's output, so compute is not repeated.
+
+    The one exception: data movement applied to a collective's pending result (Ulysses' ``unbind`` and
+    ``cat`` after its all-to-all) is re-run with the collective. Kept instead, it would feed the backward
+    nothing, so the replayed collective would never be waited on (torch's "unwaited collective calls"
+    warning at exit, 32 per rank in the Ulysses parity run) and its cached views would pin the first
+    result. An op that computes from the result (a matmul, a product) keeps its output and saves the
+    replayed result as its backward input, which waits for it there.
+    """
+    if _is_comm_op(op) or _moves_pending_collective(op, args, kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
 
 
 class ActivationWrapper:
