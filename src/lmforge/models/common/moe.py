@@ -283,3 +283,16 @@ class MoELayer(nn.Module):
 def moe_layers(model: nn.Module) -> list[MoELayer]:
     """Every MoE layer of ``model`` (the one way expert parallelism, FSDP and the model find them)."""
     return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def routing_counts_group(model: nn.Module):
+    """The group over which ``model``'s MoE layers sum their token counts (``bias_counts_group``: the data,
+    context and tensor/sequence-parallel ranks, which route different tokens of the same layers); None when
+    ``parallelize`` set none. The monitor sums its counts over it too, so they do not depend on the layout."""
+    groups = []
+    for moe in moe_layers(model):
+        if not any(moe.bias_counts_group is g for g in groups):
+            groups.append(moe.bias_counts_group)
+    if len(groups) > 1:
+        raise RuntimeError("the MoE layers of one model sum their counts over different groups (a bug)")
+    return groups[0] if groups else None

@@ -213,6 +213,24 @@ class TrainStateMonitor:
         self.out.close()
 
 
+def _summed_over_routing_group(model: nn.Module, counts: dict[Any, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Layer id -> int64 counts summed over the ranks that route different tokens of the same layers (the
+    expert-bias group, ``models.common.moe.routing_counts_group``): under tensor / sequence parallel each
+    rank routes only its shard of the sequence, so its own counts depend on the layout. One all-reduce."""
+    from lmforge.models.common.moe import routing_counts_group
+
+    layers = sorted(counts)
+    group = routing_counts_group(model)
+    if group is not None and layers:
+        import torch.distributed as dist
+
+        flat = torch.cat([counts[i].detach().reshape(-1).float() for i in layers])
+        dist.all_reduce(flat, group=group)
+        summed = flat.split([counts[i].numel() for i in layers])
+        counts = {i: c.view_as(counts[i]) for i, c in zip(layers, summed, strict=True)}
+    return {int(i): counts[i].detach().to("cpu", torch.int64) for i in layers}
+
+
 class MoeTokenMonitor:
     """``monitor.moe_monitor``: tokens per expert of the target layers, per micro-batch.
 
@@ -273,7 +291,7 @@ class MoeTokenMonitor:
             return
         self.micro_step += 1
         self.micro_batches_seen += 1
-        counts = {int(k): v.detach().to("cpu", torch.int64) for k, v in module.tokens_per_expert().items()}
+        counts = _summed_over_routing_group(module, module.tokens_per_expert())
         reset = getattr(module, "reset_tokens_per_expert", None)
         if callable(reset):
             # The counters are the monitor's own: restart them so they hold one micro-batch (a
