@@ -291,7 +291,7 @@ class MoeTokenMonitor:
             return
         self.micro_step += 1
         self.micro_batches_seen += 1
-        counts = _summed_over_routing_group(module, module.tokens_per_expert())
+        counts = {int(k): v.detach().to("cpu", torch.int64) for k, v in module.tokens_per_expert().items()}
         reset = getattr(module, "reset_tokens_per_expert", None)
         if callable(reset):
             # The counters are the monitor's own: restart them so they hold one micro-batch (a
@@ -310,6 +310,8 @@ class MoeTokenMonitor:
         self._previous = counts
         if self.micro_batches_seen % self.interval != 0:
             return
+        # Every rank of the group records at the same micro-batch: one all-reduce per record, not per forward.
+        deltas = _summed_over_routing_group(module, deltas)
         for layer in sorted(deltas):
             if self.target_layers is not None and layer not in self.target_layers:
                 continue
