@@ -248,7 +248,6 @@ def parallelize(
         apply_ep(model, mesh.expert["ep"], opts, tp_mesh=mesh["tp"] if dims.tp > 1 else None)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
-        model.tensor_parallel_size = dims.tp
         _install_tp_output(model, mesh["tp"])
     if dims.tp > 1 or dims.cp > 1:
         _check_sequence_length(model, dims)
@@ -274,6 +273,7 @@ def parallelize(
             device=device,
             compute_dtype=compute_dtype,
             check_batch=_sequence_length_check(dims) if dims.tp > 1 or dims.cp > 1 else None,
+            tp_size=dims.tp,
         )
         roots = pipeline.stage_modules
         if tied_output:  # tied embeddings: see pp_tied
