@@ -287,11 +287,19 @@ def test_recompute_comm_without_collectives_warns_and_changes_nothing():
         apply_activation_memory(base, None, missing, None, NUM_LAYERS, has_comm_ops=True)
 
 
-def test_comm_recompute_policy_recomputes_only_collectives():
-    assert _comm_recompute_policy(None, torch.ops._c10d_functional.all_gather_into_tensor.default) == (
-        CheckpointPolicy.PREFER_RECOMPUTE
-    )
-    assert _comm_recompute_policy(None, torch.ops.aten.mm.default) == CheckpointPolicy.MUST_SAVE
+def test_comm_recompute_policy_recomputes_collectives_and_no_arithmetic():
+    x = torch.ones(2, 2)
+    recompute, save = CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE
+    assert _comm_recompute_policy(
+        None, torch.ops._c10d_functional.all_gather_into_tensor.default, x, 2, "0"
+    ) == (recompute)
+    assert _comm_recompute_policy(None, torch.ops.aten.mm.default, x, x) == save
+    assert _comm_recompute_policy(None, torch.ops.aten.add.Tensor, x, x) == save
+    assert _comm_recompute_policy(None, torch.ops.aten.cat.default, [x, x]) == save  # not a pending result
+    # a buffer made and filled in place (a cached one would be mutated after caching): re-run
+    assert _comm_recompute_policy(None, torch.ops.aten.zeros.default, [3]) == recompute
+    assert _comm_recompute_policy(None, torch.ops.aten.slice.Tensor, x, 0, 1) == recompute
+    assert _comm_recompute_policy(None, torch.ops.aten.fill_.Scalar, x, 0.0) == recompute
 
 
 def test_disabled_sections_change_nothing():

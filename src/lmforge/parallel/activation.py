@@ -246,6 +246,16 @@ def _is_comm_op(op: Any) -> bool:
 _DATA_MOVEMENT = {"cat", "stack", "index_select", "index", "clone", "_unsafe_view", "contiguous"}
 
 
+def _schema_kind(op: Any) -> tuple[bool, bool]:
+    """(is a view: its output aliases an input without writing it, mutates an input)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return False, False
+    mutates = bool(schema.is_mutable)
+    is_view = not mutates and any(r.alias_info is not None for r in schema.returns)
+    return is_view, mutates
+
+
 def _moves_pending_collective(op: Any, args: Any, kwargs: Any) -> bool:
     """Whether ``op`` only moves (views, concatenates, indexes) a functional collective's result that
     nobody has waited for yet (torch's ``AsyncCollectiveTensor``, e.g. what ``all_to_all_single_autograd``
@@ -253,25 +263,39 @@ def _moves_pending_collective(op: Any, args: Any, kwargs: Any) -> bool:
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.utils._pytree import tree_leaves
 
-    schema = getattr(op, "_schema", None)
-    is_view = schema is not None and any(r.alias_info is not None for r in schema.returns)
+    is_view, _ = _schema_kind(op)
     name = getattr(getattr(op, "overloadpacket", None), "__name__", "")
     if not (is_view or name in _DATA_MOVEMENT):
         return False
     return any(isinstance(a, AsyncCollectiveTensor) for a in tree_leaves((args, kwargs)))
 
 
-def _comm_recompute_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Re-run the collectives in backward; keep every other op's output, so compute is not repeated.
+def _builds_in_place(op: Any, args: Any, kwargs: Any) -> bool:
+    """A tensor factory (no tensor input: ``zeros``, ``full``, ``arange``), a view or an in-place op: the
+    pieces of "make a buffer, fill part of it in place" (e.g. the causal bias of
+    ``parallel/cp.lower_right_causal_attention``). Kept, the factory's or the view's cached output would be
+    mutated afterwards, which torch's selective checkpoint refuses in backward ("Tensor cached during
+    selective activation checkpoint has been mutated"); re-run, they cost no arithmetic worth keeping."""
+    from torch.utils._pytree import tree_leaves
 
-    The one exception: data movement applied to a collective's pending result (Ulysses' ``unbind`` and
-    ``cat`` after its all-to-all) is re-run with the collective. Kept instead, it would feed the backward
-    nothing, so the replayed collective would never be waited on (torch's "unwaited collective calls"
-    warning at exit, 32 per rank in the Ulysses parity run) and its cached views would pin the first
-    result. An op that computes from the result (a matmul, a product) keeps its output and saves the
-    replayed result as its backward input, which waits for it there.
+    is_view, mutates = _schema_kind(op)
+    if is_view or mutates:
+        return True
+    return not any(isinstance(a, torch.Tensor) for a in tree_leaves((args, kwargs)))
+
+
+def _comm_recompute_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Re-run the collectives in backward; keep the output of every op that computes, so compute is not
+    repeated.
+
+    Also re-run: data movement applied to a collective's pending result (Ulysses' ``unbind`` and ``cat``
+    after its all-to-all). Kept instead, it would feed the backward nothing, so the replayed collective
+    would never be waited on (torch's "unwaited collective calls" warning at exit, 32 per rank in the
+    Ulysses parity run) and its cached views would pin the first result. An op that computes from the
+    result (a matmul, a product) keeps its output and saves the replayed result as its backward input,
+    which waits for it there. And tensor factories, views and in-place ops (:func:`_builds_in_place`).
     """
-    if _is_comm_op(op) or _moves_pending_collective(op, args, kwargs):
+    if _is_comm_op(op) or _moves_pending_collective(op, args, kwargs) or _builds_in_place(op, args, kwargs):
         return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE
 
