@@ -19,7 +19,9 @@ compute copy is cast from them. There, with a 16-bit ``compute_dtype``, the ``de
 compute copies from forward to backward (resharding would only cast every layer again in backward; the
 memory is that of the former bf16 parameters); in fp32 the copy would double the parameters' memory, so
 layers are resharded as usual. The gradient divide factor is left alone (nothing is reduced; setting it
-would cost a division pass over every gradient).
+would cost a division pass over every gradient). Modules whose shard group is one rank get collectives
+that move nothing (``fsdp_one_rank.py``): no self-copy in the all-gather, no copy of the fp32 gradients
+between the reduce-scatter buffers.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from lmforge.errors import ConfigError
+from lmforge.parallel.fsdp_one_rank import use_one_rank_comms
 
 SHARD_STRATEGIES = ("optim_grads_params", "optim_grads", "optim")
 RESHARD_POLICIES = ("default", "always", "never")
@@ -89,7 +92,7 @@ def apply_fsdp(
         fully_shard,
     )
 
-    reshard = _reshard_after_forward(opts, mesh.size(mesh.ndim - 1), compute_dtype != torch.float32)
+    reshard = _reshard_after_forward(opts, _shard_size(mesh), compute_dtype != torch.float32)
     # Storage in fp32 (the masters); compute in compute_dtype; reductions in fp32.
     model.to(torch.float32)
     # No input casting: the hidden states are already in compute_dtype (the embedding runs in it), and
@@ -104,6 +107,7 @@ def apply_fsdp(
     )
     common = {"mp_policy": mp, "offload_policy": offload}
     fp32_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    expert_modules: list[nn.Module] = []
     for layer in decoder_layers(model) if layers is None else layers:
         for sub in layer.modules():
             if getattr(sub, "keep_fp32", False) and compute_dtype != torch.float32:
@@ -115,8 +119,20 @@ def apply_fsdp(
         if experts is not None and expert_mesh is not None:
             # Experts are already split over ep; shard the rest of their parameters over the remaining ranks.
             fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard, **common)
+            expert_modules.append(experts)
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, **common)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **common)
+    # Where a module's shard group is one rank, its all-gather and reduce-scatter move nothing: skip
+    # FSDP2's copies through them (parallel/fsdp_one_rank.py).
+    experts_one_rank = expert_mesh is not None and _shard_size(expert_mesh) == 1
+    use_one_rank_comms(
+        [
+            m
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+            and (experts_one_rank if any(m is e for e in expert_modules) else _shard_size(mesh) == 1)
+        ]
+    )
     # Reduce with SUM whatever disable_gradient_division says: the loss each rank backpropagates is
     # already divided by the global token count (DESIGN §6), so a second division would be wrong.
     if mesh.size() == 1:
@@ -126,6 +142,10 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return model
+
+
+def _shard_size(mesh: Any) -> int:
+    return mesh.size(mesh.ndim - 1)
 
 
 def _routed_experts(layer: nn.Module) -> nn.Module | None:

@@ -1,0 +1,100 @@
+"""FSDP2 at a shard group of one rank skips its own copies (parallel/fsdp_one_rank.py): training gives
+bitwise the same parameters as FSDP2's default collectives, the reduce output really is the input
+buffer, and a reduction interrupted between its two buffer requests cannot make a later one overwrite
+a gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+from lmforge.optim.builder import build_optimizer
+from lmforge.parallel.fsdp_one_rank import make_one_rank_comms
+from lmforge.train.builder import build_training_model
+from lmforge.train.step import TrainStep
+
+SECTION = {
+    "model_type": "qwen3",
+    "architectures": "Qwen3ForCausalLM",
+    "compute_dtype": "bfloat16",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "seq_length": 16,
+    "tie_word_embeddings": True,
+}
+ADAMW = {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.01}
+
+
+def _train(default_comms: bool, steps: int = 3) -> dict[str, torch.Tensor]:
+    model, ctx = build_training_model(dict(SECTION), seed=0, device="cpu")
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    assert len(fsdp_modules) == 3  # two layers and the root
+    for m in fsdp_modules:  # installed by apply_fsdp at a shard group of one
+        assert (
+            type(m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm).__name__
+            == "OneRankReduceScatter"
+        )
+    if default_comms:
+        for m in fsdp_modules:
+            m.set_custom_all_gather(DefaultAllGather())
+            m.set_custom_reduce_scatter(DefaultReduceScatter())
+    opt = build_optimizer(ADAMW, model, 1e-3)
+    step = TrainStep(model, opt, None, max_norm=1.0, ctx=ctx)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        micro = []
+        for _ in range(2):  # two micro-batches: the second reduction accumulates into the first's gradients
+            ids = torch.randint(0, SECTION["vocab_size"], (2, SECTION["seq_length"] + 1), generator=g)
+            micro.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:].clone()})
+        step(micro)
+    return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+
+
+def test_one_rank_comms_train_bitwise_like_fsdp2_defaults():
+    ours, default = _train(default_comms=False), _train(default_comms=True)
+    assert ours.keys() == default.keys()
+    for name in ours:
+        assert torch.equal(ours[name], default[name]), name
+
+
+def test_reduce_output_is_the_input_buffer():
+    _, reduce_scatter = make_one_rank_comms([])
+    inp = reduce_scatter.allocate((10,), dtype=torch.float32, device=torch.device("cpu"))
+    out = reduce_scatter.allocate((10,), dtype=torch.float32, device=torch.device("cpu"))
+    assert out.data_ptr() == inp.data_ptr()
+    nxt = reduce_scatter.allocate((10,), dtype=torch.float32, device=torch.device("cpu"))
+    assert nxt.data_ptr() != inp.data_ptr()  # the next reduction's input is a fresh buffer
+
+
+def test_interrupted_reduction_never_hands_out_a_gradient_buffer():
+    param = torch.nn.Parameter(torch.zeros(10))
+    _, reduce_scatter = make_one_rank_comms([param])
+    cpu = torch.device("cpu")
+    reduce_scatter.allocate((10,), dtype=torch.float32, device=cpu)  # an input; its reduction then fails
+    # The next reduction: its input request is taken for the stale pairing's output (harmless: the
+    # stale buffer is garbage) and its output request then gets a fresh buffer, which becomes the grad.
+    inp = reduce_scatter.allocate((10,), dtype=torch.float32, device=cpu)
+    out = reduce_scatter.allocate((10,), dtype=torch.float32, device=cpu)
+    param.grad = out.view(10)
+    # The following reduction must not be handed the gradient's storage as its input.
+    following = reduce_scatter.allocate((10,), dtype=torch.float32, device=cpu)
+    assert following.data_ptr() != param.grad.data_ptr()
+    assert following.data_ptr() != inp.data_ptr() or inp.data_ptr() != out.data_ptr()
+
+
+def test_one_rank_all_gather_refuses_a_real_group():
+    all_gather, _ = make_one_rank_comms([])
+
+    class Group:
+        def size(self):
+            return 2
+
+    with pytest.raises(RuntimeError, match="one rank"):
+        all_gather(torch.empty(4), torch.empty(2), Group())
