@@ -71,7 +71,7 @@ def test_full_recompute_identical_gradients_less_saved_memory():
     reference = _run(base)
     summary = apply_activation_memory(
         other, {"mode": "full", "full_recompute_layer": ["0-2"]}, None, None, NUM_LAYERS
-    )
+    ).summary()
     assert "recompute full: layers 0-2" in summary
     names_before = [n for n, _ in base.named_parameters()]
     assert [n for n, _ in other.named_parameters()] == names_before  # names unchanged
@@ -267,7 +267,7 @@ def test_recompute_comm_without_collectives_warns_and_changes_nothing():
     with pytest.warns(UserWarning, match="no communication ops"):
         summary = apply_activation_memory(
             other, None, {"enable": True, "select_module": {"self_attention": ["0-3"]}}, None, NUM_LAYERS
-        )
+        ).summary()
     assert "no effect" in summary
     assert not any(is_recomputed(m) for m in other.modules())
     with pytest.raises(ConfigError, match="recompute_comm.select_module is required"):
@@ -275,7 +275,9 @@ def test_recompute_comm_without_collectives_warns_and_changes_nothing():
     # The spec's example 'attention.qkv' names self_attention.linear_qkv (name patterns: parts with the
     # original's aliases), so it applies where there are collectives.
     spec_example = {"enable": True, "select_module": {"attention.qkv": ["0-3"]}}
-    summary = apply_activation_memory(other, None, spec_example, None, NUM_LAYERS, has_comm_ops=True)
+    summary = apply_activation_memory(
+        other, None, spec_example, None, NUM_LAYERS, has_comm_ops=True
+    ).summary()
     assert "collectives re-run in backward in" in summary and " 0 module" not in summary
     # A pattern naming nothing: a warning here, an error where it would apply.
     missing = {"enable": True, "select_module": {"attention.nothing": ["0-3"]}}
@@ -285,11 +287,19 @@ def test_recompute_comm_without_collectives_warns_and_changes_nothing():
         apply_activation_memory(base, None, missing, None, NUM_LAYERS, has_comm_ops=True)
 
 
-def test_comm_recompute_policy_recomputes_only_collectives():
-    assert _comm_recompute_policy(None, torch.ops._c10d_functional.all_gather_into_tensor.default) == (
-        CheckpointPolicy.PREFER_RECOMPUTE
-    )
-    assert _comm_recompute_policy(None, torch.ops.aten.mm.default) == CheckpointPolicy.MUST_SAVE
+def test_comm_recompute_policy_recomputes_collectives_and_no_arithmetic():
+    x = torch.ones(2, 2)
+    recompute, save = CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE
+    assert _comm_recompute_policy(
+        None, torch.ops._c10d_functional.all_gather_into_tensor.default, x, 2, "0"
+    ) == (recompute)
+    assert _comm_recompute_policy(None, torch.ops.aten.mm.default, x, x) == save
+    assert _comm_recompute_policy(None, torch.ops.aten.add.Tensor, x, x) == save
+    assert _comm_recompute_policy(None, torch.ops.aten.cat.default, [x, x]) == save  # not a pending result
+    # a buffer made and filled in place (a cached one would be mutated after caching): re-run
+    assert _comm_recompute_policy(None, torch.ops.aten.zeros.default, [3]) == recompute
+    assert _comm_recompute_policy(None, torch.ops.aten.slice.Tensor, x, 0, 1) == recompute
+    assert _comm_recompute_policy(None, torch.ops.aten.fill_.Scalar, x, 0.0) == recompute
 
 
 def test_disabled_sections_change_nothing():
@@ -298,7 +308,7 @@ def test_disabled_sections_change_nothing():
         warnings.simplefilter("error")
         summary = apply_activation_memory(
             other, {"mode": "None"}, {"enable": False}, {"enable": False}, NUM_LAYERS
-        )
+        ).summary()
     assert summary.startswith("activation memory: no recompute")
     assert not any(is_recomputed(m) for m in other.modules())
 
@@ -490,6 +500,25 @@ def test_plan_reports_wrapped_modules_whose_forward_never_runs():
     assert plan.never_ran() == ["decoder.layers.1.mlp"]
 
 
+def test_the_trainer_gets_the_plan_from_the_builder_not_from_the_model(caplog):
+    """``apply_activation_memory`` returns the plan and leaves no attribute on the model; the callback the
+    builder makes from it logs the summary and, after the first step, the parts that never ran."""
+    from lmforge.train.callbacks.monitor import ActivationPlanCallback
+
+    _, model = _pair()
+    attributes = set(vars(model))
+    plan = apply_activation_memory(
+        model, {"mode": "select", "select_module": {"mlp": ["0-1"]}}, None, None, NUM_LAYERS
+    )
+    assert set(vars(model)) == attributes
+    callback = ActivationPlanCallback(plan)
+    with caplog.at_level("INFO", logger="lmforge"):
+        callback.on_train_begin(None, None)
+        callback.on_step_end(None, None)
+    assert f"Activation memory: {plan.summary()}" in caplog.text
+    assert "recompute / swap has no effect on decoder.layers.0.mlp, decoder.layers.1.mlp" in caplog.text
+
+
 def test_pipeline_stage_keeps_global_layer_ids():
     """A pipeline stage holds some layers under their global ids; specs name global ids."""
     from lmforge.parallel.pp import KeyedLayers
@@ -549,3 +578,41 @@ def test_wrappers_show_in_the_module_tree_and_keep_every_name():
     # Wrapping twice changes nothing; each (wrapper, class) pair is one class.
     apply_activation_memory(other, {"mode": "full", "full_recompute_layer": ["0-1"]}, None, None, NUM_LAYERS)
     assert type(layers[0]) is type(layers[1]) and type(layers[0]).__mro__.count(Recomputed) == 1
+
+
+_UNWAITED_SCRIPT = """
+import sys, tempfile, torch, torch.distributed as dist
+from torch import nn
+from lmforge.parallel.activation import _comm_recompute_policy, recompute_module
+from lmforge.parallel.cp import _all_to_all
+
+class Exchange(nn.Module):  # Ulysses' all-to-all (unbind + cat of a pending result), then a product
+    def forward(self, x):
+        y = _all_to_all(x * 2, 1, 2, dist.group.WORLD)
+        return (y * y).sum()
+
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+module = Exchange()
+recompute_module(module, _comm_recompute_policy)
+x = torch.randn(1, 4, 6, 3, requires_grad=True)
+for _ in range(3):
+    module(x).backward()
+assert torch.equal(x.grad, 3 * 8 * x.detach())
+dist.destroy_process_group()
+"""
+
+
+def test_comm_recompute_waits_for_every_replayed_collective():
+    """recompute_comm replays the collectives in backward; the op that reads a replayed all-to-all's result
+    is replayed with it, so the collective is waited on (before: torch warned at exit "there are still 3
+    unwaited collective calls", one per backward, as the parity run with Ulysses CP showed 32)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _UNWAITED_SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "unwaited" not in done.stderr, done.stderr[-2000:]

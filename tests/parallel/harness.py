@@ -439,3 +439,25 @@ def expert_bias_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, A
     _sum_expert_counts(torch.nn.ModuleList([layer]), dist.group.WORLD)
     layer.update_expert_bias()
     return {"local_counts": local, "bias": layer.router.expert_bias.tolist()}
+
+
+def moe_monitor_records(model: Any, ids: torch.Tensor, path: str) -> list[dict[str, Any]]:
+    """What ``monitor.moe_monitor`` (every micro-batch) writes for training forwards+backwards over ``ids``
+    (one micro-batch per row)."""
+    from lmforge.train.callbacks.monitor_hooks import MoeTokenMonitor
+
+    monitor = MoeTokenMonitor(model, path, interval=1)
+    monitor.attach()
+    monitor.begin_step(1)
+    model.train()
+    for row in ids:
+        model(row[None], labels=row[None]).loss.backward()
+    monitor.close()
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def moe_monitor_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """The MoE monitor's records on this rank of ``spec['parallelism']`` (every rank gets the same batch)."""
+    model, _, _ = build_parallel(rank, world, spec)
+    ids = torch.tensor(spec["ids"])
+    return {"records": moe_monitor_records(model, ids, os.path.join(spec["out"], f"tpe{rank}.jsonl"))}

@@ -66,3 +66,42 @@ def test_expert_bias_update_sums_the_counts_of_every_rank_without_a_bound_method
     ref.update_expert_bias(local[0] + local[1])
     for r in results:
         assert r["bias"] == ref.router.expert_bias.tolist()
+
+
+@pytest.mark.parametrize("layout", ["tp", "ep_x_tp"])
+def test_routers_and_experts_keep_dtensor_weights_and_read_them_in_their_own_forward(one_rank, layout):
+    """No hook swaps local tensors into a router or the routed experts: their weights stay DTensor
+    parameters that the module's forward reads itself (``models/common/local_weight.py``); on a mesh of
+    one rank the model computes what the plain one does, and the gradients keep the parameters'
+    placements (a Partial gradient would reach FSDP and the optimizer)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lmforge.models.common.moe import moe_layers
+    from lmforge.parallel.ep import apply_ep
+    from lmforge.parallel.tp import apply_tp
+
+    from .harness import tiny_qwen3_moe
+
+    plain = build_model(tiny_qwen3_moe(), seed=3)
+    model = build_model(tiny_qwen3_moe(), seed=3)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("ep", "tp"))
+    if layout == "ep_x_tp":
+        apply_ep(model, mesh["ep"], {"moe_token_dispatcher_type": "alltoall"}, tp_mesh=mesh["tp"])
+    apply_tp(model, mesh["tp"])
+    weights = []
+    for moe in moe_layers(model):
+        for module in (moe.router, moe.experts, moe.experts.linear_fc1, moe.experts.linear_fc2):
+            assert not module._forward_pre_hooks and not module._forward_hooks, type(module).__name__
+        weights += [moe.router.weight, moe.experts.linear_fc1.weight, moe.experts.linear_fc2.weight]
+    assert all(isinstance(w, DTensor) for w in weights)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    for m in (plain, model):
+        m(ids, labels=ids).loss.backward()
+    assert torch.equal(model(ids).logits, plain(ids).logits)
+    plain_grads = dict(plain.named_parameters())
+    for name, param in model.named_parameters():
+        if ".router." in name or ".experts." in name:
+            assert isinstance(param.grad, DTensor) and param.grad.placements == param.placements, name
+            # (DTensor's backward of the other blocks sums in another order: float rounding only)
+            torch.testing.assert_close(param.grad.full_tensor(), plain_grads[name].grad, rtol=1e-5, atol=1e-7)

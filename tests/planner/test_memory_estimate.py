@@ -117,3 +117,26 @@ def test_state_compression_is_counted():
     bf16 = estimate_memory(net, dims, moment_bytes=2, **kw)
     n = sum(p.numel() for p in net.parameters())
     assert fp32.optimizer_states == 8 * n and bf16.optimizer_states == 4 * n
+
+
+def test_a_missing_model_fact_is_an_error_not_a_guess():
+    """The activation estimate reads the typed TransformerConfig: a model without one, or a family that
+    leaves a dimension unset (0), is refused (the estimate used to fill in 4·hidden, hidden/64 heads...)."""
+    import dataclasses
+
+    import pytest
+
+    from lmforge.config import load_config
+    from lmforge.models import build_model_config
+    from lmforge.parallel.memory import layer_activation_bytes_per_token
+
+    mc = build_model_config(load_config(config()).model)
+    assert layer_activation_bytes_per_token(mc, mc.hidden_size, 4) > 0
+    with pytest.raises(
+        ValueError, match="needs num_key_value_heads, intermediate_size of its TransformerConfig"
+    ):
+        layer_activation_bytes_per_token(
+            dataclasses.replace(mc, num_key_value_heads=0, intermediate_size=0), mc.hidden_size, 4
+        )
+    with pytest.raises(TypeError, match="needs an lmforge model with a TransformerConfig"):
+        layer_activation_bytes_per_token(None, mc.hidden_size, 4)

@@ -16,6 +16,8 @@ query/key rows of heads whose max logit exceeded the threshold, on the parameter
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,12 +27,12 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.optim.adamw import adam_update, init_adam_state
 from lmforge.optim.moment_dtype import narrow_
-from lmforge.optim.muon_comm import MuonWork, compute_updates
-from lmforge.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, Schedule
+from lmforge.optim.muon_comm import MuonWork, compute_updates, whole_matrices_local
+from lmforge.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, Schedule, Workspace, orthogonalize_into
 from lmforge.optim.qk_clip import apply_qk_clip
 from lmforge.optim.update_rule import UpdateRuleOptimizer, local
 from lmforge.utils.logging import get_logger
-from lmforge.utils.muon_split import MuonSplit, as_muon_split
+from lmforge.utils.muon_split import MuonSplit, as_muon_split, split_pieces
 from lmforge.utils.qk_clip import QKClipLayer
 
 logger = get_logger("lmforge.optim")
@@ -130,6 +132,7 @@ class Muon(UpdateRuleOptimizer):
         self.split_schema = {k: as_muon_split(v) for k, v in (split_schema or {}).items()}
         self._check_split_schema()
         self._pending: list[dict] = []
+        self._workspace = Workspace()  # Newton-Schulz buffers reused across steps
         self._qk_layers = self._find_qk_layers()
 
     # -- set-up -------------------------------------------------------------------------------------
@@ -204,6 +207,7 @@ class Muon(UpdateRuleOptimizer):
                 reset()
 
     def _muon_update(self, groups: list[dict]) -> None:
+        local_steps: list[_LocalStep] = []
         works: list[MuonWork] = []
         targets: list[tuple[torch.Tensor, dict]] = []
         for group in groups:
@@ -221,20 +225,25 @@ class Muon(UpdateRuleOptimizer):
                 m = stored.float() if stored.dtype != torch.float32 else stored  # compressed: fp32 math
                 g = local(g)
                 m.mul_(mu).add_(g)
-                u = g.add(m, alpha=mu) if group["nesterov"] else m
                 if m is not stored:
                     counter = self.state[p]["step"]
                     counter.add_(1)
                     narrow_([stored], [m], int(counter.item()), [3 * self.param_index(p)])
-                works.append(
-                    MuonWork(
-                        u=u,
-                        layout=p if sharded else None,
-                        split=self.split_schema.get(self._names.get(id(p), "")),
-                        lr_rms=group["lr"] * group["matched_adamw_rms"],
-                    )
+                work = MuonWork(
+                    u=m,  # replaced below: the Nesterov sum in the Newton-Schulz dtype
+                    layout=p if sharded else None,
+                    split=self.split_schema.get(self._names.get(id(p), "")),
+                    lr_rms=group["lr"] * group["matched_adamw_rms"],
                 )
+                nesterov = group["nesterov"]
+                if whole_matrices_local(work):
+                    local_steps.append(_LocalStep(p, group, g, m, mu if nesterov else None, work))
+                    continue
+                work.u = (g.add(m, alpha=mu) if nesterov else m).to(self.ns_dtype)
+                works.append(work)
                 targets.append((p, group))
+        if local_steps:
+            self._local_update(local_steps)
         if not works:
             return
         updates = compute_updates(works, self.comm_strategy, self.ns_schedule, self.ns_eps, self.ns_dtype)
@@ -243,3 +252,78 @@ class Muon(UpdateRuleOptimizer):
             if group["weight_decay"] != 0:
                 w.mul_(1.0 - group["lr"] * group["weight_decay"])
             w.sub_(up)
+
+    def _local_update(self, steps: list[_LocalStep]) -> None:
+        """Parameters whose whole matrices are on this rank: the Nesterov sum is written (cast) straight
+        into the Newton-Schulz buffers, orthogonalised in place, and each piece's scaled update is
+        subtracted from its rows of the parameter. Same arithmetic per element as the sharded path
+        (``w * (1 - lr wd) - fp32(O) * scale``), so both give the same bits."""
+        shapes: list[torch.Size] = []
+        fills: list[tuple[_LocalStep, int]] = []
+        for st in steps:
+            if st.work.split is None:
+                shapes.append(st.m.shape)
+                fills.append((st, -1))
+                continue
+            u = st.m if st.mu is None else st.g.add(st.m, alpha=st.mu)
+            st.pieces = split_pieces(u, st.work.split)
+            for j, piece in enumerate(st.pieces):
+                shapes.append(piece.shape)
+                fills.append((st, j))
+
+        def fill(i: int, slot: torch.Tensor) -> None:
+            st, j = fills[i]
+            if j >= 0:
+                slot.copy_(st.pieces[j])
+            elif st.mu is None:
+                slot.copy_(st.m)
+            elif slot.dtype == st.m.dtype:
+                torch.add(st.g, st.m, alpha=st.mu, out=slot)
+            else:
+                # fp32 sum into a kept scratch, then the cast: add(out=bf16) would allocate (and on a
+                # CPU page-fault) a fresh fp32 temporary per parameter.
+                u = self._workspace.get("nesterov", tuple(slot.shape), st.m.dtype, slot.device)
+                slot.copy_(torch.add(st.g, st.m, alpha=st.mu, out=u))
+
+        device = steps[0].m.device
+        ortho = orthogonalize_into(
+            shapes, fill, self.ns_schedule, self.ns_eps, self.ns_dtype, device, self._workspace
+        )
+        k = 0
+        for st in steps:
+            w = local(st.p)
+            group = st.group
+            if group["weight_decay"] != 0:
+                w.mul_(1.0 - group["lr"] * group["weight_decay"])
+            split = st.work.split
+            n = 1 if split is None else len(split.sizes)
+            offset = 0
+            for j in range(n):
+                o = ortho[k + j]
+                up = self._workspace.get("update", tuple(o.shape), torch.float32, o.device)
+                up.copy_(o).mul_(st.work.lr_rms * math.sqrt(max(o.shape[-2], o.shape[-1])))
+                if split is None:
+                    w.sub_(up)
+                    continue
+                size = split.sizes[j]
+                if split.order is None:
+                    w.narrow(split.dim, offset, size).sub_(up)
+                else:
+                    rows = split.order[offset : offset + size].to(w.device)
+                    w.index_add_(split.dim, rows, up, alpha=-1)  # w[rows] - up, exactly
+                offset += size
+            k += n
+            st.pieces = None
+
+
+@dataclass
+class _LocalStep:
+    """One parameter on the local path: its fp32 gradient and momentum, ``mu`` for Nesterov (None: plain)."""
+
+    p: torch.Tensor
+    group: dict
+    g: torch.Tensor
+    m: torch.Tensor
+    mu: float | None
+    work: MuonWork
+    pieces: list[torch.Tensor] | None = None

@@ -29,7 +29,8 @@ from lmforge.utils.muon_split import MuonSplit, join_pieces, split_pieces
 
 @dataclass
 class MuonWork:
-    """One Muon parameter's step input: ``u`` (fp32, local shard if sharded) and how to treat it."""
+    """One Muon parameter's step input: ``u`` (the Nesterov sum in the Newton-Schulz dtype, local shard
+    if sharded) and how to treat it."""
 
     u: torch.Tensor
     layout: DTensor | None  # the master when sharded: mesh, placements and global shape
@@ -64,7 +65,7 @@ def scaled_updates(
     return out
 
 
-def _whole_matrices_local(w: MuonWork) -> bool:
+def whole_matrices_local(w: MuonWork) -> bool:
     """True when each local shard holds whole matrices (3-D stack sharded on the expert dim only)."""
     if w.layout is None:
         return True
@@ -128,8 +129,8 @@ def compute_updates(
     works: list[MuonWork], strategy: str, schedule: Schedule, eps: float, dtype: torch.dtype
 ) -> list[torch.Tensor]:
     """The scaled Muon update of every parameter, in its local (shard) layout, fp32."""
-    local_idx = [i for i, w in enumerate(works) if _whole_matrices_local(w)]
-    sharded_idx = [i for i, w in enumerate(works) if not _whole_matrices_local(w)]
+    local_idx = [i for i, w in enumerate(works) if whole_matrices_local(w)]
+    sharded_idx = [i for i, w in enumerate(works) if not whole_matrices_local(w)]
     p2p = strategy == "allgather_deredundency" and all(
         _single_shard_dim(works[i]) is not None for i in sharded_idx
     )

@@ -7,7 +7,8 @@ the small one): ``X <- X / (||X||_F + eps)``, then per step ``(a, b, c)``:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from numbers import Real
 
 import torch
@@ -62,64 +63,199 @@ def normalize_ns_schedule(ns_coefficients: object, ns_steps: int) -> tuple[Sched
     return tuple(schedule), len(schedule)
 
 
-def newton_schulz(
-    x: torch.Tensor, schedule: Schedule, eps: float, dtype: torch.dtype = torch.bfloat16
-) -> torch.Tensor:
-    """Orthogonalise each matrix of ``x`` (``[..., A, B]``); returns ``dtype``, same shape.
+# A shape whose matrices have at most this many elements is orthogonalised as one stacked batch
+# (bmm): small matrices leave the matmul units idle one at a time. Larger ones run one matrix at a time
+# (mm), which measured faster than bmm on them (bench/optim.py, docs/benchmarks.md "Optimizer step").
+# The choice depends on the shape only, so a matrix's result never depends on how many others share
+# its batch (bmm of a batch equals bmm of each of its slices bitwise, and the sharded strategies rely
+# on that to match the single process).
+STACK_MAX_ELEMENTS = 1 << 18
+# A matrix run on its own computes its symmetric Gram matrix and polynomial in k x k blocks of at least
+# SYMMETRIC_BLOCK rows (k <= SYMMETRIC_MAX_PARTS), only those on and below the diagonal. On this CPU
+# (1 thread, CPU time) 3 blocks of 256 took 0.82-0.92x the time of the whole products at 768 rows;
+# smaller blocks cost more in calls than they save.
+SYMMETRIC_BLOCK = 256
+SYMMETRIC_MAX_PARTS = 4
 
-    ``x`` is never modified (torch 2.13's Muon normalises an aliased bf16 input in place, which
-    corrupts a bf16 momentum buffer; we always work on a new tensor).
+
+def symmetric_parts(matrix_shape: Sequence[int]) -> int:
+    """How many row blocks the Gram matrix of one ``[A, B]`` matrix is computed in (1: whole)."""
+    return max(1, min(SYMMETRIC_MAX_PARTS, min(matrix_shape[-2:]) // SYMMETRIC_BLOCK))
+
+
+class Workspace:
+    """Buffers for Newton-Schulz kept across optimizer steps, by (name, shape, dtype, device).
+
+    On a CPU every fresh tensor of megabytes is new memory from the OS whose first touch page-faults
+    (a 75 MB bf16 clone measured 70 ms against 10 ms for a copy into an existing tensor), so Muon keeps
+    its buffers. Elsewhere (CUDA) the caching allocator already reuses memory and keeping buffers
+    would only pin it, so ``keep`` is off there.
     """
-    if x.dim() < 2:
-        raise ValueError(f"newton_schulz needs a matrix, got shape {tuple(x.shape)}")
-    shape = x.shape
-    tall = shape[-2] > shape[-1]
-    # Always batched (a lone matrix is a batch of one), so a matrix's result never depends on which
-    # other matrices share its batch: the sharded strategies then match the single process bitwise.
-    X = x.reshape(-1, shape[-2], shape[-1]).to(dtype)
-    if tall:
-        X = X.mT
-    # Frobenius norm per matrix, accumulated in fp32 (bf16 would round the sum).
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=acc)
-    X = X / (norm + eps).to(dtype)
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
+        key = (name, tuple(shape), dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+        return buf
+
+
+def _normalize_(X: torch.Tensor, eps: float) -> None:
+    # Frobenius norm per matrix. The CPU kernel accumulates a bf16 input in fp32 and rounds only the
+    # result, as the former dtype=float32 call followed by a cast did, without its fp32 copy of X.
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    X.div_(norm.add_(eps))
+
+
+def _bounds(size: int, parts: int) -> list[int]:
+    return [size * i // parts for i in range(parts + 1)]
+
+
+def _mirror_(out: torch.Tensor, h: list[int]) -> None:
+    """Copy the lower blocks of a symmetric ``out`` into the upper ones."""
+    for i in range(len(h) - 1):
+        for j in range(i):
+            out[h[j] : h[j + 1], h[i] : h[i + 1]].copy_(out[h[i] : h[i + 1], h[j] : h[j + 1]].mT)
+
+
+def _gram_(X: torch.Tensor, out: torch.Tensor, parts: int) -> None:
+    """``out = X X^T`` (``X`` ``[s, n]``, or a batch). ``parts > 1``: the product is symmetric, so
+    compute only the blocks on and below the diagonal of a ``parts x parts`` tiling and mirror the rest:
+    ``(parts + 1) / (2 parts)`` of the FLOPs, the same dot products."""
+    if parts == 1:
+        torch.matmul(X, X.mT, out=out)
+        return
+    h = _bounds(X.shape[-2], parts)
+    for i in range(parts):
+        for j in range(i + 1):
+            torch.mm(X[h[i] : h[i + 1]], X[h[j] : h[j + 1]].mT, out=out[h[i] : h[i + 1], h[j] : h[j + 1]])
+    _mirror_(out, h)
+
+
+def _poly_(P: torch.Tensor, out: torch.Tensor, b: float, c: float, parts: int) -> None:
+    """``out = b P + c P^2`` for a symmetric ``P`` (so ``P^2 = P P^T``); ``parts`` as in :func:`_gram_`."""
+    if parts == 1:
+        (torch.baddbmm if P.dim() == 3 else torch.addmm)(P, P, P, beta=b, alpha=c, out=out)
+        return
+    h = _bounds(P.shape[-1], parts)
+    for i in range(parts):
+        for j in range(i + 1):
+            rows, cols = slice(h[i], h[i + 1]), slice(h[j], h[j + 1])
+            torch.addmm(P[rows, cols], P[rows], P[cols].mT, beta=b, alpha=c, out=out[rows, cols])
+    _mirror_(out, h)
+
+
+def _iterate_(X: torch.Tensor, Y: torch.Tensor, P: torch.Tensor, Q: torch.Tensor, schedule: Schedule) -> None:
+    """Newton-Schulz on ``X`` (``[A, B]`` or ``[n, A, B]``) in place; ``Y``, ``P``, ``Q`` are scratch.
+
+    Wide (``A <= B``): ``P = X X^T`` and ``X <- a X + Q X``. Tall: the same map written on the right,
+    ``P = X^T X`` and ``X <- a X + X Q`` (``Q = b P + c P^2`` is symmetric), so a tall matrix needs no
+    transposed copy and its Gram matrix is still the small side. A single large matrix computes the
+    symmetric ``P`` and ``Q`` block-triangle only (:func:`_gram_`), which torch's Muon does not.
+    """
+    addmm = torch.baddbmm if X.dim() == 3 else torch.addmm
+    tall = X.shape[-2] > X.shape[-1]
+    parts = symmetric_parts(X.shape) if X.dim() == 2 else 1
+    src, dst = X, Y
     for a, b, c in schedule:
-        P = torch.bmm(X, X.mT)
-        Q = torch.baddbmm(P, P, P, beta=b, alpha=c)  # b*P + c*P@P
-        X = torch.baddbmm(X, Q, X, beta=a)  # a*X + Q@X
-    if tall:
-        X = X.mT
-    return X.reshape(shape)
+        _gram_(src.mT if tall else src, P, parts)
+        _poly_(P, Q, b, c, parts)
+        if tall:
+            addmm(src, src, Q, beta=a, out=dst)  # a X + X Q
+        else:
+            addmm(src, Q, src, beta=a, out=dst)  # a X + Q X
+        src, dst = dst, src
+    if src is not X:
+        X.copy_(src)
+
+
+def orthogonalize_(X: torch.Tensor, schedule: Schedule, eps: float, workspace: Workspace) -> None:
+    """Newton-Schulz of every matrix of ``X`` (``[n, A, B]``, contiguous) in place."""
+    n, rows, cols = X.shape
+    s = min(rows, cols)
+    _normalize_(X, eps)
+    # The one-matrix path and its blocked products were measured on a CPU only; elsewhere (CUDA, where
+    # every extra call is a kernel launch) all matrices of a shape stay in one batched matmul.
+    if rows * cols <= STACK_MAX_ELEMENTS or X.device.type != "cpu":
+        Y = workspace.get("ns_y", (n, rows, cols), X.dtype, X.device)
+        P = workspace.get("ns_p", (n, s, s), X.dtype, X.device)
+        Q = workspace.get("ns_q", (n, s, s), X.dtype, X.device)
+        _iterate_(X, Y, P, Q, schedule)
+        return
+    Y = workspace.get("ns_y", (rows, cols), X.dtype, X.device)
+    P = workspace.get("ns_p", (s, s), X.dtype, X.device)
+    Q = workspace.get("ns_q", (s, s), X.dtype, X.device)
+    for i in range(n):
+        _iterate_(X[i], Y, P, Q, schedule)
+
+
+def orthogonalize_into(
+    shapes: Sequence[torch.Size],
+    fill: Callable[[int, torch.Tensor], None],
+    schedule: Schedule,
+    eps: float,
+    dtype: torch.dtype,
+    device: torch.device,
+    workspace: Workspace,
+) -> list[torch.Tensor]:
+    """Newton-Schulz of matrices written straight into Muon's buffers; returns each result.
+
+    ``shapes[i]`` is ``[A, B]`` or ``[E, A, B]`` (a stack, orthogonalised per matrix); ``fill(i, slot)``
+    writes matrix ``i`` into ``slot`` (``dtype``, ``shapes[i]``), e.g. the Nesterov sum cast on the way.
+    Matrices of one shape share one buffer ``[n, A, B]``. The results are views of the workspace's
+    buffers: valid until the next call with the same workspace.
+    """
+    buckets: dict[tuple[int, int], list[int]] = {}
+    for i, shape in enumerate(shapes):
+        buckets.setdefault((shape[-2], shape[-1]), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(shapes)
+    for (rows, cols), idx in buckets.items():
+        counts = [math.prod(shapes[i][:-2]) for i in idx]
+        X = workspace.get(f"ns_x{len(idx)}", (sum(counts), rows, cols), dtype, device)
+        start = 0
+        for i, n in zip(idx, counts):
+            slot = X[start : start + n].view(shapes[i])
+            fill(i, slot)
+            out[i] = slot
+            start += n
+        orthogonalize_(X, schedule, eps, workspace)
+    return out  # type: ignore[return-value]
 
 
 def orthogonalize_many(
     mats: Sequence[torch.Tensor], schedule: Schedule, eps: float, dtype: torch.dtype = torch.bfloat16
 ) -> list[torch.Tensor]:
-    """Newton-Schulz of every matrix in ``mats`` (each ``[A, B]`` or ``[E, A, B]``).
+    """Newton-Schulz of every matrix in ``mats`` (each ``[A, B]`` or ``[E, A, B]``), in ``dtype``.
 
-    Matrices with the same shape up to transposition are stacked and iterated together with batched
-    matmuls, which is where Muon's step beats a per-matrix loop.
+    Matrices of the same shape are iterated together; ``mats`` are never modified (torch 2.13's Muon
+    normalises an aliased bf16 input in place, which corrupts a bf16 momentum buffer).
     """
-    buckets: dict[tuple[int, int, torch.device], list[int]] = {}
-    flat: list[torch.Tensor] = []
-    for i, m in enumerate(mats):
-        m3 = m.reshape(-1, m.shape[-2], m.shape[-1]).to(dtype)
-        if m3.shape[-2] > m3.shape[-1]:
-            m3 = m3.mT
-        flat.append(m3)
-        buckets.setdefault((m3.shape[-2], m3.shape[-1], m3.device), []).append(i)
-    out: list[torch.Tensor | None] = [None] * len(mats)
-    for idx in buckets.values():
-        # Contiguous in every case: a transposed view takes a different (not bitwise equal) bmm path.
-        stacked = flat[idx[0]].contiguous() if len(idx) == 1 else torch.cat([flat[i] for i in idx])
-        result = newton_schulz(stacked, schedule, eps, dtype)
-        start = 0
-        for i in idx:
-            n = flat[i].shape[0]
-            r = result[start : start + n]
-            start += n
-            m = mats[i]
-            if m.shape[-2] > m.shape[-1]:
-                r = r.mT
-            out[i] = r.reshape(m.shape)
-    return out  # type: ignore[return-value]
+    if not mats:
+        return []
+    return orthogonalize_into(
+        [m.shape for m in mats],
+        lambda i, slot: slot.copy_(mats[i]),
+        schedule,
+        eps,
+        dtype,
+        mats[0].device,
+        Workspace(),  # fresh buffers: the results outlive this call
+    )
+
+
+def newton_schulz(
+    x: torch.Tensor, schedule: Schedule, eps: float, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Orthogonalise each matrix of ``x`` (``[..., A, B]``); returns ``dtype``, same shape; ``x`` untouched."""
+    if x.dim() < 2:
+        raise ValueError(f"newton_schulz needs a matrix, got shape {tuple(x.shape)}")
+    return orthogonalize_many([x.reshape(-1, x.shape[-2], x.shape[-1])], schedule, eps, dtype)[0].view(
+        x.shape
+    )

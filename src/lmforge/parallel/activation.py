@@ -242,10 +242,62 @@ def _is_comm_op(op: Any) -> bool:
     return namespace in _COMM_NAMESPACES
 
 
+# Ops that only move data (no arithmetic) and save nothing of their input for backward.
+_DATA_MOVEMENT = {"cat", "stack", "index_select", "index", "clone", "_unsafe_view", "contiguous"}
+
+
+def _schema_kind(op: Any) -> tuple[bool, bool]:
+    """(is a view: its output aliases an input without writing it, mutates an input)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return False, False
+    mutates = bool(schema.is_mutable)
+    is_view = not mutates and any(r.alias_info is not None for r in schema.returns)
+    return is_view, mutates
+
+
+def _moves_pending_collective(op: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``op`` only moves (views, concatenates, indexes) a functional collective's result that
+    nobody has waited for yet (torch's ``AsyncCollectiveTensor``, e.g. what ``all_to_all_single_autograd``
+    returns; a view of it stays pending, the first other op waits for it)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.utils._pytree import tree_leaves
+
+    is_view, _ = _schema_kind(op)
+    name = getattr(getattr(op, "overloadpacket", None), "__name__", "")
+    if not (is_view or name in _DATA_MOVEMENT):
+        return False
+    return any(isinstance(a, AsyncCollectiveTensor) for a in tree_leaves((args, kwargs)))
+
+
+def _builds_in_place(op: Any, args: Any, kwargs: Any) -> bool:
+    """A tensor factory (no tensor input: ``zeros``, ``full``, ``arange``), a view or an in-place op: the
+    pieces of "make a buffer, fill part of it in place" (e.g. the causal bias of
+    ``parallel/cp.lower_right_causal_attention``). Kept, the factory's or the view's cached output would be
+    mutated afterwards, which torch's selective checkpoint refuses in backward ("Tensor cached during
+    selective activation checkpoint has been mutated"); re-run, they cost no arithmetic worth keeping."""
+    from torch.utils._pytree import tree_leaves
+
+    is_view, mutates = _schema_kind(op)
+    if is_view or mutates:
+        return True
+    return not any(isinstance(a, torch.Tensor) for a in tree_leaves((args, kwargs)))
+
+
 def _comm_recompute_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    # Only the collectives are re-run in backward; every other op keeps its output as without
-    # checkpointing would (plus the region's intermediate outputs), so compute is never repeated.
-    return CheckpointPolicy.PREFER_RECOMPUTE if _is_comm_op(op) else CheckpointPolicy.MUST_SAVE
+    """Re-run the collectives in backward; keep the output of every op that computes, so compute is not
+    repeated.
+
+    Also re-run: data movement applied to a collective's pending result (Ulysses' ``unbind`` and ``cat``
+    after its all-to-all). Kept instead, it would feed the backward nothing, so the replayed collective
+    would never be waited on (torch's "unwaited collective calls" warning at exit, 32 per rank in the
+    Ulysses parity run) and its cached views would pin the first result. An op that computes from the
+    result (a matmul, a product) keeps its output and saves the replayed result as its backward input,
+    which waits for it there. And tensor factories, views and in-place ops (:func:`_builds_in_place`).
+    """
+    if _is_comm_op(op) or _moves_pending_collective(op, args, kwargs) or _builds_in_place(op, args, kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
 
 
 class ActivationWrapper:
@@ -591,8 +643,10 @@ def apply_activation_memory(
     *,
     pipeline_parallel: int = 1,
     has_comm_ops: bool = False,
-) -> str:
-    """Apply recompute, comm recompute and swap to ``model`` in place; return a one-line summary.
+) -> ActivationPlan:
+    """Apply recompute, comm recompute and swap to ``model`` in place; return the plan (``summary()`` is
+    its one-line description, ``never_ran()`` the parts whose forward has not run; the builder hands it to
+    the trainer's ``ActivationPlanCallback``).
 
     ``num_layers``: decoder layers of the whole model (MTP layers come after them); layer specs are
     checked against it plus the MTP layers found. ``has_comm_ops``: whether the model's forward runs
@@ -608,8 +662,7 @@ def apply_activation_memory(
         pipeline_parallel=pipeline_parallel,
         has_comm_ops=has_comm_ops,
     )
-    model._lmforge_activation_plan = plan
-    return plan.summary()
+    return plan
 
 
 def plan_activation_memory(

@@ -99,24 +99,18 @@ class ParallelInfo:
     qk_clip_group: Any = None
 
 
-def _sum_over_group_identity_backward(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return _SumIdentityBwd.apply(x, group)
+def _sum_over_cp(x: torch.Tensor, cp_mesh: Any) -> torch.Tensor:
+    """The sum of ``x`` over the cp ranks; in backward each rank keeps its own gradient (identity).
 
+    Every cp rank then holds the same loss and backpropagates it through the tokens it computed; the
+    gradient reduction over data × context ranks adds those parts. In DTensor terms: each rank's value
+    is a ``Partial`` summand, redistributed to ``Replicate`` (the all-reduce); the gradient that comes
+    back is declared ``Replicate`` at both ends, so no collective runs in backward.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 
-class _SumIdentityBwd(torch.autograd.Function):
-    """Report the sum over cp ranks; each rank backpropagates only its own part (identity backward)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        import torch.distributed as dist
-
-        y = x.detach().clone()
-        dist.all_reduce(y, group=group)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    summands = DTensor.from_local(x, cp_mesh, (Partial(),), run_check=False, grad_placements=(Replicate(),))
+    return summands.redistribute(cp_mesh, (Replicate(),)).to_local(grad_placements=(Replicate(),))
 
 
 def _install_cp_io(model: nn.Module, cp_mesh: Any, doc_mask: DocumentMask | None) -> None:
@@ -134,7 +128,7 @@ def _install_cp_io(model: nn.Module, cp_mesh: Any, doc_mask: DocumentMask | None
             return out
         import torch.distributed as dist
 
-        out.loss_sum = _sum_over_group_identity_backward(out.loss_sum, group)
+        out.loss_sum = _sum_over_cp(out.loss_sum, cp_mesh)
         n = out.num_tokens.detach().clone()
         dist.all_reduce(n, group=group)
         out.num_tokens = n
@@ -254,7 +248,6 @@ def parallelize(
         apply_ep(model, mesh.expert["ep"], opts, tp_mesh=mesh["tp"] if dims.tp > 1 else None)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
-        model.tensor_parallel_size = dims.tp
         _install_tp_output(model, mesh["tp"])
     if dims.tp > 1 or dims.cp > 1:
         _check_sequence_length(model, dims)
@@ -280,6 +273,7 @@ def parallelize(
             device=device,
             compute_dtype=compute_dtype,
             check_batch=_sequence_length_check(dims) if dims.tp > 1 or dims.cp > 1 else None,
+            tp_size=dims.tp,
         )
         roots = pipeline.stage_modules
         if tied_output:  # tied embeddings: see pp_tied

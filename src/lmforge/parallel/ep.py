@@ -25,7 +25,6 @@ from torch import nn
 
 from lmforge.errors import ConfigError
 from lmforge.models.common.moe import moe_layers
-from lmforge.parallel.replicated_grad import local_summing_grad
 
 logger = logging.getLogger(__name__)
 
@@ -120,20 +119,5 @@ def apply_ep(model: nn.Module, ep_mesh: Any, opts: dict[str, Any], tp_mesh: Any 
                 "weight",
                 nn.Parameter(distribute_tensor(w.data, mesh, placements), requires_grad=w.requires_grad),
             )
-        _swap_in_local_weights(experts, holders, tp_group)
+        # GroupedExperts reads its local experts itself (models/common/local_weight.py).
         moe.dispatcher = AllToAllDispatcher(group, num)
-
-
-def _swap_in_local_weights(experts: nn.Module, holders: list[nn.Module], tp_group: Any) -> None:
-    def pre_hook(mod: nn.Module, args: Any) -> None:
-        for h in holders:
-            weight = h._parameters["weight"]
-            # With tp the expert shard is replicated over tp and sees this rank's tokens.
-            h.__dict__["weight"] = local_summing_grad(weight) if tp_group is not None else weight.to_local()
-
-    def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
-        for h in holders:
-            h.__dict__.pop("weight", None)
-
-    experts.register_forward_pre_hook(pre_hook)
-    experts.register_forward_hook(post_hook)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.parallel.dims import ParallelDims
 
 _DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
@@ -129,31 +130,30 @@ def layer_activation_bytes_per_token(
     plus 8 bytes per query head and 4 per key/value head (fp32 log-sum-exp, norm statistics), dense
     MLP ``4c`` per intermediate unit (fused gate/up output, SiLU output, product); a routed MoE MLP
     ``k·(3.5·hidden + 7·moe_intermediate)·c`` plus the fp32 router (8 bytes per expert, 12 per hidden
-    unit in 16-bit). A model without a config (not an lmforge model) gets the dense formula with a
-    4·hidden MLP and full multi-head attention.
+    unit in 16-bit). ``config`` is the model's typed ``TransformerConfig`` (every family builds one); a
+    dimension it lacks is an error, not a guess.
     """
+    _require_dimensions(config)
     parts = {} if parts is None else parts
     c = cbytes
     h = hidden_size
     low = c < 4
-    heads = getattr(config, "num_attention_heads", 0) or max(1, h // 64)
-    kv_heads = getattr(config, "num_key_value_heads", 0) or heads
-    head_dim = getattr(config, "head_dim", 0) or h // heads
-    if getattr(config, "multi_latent_attention", False):
+    heads = config.num_attention_heads
+    if config.multi_latent_attention:
         nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
         q_dim = heads * (nope + rope)
         kv_dim = (heads * (nope + config.v_head_dim) + config.kv_lora_rank + rope) / 2
         kv_heads = heads
     else:
+        kv_heads, head_dim = config.num_key_value_heads, config.head_dim
         q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     attention = q_dim * (4 * c + 4 * low) + kv_dim * (4 * c + 4 * low) + 8 * heads + 4 * kv_heads
     hidden = h * (4 * c + 8)
     parts["attention"] = attention
-    ffn = getattr(config, "intermediate_size", 0) or 4 * h
-    dense_mlp = 4 * c * ffn
-    num_layers = getattr(config, "num_layers", 0)
-    moe_layers = len(getattr(config, "moe_layers", ()) or ()) if getattr(config, "num_experts", 0) else 0
-    if moe_layers and num_layers:
+    dense_mlp = 4 * c * config.intermediate_size
+    num_layers = config.num_layers
+    moe_layers = len(config.moe_layers) if config.num_experts else 0
+    if moe_layers:
         k, f, e = config.num_experts_per_tok, config.moe_intermediate_size, config.num_experts
         moe_mlp = k * (3.5 * h + 7 * f) * c + 8 * e + 12 * h * low
         if config.shared_expert_intermediate_size:
@@ -164,6 +164,32 @@ def layer_activation_bytes_per_token(
         mlp = dense_mlp
     parts["mlp"] = mlp
     return hidden + attention + mlp
+
+
+def _require_dimensions(config: Any) -> None:
+    """The activation estimate reads these facts of the model's ``TransformerConfig``; a model without one,
+    or a family that leaves one unset, is refused rather than estimated with a made-up value."""
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(
+            f"the memory estimate needs an lmforge model with a TransformerConfig (model.config), got "
+            f"{type(config).__name__}; build the model with lmforge.models.build_model."
+        )
+    names = ["num_layers", "num_attention_heads"]
+    if config.multi_latent_attention:
+        names += ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+    else:
+        names += ["num_key_value_heads", "head_dim"]
+    moe_layers = len(config.moe_layers) if config.num_experts else 0
+    if moe_layers:
+        names += ["num_experts_per_tok", "moe_intermediate_size"]
+    if moe_layers < config.num_layers:
+        names.append("intermediate_size")  # the dense MLP layers
+    missing = [n for n in names if not getattr(config, n) > 0]
+    if missing:
+        raise ValueError(
+            f"model_type {config.model_type!r}: the memory estimate needs {', '.join(missing)} of its "
+            "TransformerConfig (positive); its family's to_transformer_config left them unset."
+        )
 
 
 def format_bytes(n: float) -> str:
@@ -247,7 +273,7 @@ def estimate_memory(
         states = 0
     layers_here = -(-num_layers // dims.pp)
     tokens = seq_length * local_batch_size / dims.cp
-    config = getattr(model, "config", None)
+    config = getattr(model, "config", None)  # checked (with a clear error) by the per-token estimate
     per_token_layer = layer_activation_bytes_per_token(config, hidden_size, cbytes)
     per_layer_act = per_token_layer * tokens / dims.tp
     # 1F1B keeps up to pp micro-batches in flight on the first stage; GPipe keeps all of them.

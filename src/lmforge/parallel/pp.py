@@ -47,7 +47,11 @@ class KeyedLayers(nn.ModuleDict):
 
 
 class _AttachAux(torch.autograd.Function):
-    """Returns ``h`` unchanged; in backward, seeds ``aux`` with gradient 1 (its scale is in ``aux``)."""
+    """Returns ``h`` unchanged; in backward, seeds ``aux`` with gradient 1 (its scale is in ``aux``).
+
+    Not a collective (DTensor has nothing for it): the schedule backpropagates only a stage's output, so
+    a balancing loss that arose inside the stage gets its gradient here, where its layer's output does.
+    """
 
     @staticmethod
     def forward(ctx, h, aux):
@@ -229,8 +233,10 @@ class Pipeline:
         device: torch.device,
         compute_dtype: torch.dtype = torch.float32,
         check_batch: Callable[[torch.Tensor], None] | None = None,
+        tp_size: int = 1,
     ) -> None:
         self.model = model
+        self.tp_size = tp_size  # sequence parallel: activations between stages hold 1/tp of the sequence
         self.pp_group = pp_mesh.get_group()
         self.cp_size = cp_mesh.size()
         self.cp_rank = cp_mesh.get_local_rank()
@@ -399,8 +405,7 @@ class Pipeline:
         side = {key: batch[key] for key in STAGE_KWARGS if batch.get(key) is not None}
         pp = dist.get_world_size(self.pp_group)
         my_rank = dist.get_rank(self.pp_group)
-        tp = getattr(self.model, "tensor_parallel_size", 1)
-        hidden_shape = (b, s // tp, self.model.config.hidden_size)
+        hidden_shape = (b, s // self.tp_size, self.model.config.hidden_size)
         by_id = dict(zip(self._stage_ids, self.stage_modules))
         if self.tied is not None:
             self.tied.send_weight(requires_grad=False)

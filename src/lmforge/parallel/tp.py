@@ -31,9 +31,9 @@ module's forward is replaced:
 
 The norms on the residual stream (and Qwen3's per-head QK norms) are torch's ``SequenceParallel``.
 The parameters keep their DTensor placements (FSDP, checkpoints, gradient clipping and optimizers see
-them). A replicated weight that the plan does not name and that sees only this rank's tokens (routers,
-routed experts) stays a plain computation on local tensors whose gradient DTensor sums over the tp group
-(``parallel/replicated_grad.py``).
+them). A weight that the plan does not name (routers, routed experts) becomes a replicated DTensor that
+sees only this rank's tokens: the module's own forward reads its local view, whose gradient DTensor sums
+over the tp group (``models/common/local_weight.py``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ from lmforge.models.common.tp_plan import (
     SharedToLocal,
 )
 from lmforge.parallel.fsdp import decoder_layers
-from lmforge.parallel.replicated_grad import local_summing_grad
 
 
 def _distribute(module: nn.Module, name: str, mesh: Any, placement: Any) -> None:
@@ -65,36 +64,6 @@ def _distribute(module: nn.Module, name: str, mesh: Any, placement: Any) -> None
         return
     dt = distribute_tensor(param.data, mesh, [placement])
     module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
-
-
-# ------------------------------------------------------------------ replicated parameters
-
-
-def _replicate_params(module: nn.Module, mesh: Any, caller: nn.Module | None = None) -> None:
-    """Make the direct parameters of ``module`` replicated DTensors whose gradient is summed over tp.
-
-    ``caller`` is the module whose forward reads them (the module itself, or the parent of a parameter
-    holder that is never called, like the MoE experts' ``linear_fc1``).
-    """
-    from torch.distributed.tensor import Replicate
-
-    names = [n for n, p in module.named_parameters(recurse=False) if p is not None]
-    if not names:
-        return
-    for n in names:
-        _distribute(module, n, mesh, Replicate())
-
-    def pre_hook(mod: nn.Module, args: Any) -> None:
-        for n in names:
-            module.__dict__[n] = local_summing_grad(module._parameters[n])
-
-    def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
-        for n in names:
-            module.__dict__.pop(n, None)
-
-    target = caller or module
-    target.register_forward_pre_hook(pre_hook)
-    target.register_forward_hook(post_hook)
 
 
 # ------------------------------------------------------------------ DTensor styles
@@ -336,11 +305,13 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
     if out is not None and not tied:
         _vocab_split_output(out, tp_mesh)
     _sequence_parallel_norms(model, tp_mesh)
-    # Everything else (routers, routed experts) is replicated over tp and sees only this rank's tokens:
-    # its gradient is the sum over tp.
-    parents = {id(child): parent for parent in model.modules() for child in parent.children()}
+    # Everything else (routers, routed experts) becomes a replicated DTensor and sees only this rank's tokens:
+    # the module's own forward reads it through ``models/common/local_weight.py``, whose gradient is summed
+    # over tp. No hook swaps tensors in; a module that reads such a weight directly fails loudly (DTensor
+    # refuses to mix with the plain activations).
+    from torch.distributed.tensor import Replicate
+
     for module in model.modules():
-        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
-            # A holder that is never called itself (no forward of its own): hook its parent instead.
-            caller = parents.get(id(module)) if type(module).forward is nn.Module.forward else None
-            _replicate_params(module, tp_mesh, caller)
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                _distribute(module, name, tp_mesh, Replicate())

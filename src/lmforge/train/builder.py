@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lmforge.errors import ConfigError, DataError
+from lmforge.train.callbacks.monitor import ActivationPlanCallback
 from lmforge.train.parallel_seam import ParallelContext, distributed_env
 from lmforge.train.rng import seed_everything
 from lmforge.train.trainer import Trainer
@@ -27,8 +28,9 @@ from lmforge.utils.logging import get_logger, setup_logging
 logger = get_logger("lmforge.train")
 
 
-def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int):
-    """Recompute / swap, applied on one device too (the original only applies them when parallel)."""
+def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int, plans: list[Any]):
+    """Recompute / swap, applied on one device too (the original only applies them when parallel); the
+    plan applied is appended to ``plans`` (for the trainer's ``ActivationPlanCallback``)."""
     from lmforge.parallel.plan import activation_wanted
 
     wanted = activation_wanted(cfg)
@@ -37,7 +39,7 @@ def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int):
     from lmforge.parallel.activation import apply_activation_memory
 
     def apply(model: torch.nn.Module) -> None:
-        summary = apply_activation_memory(
+        plan = apply_activation_memory(
             model,
             cfg.recompute,
             cfg.recompute_comm,
@@ -46,7 +48,8 @@ def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int):
             pipeline_parallel=pp,
             has_comm_ops=has_comm_ops,
         )
-        logger.info("Activation memory: %s", summary)
+        plans.append(plan)
+        logger.info("Activation memory: %s", plan.summary())
 
     return apply
 
@@ -232,7 +235,10 @@ def build_trainer(
     seed_everything(int(training.seed), bool(training.deterministic))
     model_cfg = plan.model_config
     dims = plan.dims
-    hook = _activation_hook(cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp)
+    activation_plans: list[Any] = []
+    hook = _activation_hook(
+        cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp, activation_plans
+    )
     hook = _with_compile(hook, cfg)
     float8 = getattr(cfg, "float8", None)
     if float8 is not None and float8.enable:
@@ -313,5 +319,6 @@ def build_trainer(
         hf_loader=load_hf_weights,
         files_to_copy=[tokenizer] if tokenizer else None,
         batches=plan.batches,
-        callbacks=hang_watchdog(float(cfg.parallelism.process_group_timeout), ctx.rank, ctx.world_size),
+        callbacks=hang_watchdog(float(cfg.parallelism.process_group_timeout), ctx.rank, ctx.world_size)
+        + [ActivationPlanCallback(plan) for plan in activation_plans],
     )

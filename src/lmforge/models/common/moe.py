@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.common.fused_layout import gate_up_rows
+from lmforge.models.common.local_weight import local_weight
 from lmforge.models.common.mlp import SwiGLUMLP, swiglu
 from lmforge.utils.muon_split import MuonSplit
 
@@ -81,7 +82,8 @@ class TopKRouter(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x ``[T, H]`` → (expert ids ``[T, K]``, fp32 weights ``[T, K]``, weighted aux loss or None)."""
         st = self.settings
-        logits = F.linear(x.float(), self.weight.float())
+        # Under tensor parallel the weight is a replicated DTensor applied to this rank's tokens.
+        logits = F.linear(x.float(), local_weight(self.weight).float())
         scores = logits.sigmoid() if st.score_function == "sigmoid" else logits.softmax(dim=-1)
         choice = scores + self.expert_bias if st.enable_expert_bias else scores
         if st.n_group > 1:
@@ -163,10 +165,11 @@ class GroupedExperts(nn.Module):
         self.linear_fc2 = ExpertWeight(num_experts, hidden_size, ffn_hidden_size)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: tokens sorted by (local) expert; counts: tokens per expert."""
-        return grouped_matmul(
-            swiglu(grouped_matmul(x, self.linear_fc1.weight, counts)), self.linear_fc2.weight, counts
-        )
+        """x: tokens sorted by (local) expert; counts: tokens per expert.
+
+        Under expert / tensor parallel the weights are DTensors: this rank's experts, read locally."""
+        fc1, fc2 = local_weight(self.linear_fc1.weight), local_weight(self.linear_fc2.weight)
+        return grouped_matmul(swiglu(grouped_matmul(x, fc1, counts)), fc2, counts)
 
 
 @dataclass
@@ -280,3 +283,16 @@ class MoELayer(nn.Module):
 def moe_layers(model: nn.Module) -> list[MoELayer]:
     """Every MoE layer of ``model`` (the one way expert parallelism, FSDP and the model find them)."""
     return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def routing_counts_group(model: nn.Module):
+    """The group over which ``model``'s MoE layers sum their token counts (``bias_counts_group``: the data,
+    context and tensor/sequence-parallel ranks, which route different tokens of the same layers); None when
+    ``parallelize`` set none. The monitor sums its counts over it too, so they do not depend on the layout."""
+    groups = []
+    for moe in moe_layers(model):
+        if not any(moe.bias_counts_group is g for g in groups):
+            groups.append(moe.bias_counts_group)
+    if len(groups) > 1:
+        raise RuntimeError("the MoE layers of one model sum their counts over different groups (a bug)")
+    return groups[0] if groups else None

@@ -94,6 +94,33 @@ class MoeMonitorCallback(TrainerCallback):
             self.monitor = None
 
 
+class ActivationPlanCallback(TrainerCallback):
+    """What recompute / swap do (``parallel/activation.py``'s plan, handed over by the builder that applied
+    it): stated at the start of the run's log, and after the first step a warning for every part whose
+    forward never ran (the model calls its pieces directly, so wrapping it had no effect)."""
+
+    order = 10
+
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+
+    def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        # The model is built, and the plan applied, before the run's log file exists.
+        log.info("Activation memory: %s", self.plan.summary())
+
+    def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        if self.plan is None:
+            return
+        idle = self.plan.never_ran()
+        if idle:
+            log.warning(
+                "recompute / swap has no effect on %s: their forward never ran during the step (the "
+                "model calls their parts directly); choose other module paths",
+                ", ".join(idle),
+            )
+        self.plan = None  # checked once, after the first step
+
+
 class MemoryCallback(TrainerCallback):
     """Peak memory of each step into the step's metrics (and so the log line, metrics.jsonl, TensorBoard)."""
 
@@ -101,32 +128,17 @@ class MemoryCallback(TrainerCallback):
 
     def __init__(self, device: Any = None) -> None:
         self.meter = PeakMemory(device)
-        self.plan: Any = None
 
     def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
         trainer = kwargs.get("trainer")
         device = getattr(getattr(trainer, "ctx", None), "device", None)
         if device is not None:
             self.meter = PeakMemory(device)
-        # What recompute / swap do, stated at the start of the run's log (the model is built, and
-        # the plan applied, before the run's log file exists).
-        self.plan = getattr(_model(kwargs), "_lmforge_activation_plan", None)
-        if self.plan is not None:
-            log.info("Activation memory: %s", self.plan.summary())
 
     def on_step_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
         self.meter.begin_step()
 
     def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
-        if self.plan is not None:
-            idle = self.plan.never_ran()
-            if idle:
-                log.warning(
-                    "recompute / swap has no effect on %s: their forward never ran during the step (the "
-                    "model calls their parts directly); choose other module paths",
-                    ", ".join(idle),
-                )
-            self.plan = None  # checked once, after the first step
         peaks = self.meter.end_step()
         metrics = kwargs.get("metrics")
         if isinstance(metrics, dict):

@@ -213,6 +213,24 @@ class TrainStateMonitor:
         self.out.close()
 
 
+def _summed_over_routing_group(model: nn.Module, counts: dict[Any, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Layer id -> int64 counts summed over the ranks that route different tokens of the same layers (the
+    expert-bias group, ``models.common.moe.routing_counts_group``): under tensor / sequence parallel each
+    rank routes only its shard of the sequence, so its own counts depend on the layout. One all-reduce."""
+    from lmforge.models.common.moe import routing_counts_group
+
+    layers = sorted(counts)
+    group = routing_counts_group(model)
+    if group is not None and layers:
+        import torch.distributed as dist
+
+        flat = torch.cat([counts[i].detach().reshape(-1).float() for i in layers])
+        dist.all_reduce(flat, group=group)
+        summed = flat.split([counts[i].numel() for i in layers])
+        counts = {i: c.view_as(counts[i]) for i, c in zip(layers, summed, strict=True)}
+    return {int(i): counts[i].detach().to("cpu", torch.int64) for i in layers}
+
+
 class MoeTokenMonitor:
     """``monitor.moe_monitor``: tokens per expert of the target layers, per micro-batch.
 
@@ -292,6 +310,8 @@ class MoeTokenMonitor:
         self._previous = counts
         if self.micro_batches_seen % self.interval != 0:
             return
+        # Every rank of the group records at the same micro-batch: one all-reduce per record, not per forward.
+        deltas = _summed_over_routing_group(module, deltas)
         for layer in sorted(deltas):
             if self.target_layers is not None and layer not in self.target_layers:
                 continue
