@@ -290,7 +290,7 @@ class Checks:
         a, b = params(torch.float32), params(torch.float32)
         a = [torch.nn.Parameter(p) for p in a]
         b = [torch.nn.Parameter(p) for p in b]
-        ours, theirs, ratio = time_pair(
+        ours, theirs, ratio, _cpu_ratio = time_pair(
             lambda: AdamW(a, lr=1e-3, weight_decay=0.1),
             lambda: torch.optim.AdamW(b, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), fused=True),
             a,
@@ -298,7 +298,7 @@ class Checks:
             repeats,
         )
         out["adamw_vs_torch_fused"] = round(ratio, 3)
-        ours, theirs, ratio = time_pair(
+        ours, theirs, ratio, _cpu_ratio = time_pair(
             lambda: Muon(a, lr=0.02, qk_clip_enabled=False),
             lambda: torch.optim.Muon(b, lr=0.02, adjust_lr_fn="match_rms_adamw"),
             a,

@@ -85,7 +85,7 @@ class Trainer:
         self.peak_flops = peak_flops
         # Regional torch.compile (parallel/compile.py): log how long compiling took, and any recompile.
         self._compile_watch = None
-        if getattr(model, "lmforge_compiled_blocks", 0):
+        if getattr(getattr(config, "compile", None), "enable", False):
             from lmforge.parallel.compile import CompileWatch
 
             self._compile_watch = CompileWatch()

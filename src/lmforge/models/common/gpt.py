@@ -26,7 +26,7 @@ from lmforge.models.common import init
 from lmforge.models.common.attention import CoreAttention
 from lmforge.models.common.blocks import LayerBlocks
 from lmforge.models.common.init import draw_seed
-from lmforge.models.common.loss import chunked_linear_cross_entropy, token_cross_entropy, vocab_shard
+from lmforge.models.common.loss import TokenLoss
 from lmforge.models.common.masks import attention_layout
 from lmforge.models.common.moe import ExpertWeight, MoELayer, TopKRouter, moe_layers
 from lmforge.models.common.norms import RMSNorm
@@ -140,8 +140,7 @@ class GPTModel(nn.Module):
         )
         self.mtp = MultiTokenPrediction(config, self.blocks) if config.mtp_num_layers > 0 else None
         self._track_max_logits = False
-        # A compiled ``loss.chunk_loss_and_grad`` for the chunked loss (set by ``parallel/compile.py``).
-        self.loss_chunk_fn = None
+        self.token_loss = TokenLoss(config.loss_chunk_size)
 
     # ---- construction -------------------------------------------------------------------------
     def cast_to_compute_dtype(self) -> GPTModel:
@@ -243,23 +242,8 @@ class GPTModel(nn.Module):
     def _token_loss(
         self, normed: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(CE sum, valid tokens, logits or None): chunked when ``loss_chunk_size`` > 0, else plain."""
-        chunk = self.config.loss_chunk_size
-        if chunk > 0:
-            # An output weight split by vocabulary rows (a DTensor under tensor parallel): the chunks run on
-            # this rank's rows and the logits are never gathered.
-            stored = self._stored_output_weight()
-            if isinstance(stored, DTensor):
-                weight, offset, group = vocab_shard(stored)
-            else:
-                weight, offset, group = self._output_weight(), 0, None
-            lsum, n = chunked_linear_cross_entropy(
-                normed, weight, labels, loss_mask, chunk, group, offset, self.loss_chunk_fn
-            )
-            return lsum, n, None
-        logits = F.linear(normed, self._output_weight())
-        lsum, n = token_cross_entropy(logits, labels, loss_mask)
-        return lsum, n, logits
+        """(CE sum, valid tokens, logits or None) through ``self.token_loss`` with the stored output weight."""
+        return self.token_loss(normed, self._stored_output_weight(), labels, loss_mask)
 
     def _mtp_losses(
         self, hidden, input_ids, labels, loss_mask, cos, sin, allowed, aux_losses

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 
 def loss_weights(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
@@ -46,7 +47,7 @@ def chunk_loss_and_grad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's (fp32 weighted CE sum, d loss / d logits in ``grad_dtype``) from its logits, written
     out of place so that ``torch.compile`` fuses it into a few passes over ``[chunk, vocab]``
-    (``compile: {enable: true}`` sets it as the model's ``loss_chunk_fn``). Eager, the in-place code of
+    (``compile: {enable: true}`` compiles it through :meth:`TokenLoss.compile`). Eager, the in-place code of
     :class:`_ChunkedLinearCE` is the faster one; both compute softmax - onehot times the token weights."""
     lf = logits.float()
     row_max = lf.amax(dim=-1, keepdim=True)
@@ -197,3 +198,52 @@ def chunked_linear_cross_entropy(
         flat_h, weight, flat_labels, weights, int(chunk_size), group, int(vocab_offset), chunk_fn
     )
     return total, weights.sum()
+
+
+class TokenLoss(nn.Module):
+    """The model's output projection and token cross-entropy (``model.token_loss``): chunked when
+    ``chunk_size`` > 0 (the logits never exist whole), else plain (``F.linear`` + cross-entropy, the logits
+    returned). It holds no parameters: the output weight (the embedding's when tied) comes with each call,
+    as stored (a DTensor split by vocabulary rows keeps to its rows in the chunked path).
+
+    A module of its own so that regional compilation (``parallel/compile.py``) compiles it the way it
+    compiles the blocks, with ``compile()``, and the tree shows it."""
+
+    def __init__(self, chunk_size: int) -> None:
+        super().__init__()
+        self.chunk_size = int(chunk_size)
+        self._compiled_chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(fp32 CE sum over valid tokens, valid tokens, logits or None)."""
+        from torch.distributed.tensor import DTensor
+
+        if self.chunk_size > 0:
+            rows, offset, group = vocab_shard(weight)
+            loss_sum, count = chunked_linear_cross_entropy(
+                hidden, rows, labels, loss_mask, self.chunk_size, group, offset, self._compiled_chunk
+            )
+            return loss_sum, count, None
+        full = weight.full_tensor() if isinstance(weight, DTensor) else weight
+        logits = F.linear(hidden, full)
+        loss_sum, count = token_cross_entropy(logits, labels, loss_mask)
+        return loss_sum, count, logits
+
+    def compile(self, *args, **kwargs) -> None:  # type: ignore[override]
+        """Plain: the whole module, as ``nn.Module.compile``. Chunked: each chunk's softmax and logits'
+        gradient (:func:`chunk_loss_and_grad`, fused into a few passes over ``[chunk, vocab]``); the chunk
+        loop and its matmuls stay eager (they are already memory-bound by design)."""
+        if self.chunk_size > 0:
+            self._compiled_chunk = torch.compile(chunk_loss_and_grad, *args, **kwargs)
+        else:
+            super().compile(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        compiled = ", compiled chunks" if self._compiled_chunk is not None else ""
+        return f"chunk_size={self.chunk_size}{compiled}"
