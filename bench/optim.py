@@ -153,7 +153,7 @@ def render(rows, repeats, runs) -> str:
         SECTION,
         "",
         f"`bench/optim.py --runs {runs}` (every configuration measured {runs} times, one row per run; each run",
-        f"{repeats} rounds, each one step of ours and one of torch's back to back, in one process on the same",
+        f"{repeats} rounds for AdamW and {max(5, repeats // 2)} for Muon, each one step of ours and one of torch's back to back, in one process on the same",
         "shapes and gradients; times are medians, the ratio is the median of the per-round ratios;",
         f"commit {commit}). Machine: {machine()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}. "
         f"Load average at start: "
@@ -189,6 +189,10 @@ def render(rows, repeats, runs) -> str:
         "same bits (the whole step's parameters bitwise equal). Gram + polynomial alone, CPU time against the whole",
         "products: panels 0.78-0.93x, blocks 0.81-0.99x at 2 threads (768 x 768 .. 4096 x 768); whole 100M step",
         "at 2 threads, both variants alternating in one process: panels 0.97x CPU time, 0.94x wall of blocks.",
+        "Recorded runs: commit 241a888 (blocks, load 3.6-6.7): Muon 0.84-0.96x, 5 of 8 rows <= 0.9x; commit b0691bf",
+        "(panels, load 3.1-7.0): 0.88-0.93x, 3 of 8 (100M at 2 threads 0.91/0.88, CPU time 0.84/0.88). Single",
+        "rows move by +-0.05 between runs with the load, so the demo rows (0.88-0.96x over both recordings, 0.92-0.96x at 1 thread) are the ones",
+        "still short of 0.9x on this machine.",
         "At the demo's 256-row Gram matrices both lose (panels 1.0-2.2x, blocks 1.3-3.9x the whole products), so",
         "the demo runs whole products as before: its step is 85-90% matmuls in which ours is already 0.87-0.90x",
         "torch's (batching), and the rest is casts, momentum and the update (about 8 ms of 57 at 1 thread).",
