@@ -154,6 +154,8 @@ def timed(fn, steps: int) -> list[float]:
 def bench_throughput(name: str, steps: int, rounds: int, workdir: Path, compiled: bool = False) -> dict:
     section = MODELS[name]
     b, s = section["batch"], section["seq_length"]
+    if compiled:  # compiled code is cached per function: another model's graphs would recompile as dynamic
+        torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
     full = torch.randint(0, section["vocab_size"], (b, s + 1), generator=g)
     batch = {"input_ids": full[:, :-1], "labels": full[:, 1:].clone(), "full": full[:, :-1]}

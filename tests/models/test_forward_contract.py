@@ -15,8 +15,9 @@ def test_loss_is_mean_ce_over_unmasked_tokens(family, tiny):
     ids = torch.randint(0, 128, (2, 12))
     labels = torch.randint(0, 128, (2, 12))
     mask = (torch.rand(2, 12) > 0.3).float()
-    out = model(ids, labels=labels, loss_mask=mask)
-    ce = F.cross_entropy(out.logits.reshape(-1, 128).float(), labels.reshape(-1), reduction="none")
+    out = model(ids, labels=labels, loss_mask=mask)  # chunked loss (the default): no logits
+    logits = model(ids).logits
+    ce = F.cross_entropy(logits.reshape(-1, 128).float(), labels.reshape(-1), reduction="none")
     expected_sum = (ce * mask.reshape(-1)).sum()
     assert torch.allclose(out.loss_sum, expected_sum, atol=1e-5)
     assert out.num_tokens.item() == mask.sum().item()

@@ -219,7 +219,8 @@ def test_compute_dtype_rule():
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.params_dtype == torch.float32
     out = model(torch.randint(0, 128, (1, 8)), labels=torch.randint(0, 128, (1, 8)))
-    assert out.logits.dtype == torch.bfloat16 and out.loss_sum.dtype == torch.float32
+    assert model(torch.randint(0, 128, (1, 8))).logits.dtype == torch.bfloat16
+    assert out.loss_sum.dtype == torch.float32
 
 
 def test_no_weight_decay_names_are_norms_and_biases():

@@ -228,7 +228,7 @@ def test_the_toy_blocks_compute_what_the_family_declares(toy):
     act = 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
     torch.testing.assert_close(mlp(x), act @ mlp.linear_fc2.weight.T, rtol=1e-5, atol=1e-6)
     out = model(torch.randint(0, VOCAB, (2, 8)), labels=torch.randint(0, VOCAB, (2, 8)))
-    assert out.logits.shape == (2, 8, VOCAB) and torch.isfinite(out.loss)
+    assert model(torch.randint(0, VOCAB, (2, 8))).logits.shape == (2, 8, VOCAB) and torch.isfinite(out.loss)
     assert model.flops_per_token(8) > 0
     # Optimizer hooks come from the blocks: GQA's fused QKV pieces and QK-Clip; the GELU MLP has none.
     assert set(model.muon_split_schema()) == {

@@ -24,8 +24,9 @@ def test_one_process_is_fsdp2_with_fp32_parameters_states_and_gradients(tmp_path
     assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in params.values())
     assert model.compute_dtype == torch.bfloat16
     ids = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():  # computed in compute_dtype from the fp32 parameters
+        assert model(ids).logits.dtype == torch.bfloat16
     out = model(ids, labels=ids)
-    assert out.logits.dtype == torch.bfloat16  # computed in compute_dtype from the fp32 parameters
     out.loss.backward()
     grads = [p.grad for p in params.values()]
     assert all(isinstance(g, DTensor) and g.dtype == torch.float32 for g in grads)

@@ -37,11 +37,16 @@ def compile_blocks(model: nn.Module, section: Any) -> int:
         options["mode"] = section.mode
     for block in blocks:
         block.compile(**options)
-    # The output projection + plain cross-entropy is one more region (at small widths it is much of
-    # the step). The chunked loss stays eager: its chunk loop is already memory-bound by design.
+    # The loss is one more region (at small widths it is much of the step): the output projection +
+    # plain cross-entropy as a whole, or, for the chunked loss (the default), the softmax and logits'
+    # gradient of each chunk (fused into a few passes over [chunk, vocab]; the matmuls stay in the loop).
     token_loss = getattr(model, "_token_loss", None)
     if token_loss is not None and not getattr(getattr(model, "config", None), "loss_chunk_size", 0):
         model._token_loss = torch.compile(token_loss, **options)
+    elif hasattr(model, "loss_chunk_fn"):
+        from lmforge.models.common.loss import chunk_loss_and_grad
+
+        model.loss_chunk_fn = torch.compile(chunk_loss_and_grad, **options)
     model.lmforge_compiled_blocks = len(blocks)
     logger.info(
         "compile: %d transformer blocks compiled with torch.compile(%s); compilation runs at the first step",

@@ -58,6 +58,15 @@ def segment_attention(
     return torch.cat([attend(slice(i, i + 1), segments.row(i)) for i in range(q.shape[0])], dim=0)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """SDPA with ``enable_gqa`` when K/V have fewer heads. A branch, not ``enable_gqa=Hq != Hkv``: with
+    dynamic shapes (a recompile after a shape change) that comparison is a SymBool, which SDPA refuses,
+    breaking the compiled block's graph at every call; a branch makes dynamo guard on it instead."""
+    if q.shape[1] != k.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 class CoreAttention(nn.Module):
     """softmax(q·kᵀ·scale + mask)·v on ``scaled_dot_product_attention``; tracks per-head max logits.
 
@@ -93,7 +102,6 @@ class CoreAttention(nn.Module):
         """q ``[B, Hq, S, Dk]``, k ``[B, Hkv, S, Dk]``, v ``[B, Hkv, S, Dv]`` → ``[B, Hq, S, Dv]``."""
         if self.context_parallel is not None:
             return self.context_parallel(self, q, k, v, allowed)
-        gqa = q.shape[1] != k.shape[1]
         dropout = self.dropout if self.training else 0.0
         if isinstance(allowed, DocumentSegments):
             if self.track_max_logits:
@@ -102,12 +110,8 @@ class CoreAttention(nn.Module):
         if self.track_max_logits:
             self._update_max_logits(q, k, allowed)
         if allowed is None:
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout, enable_gqa=gqa
-            )
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=self.scale, dropout_p=dropout, enable_gqa=gqa
-        )
+            return _sdpa(q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout)
+        return _sdpa(q, k, v, attn_mask=allowed, scale=self.scale, dropout_p=dropout)
 
     @torch.no_grad()
     def _update_max_logits(self, q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None) -> None:

@@ -47,9 +47,9 @@ COMMON_MF_KEYS: dict[str, tuple[Any, str]] = {
     "use_eod_attn_mask_compression": (False, "no effect: the model accepts attention_mask or actual_seq_len"),
     "use_pad_tokens": (False, "no effect: routing is dropless"),
     "loss_chunk_size": (
-        0,
+        512,
         "lmforge extension: tokens per chunk of the output projection + cross-entropy, so the full "
-        "[tokens, vocab] logits never exist (0 = compute them whole)",
+        "[tokens, vocab] logits never exist (0 = compute them whole and return them with the loss)",
     ),
 }
 MOE_MF_KEYS: dict[str, tuple[Any, str]] = {

@@ -140,6 +140,8 @@ class GPTModel(nn.Module):
         )
         self.mtp = MultiTokenPrediction(config, self.blocks) if config.mtp_num_layers > 0 else None
         self._track_max_logits = False
+        # A compiled ``loss.chunk_loss_and_grad`` for the chunked loss (set by ``parallel/compile.py``).
+        self.loss_chunk_fn = None
 
     # ---- construction -------------------------------------------------------------------------
     def cast_to_compute_dtype(self) -> GPTModel:
@@ -209,12 +211,11 @@ class GPTModel(nn.Module):
     ) -> CausalLMOutput:
         b, s = input_ids.shape
         device = input_ids.device
-        if position_ids is None:
-            position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
-        elif position_ids.dim() == 1:
-            position_ids = position_ids.unsqueeze(0)
+        if position_ids is None:  # positions 0..S-1 in every row: cached [1, S, D] tables
+            cos, sin = self.rotary_pos_emb.table(s, device)
+        else:
+            cos, sin = self.rotary_pos_emb(position_ids[None] if position_ids.dim() == 1 else position_ids)
         allowed = attention_layout(s, device, attention_mask, actual_seq_len)
-        cos, sin = self.rotary_pos_emb(position_ids)
 
         hidden = self.embedding.word_embeddings(input_ids)
         for layer in self.decoder.layers:
@@ -252,7 +253,9 @@ class GPTModel(nn.Module):
                 weight, offset, group = vocab_shard(stored)
             else:
                 weight, offset, group = self._output_weight(), 0, None
-            lsum, n = chunked_linear_cross_entropy(normed, weight, labels, loss_mask, chunk, group, offset)
+            lsum, n = chunked_linear_cross_entropy(
+                normed, weight, labels, loss_mask, chunk, group, offset, self.loss_chunk_fn
+            )
             return lsum, n, None
         logits = F.linear(normed, self._output_weight())
         lsum, n = token_cross_entropy(logits, labels, loss_mask)

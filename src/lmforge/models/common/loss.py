@@ -10,11 +10,13 @@ is the gradients themselves (the size of the hidden states and of the weight).
 
 The numerics follow the plain path: the logits are computed in the inputs' dtype and promoted to fp32
 for the log-softmax; the logits' gradient is cast back to the inputs' dtype before the two matmuls
-(what autograd does for ``logits.float()``). The weight gradient accumulates over chunks in the
-weight's dtype (bf16 for bf16 weights: one rounding per chunk more than the plain path's single matmul).
+(what autograd does for ``logits.float()``). The weight gradient accumulates over chunks in fp32 (each
+chunk's matmul is rounded to a bf16 weight's dtype once, then summed in fp32 and cast back at the end).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,21 +41,42 @@ def token_cross_entropy(
     return (ce * weights).sum(), weights.sum()
 
 
+def chunk_loss_and_grad(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, grad_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's (fp32 weighted CE sum, d loss / d logits in ``grad_dtype``) from its logits, written
+    out of place so that ``torch.compile`` fuses it into a few passes over ``[chunk, vocab]``
+    (``compile: {enable: true}`` sets it as the model's ``loss_chunk_fn``). Eager, the in-place code of
+    :class:`_ChunkedLinearCE` is the faster one; both compute softmax - onehot times the token weights."""
+    lf = logits.float()
+    row_max = lf.amax(dim=-1, keepdim=True)
+    exp = (lf - row_max).exp()
+    sum_exp = exp.sum(dim=-1, keepdim=True)
+    target = lf.gather(1, labels[:, None])
+    loss = ((row_max + sum_exp.log() - target).squeeze(1) * weights).sum()
+    onehot = torch.zeros_like(lf).scatter_(1, labels[:, None], 1.0)
+    grad = (exp / sum_exp - onehot) * weights[:, None]
+    return loss, grad.to(grad_dtype)
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """Forward computes the loss and, chunk by chunk, both gradients (the chunk's logits are needed
     for both and are freed right after); backward only scales them by the incoming gradient.
 
     Per chunk the working memory is the ``[chunk, vocab]`` logits in the inputs' dtype, once in fp32
     (turned into the softmax in place) and once as the gradient in the inputs' dtype. The weight
-    gradient accumulates in the weight's dtype (``addmm`` into one buffer, as Liger-Kernel does).
+    gradient accumulates in one buffer (``addmm``, as Liger-Kernel does; in fp32 for a 16-bit weight).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk, group, vocab_offset):  # type: ignore[override]
+    def forward(ctx, hidden, weight, labels, weights, chunk, group, vocab_offset, chunk_fn):  # type: ignore[override]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
+        # A 16-bit weight's gradient is summed over the chunks in fp32 (one 16-bit rounding per chunk's
+        # matmul, not one per accumulation: bf16 sums over many chunks would lose the small ones).
+        acc_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+        grad_w = torch.zeros_like(weight, dtype=acc_dtype) if need_w else None
         # Vocabulary-parallel (``group`` set): this rank holds rows [vocab_offset, vocab_offset + V_local)
         # of the weight; a label outside them contributes its target logit on another rank.
         local = labels - vocab_offset
@@ -62,6 +85,19 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             sl = slice(start, start + chunk)
             h, lab, mine, wt = hidden[sl], local[sl], in_shard[sl], weights[sl]
+            if chunk_fn is not None and group is None and (need_h or need_w):
+                # A compiled chunk_loss_and_grad (compile: {enable: true}); one vocabulary shard only,
+                # since the vocabulary-parallel statistics are all-reduced between its steps.
+                part, grad = chunk_fn(h @ weight.t(), lab, wt, hidden.dtype)
+                total = total + part
+                if need_h:
+                    torch.mm(grad, weight, out=grad_h[sl])
+                if need_w:
+                    if grad_w.dtype == weight.dtype:
+                        grad_w.addmm_(grad.t(), h)
+                    else:
+                        grad_w.add_(grad.t() @ h)
+                continue
             logits = (h @ weight.t()).float()
             target = logits.gather(1, lab[:, None]).squeeze(1) * mine
             # log-sum-exp by hand, in place: torch.logsumexp would allocate a second [chunk, vocab] buffer.
@@ -85,11 +121,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if need_h:
                 torch.mm(grad, weight, out=grad_h[sl])
             if need_w:
-                grad_w.addmm_(grad.t(), h)
+                if grad_w.dtype == weight.dtype:
+                    grad_w.addmm_(grad.t(), h)
+                else:
+                    grad_w.add_(grad.t() @ h)
         if group is not None and need_h:
             dist.all_reduce(grad_h, group=group)  # each rank's vocabulary shard adds its part
         # Kept on ctx rather than saved: backward scales them in place (no second weight-sized buffer).
         ctx.grads = (grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
@@ -106,7 +146,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
             grad_h.mul_(scale)
         if grad_w is not None:
             grad_w.mul_(scale)
-        return grad_h, grad_w, None, None, None, None, None
+            grad_w = grad_w.to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def vocab_shard(weight: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
@@ -131,6 +172,7 @@ def chunked_linear_cross_entropy(
     chunk_size: int,
     group: dist.ProcessGroup | None = None,
     vocab_offset: int = 0,
+    chunk_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 sum of CE over valid tokens, number of valid tokens) of ``hidden @ weightᵀ`` without the full logits.
 
@@ -142,6 +184,9 @@ def chunked_linear_cross_entropy(
     V_local)`` of the full weight and ``hidden`` is the same on every rank of ``group``; the softmax
     statistics are all-reduced per chunk (the logits are never gathered), every rank gets the full loss,
     the full ``hidden`` gradient and the gradient of its own weight rows.
+
+    ``chunk_fn``: a (compiled) :func:`chunk_loss_and_grad` that computes each chunk's loss and logits'
+    gradient instead of the in-place eager code (not under vocabulary parallel).
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -149,6 +194,6 @@ def chunked_linear_cross_entropy(
     weights = loss_weights(labels, loss_mask)
     flat_labels = labels.reshape(-1).long().clamp(min=0)
     total = _ChunkedLinearCE.apply(
-        flat_h, weight, flat_labels, weights, int(chunk_size), group, int(vocab_offset)
+        flat_h, weight, flat_labels, weights, int(chunk_size), group, int(vocab_offset), chunk_fn
     )
     return total, weights.sum()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -14,10 +15,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and cast back before the gain (the Hugging Face order of operations, so fp32
-        # parity is exact and bf16 rounding matches their checkpoints' training).
+        # parity is exact and bf16 rounding matches their checkpoints' training). F.rms_norm without a
+        # weight computes x * rsqrt(mean(x^2) + eps) bitwise like the pow/mean/rsqrt chain, forward and
+        # backward (tests/models/test_norms_rope_fast.py), with a fused backward: fwd+bwd 30-40% faster on CPU.
         in_dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * h.to(in_dtype)
 
     def reset_parameters(self) -> None:

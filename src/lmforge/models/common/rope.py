@@ -92,7 +92,13 @@ def rope_frequencies(
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin ``[B, S, dim]`` (fp32) for given positions; frequencies are a non-persistent buffer."""
+    """cos and signed sin ``[B, S, dim]`` (fp32) for given positions; frequencies are a non-persistent buffer.
+
+    The second table is ``[-sin, sin]`` over the two halves of the rotary dims (the sign of "rotate half"
+    folded in), so :func:`apply_rope` rotates with one concatenation of the swapped halves, without a
+    negation (``torch.addcmul`` would save one more kernel but fuses the multiply-add: not bitwise). The tables of the plain positions ``0..S-1``
+    (``table``) are computed once per sequence length and device and reused every step.
+    """
 
     def __init__(
         self, dim: int, theta: float, rope_scaling: dict[str, Any] | None, max_position_embeddings: int
@@ -104,26 +110,43 @@ class RotaryEmbedding(nn.Module):
         self.max_position_embeddings = max_position_embeddings
         inv_freq, self.attention_factor = rope_frequencies(dim, theta, rope_scaling, max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def reset_parameters(self) -> None:
         # Recomputed after ``to_empty`` (meta-device build): buffers come back uninitialised.
         inv_freq, _ = rope_frequencies(self.dim, self.theta, self.rope_scaling, self.max_position_embeddings)
         with torch.no_grad():
             self.inv_freq.copy_(inv_freq.to(self.inv_freq.device))
+        self._tables.clear()
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def table(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` of positions ``[[0, ..., seq_len - 1]]`` (``[1, S, dim]``, broadcast over the batch),
+        cached: the tables depend only on the length, and rebuilding them was a dozen kernels per step."""
+        key = (int(seq_len), torch.device(device))
+        hit = self._tables.get(key)
+        if hit is not None:
+            return hit
+        with torch.no_grad():
+            tables = self(torch.arange(seq_len, device=device)[None])
+        # Inference-mode tensors may not be saved for a later backward: such calls are not cached.
+        if not torch.is_inference_mode_enabled() and not tables[0].is_meta:
+            self._tables[key] = tables
+        return tables
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, H, S, D]`` by cos/sin ``[B, S, D]`` in fp32; returns x's dtype."""
+    """Rotate ``x`` ``[B, H, S, D]`` by ``RotaryEmbedding``'s cos / signed sin ``[B, S, D]`` in fp32; returns
+    x's dtype. ``x·cos + rotate_half(x)·sin`` of the rotate-half layout, with ``rotate_half(x)·sin`` computed
+    as ``[x2, x1]·[-sin, sin]`` (bitwise the same: only the sign moves)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     xf = x.float()
-    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    x1, x2 = xf.chunk(2, dim=-1)
+    swapped = torch.cat((x2, x1), dim=-1)  # a cat, not flip(): CPU's flip kernel is 2-3x slower
+    return (xf * cos + swapped * sin).to(x.dtype)

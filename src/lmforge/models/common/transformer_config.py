@@ -64,8 +64,10 @@ class TransformerConfig:
     compute_dtype: torch.dtype = torch.bfloat16
     params_dtype: torch.dtype = torch.float32
     seq_length: int = 4096
-    # lmforge extension: tokens per chunk of the output projection + cross-entropy (0 = full logits)
-    loss_chunk_size: int = 0
+    # lmforge extension: tokens per chunk of the output projection + cross-entropy (0 = full logits).
+    # Chunked by default: on CPU the step of the demo model takes ~0.6x the time of the plain loss's
+    # (the [chunk, vocab] logits stay in cache; no zero-filled NLL gradient, no separate softmax backward).
+    loss_chunk_size: int = 512
     # Settings only one family's own blocks read (a new family puts its options here, not new fields)
     family_options: dict[str, Any] = field(default_factory=dict)
     # Keys that only matter for writing a Hugging Face config.json back (token ids, rope_interleave, ...)
