@@ -153,9 +153,10 @@ def render(rows, repeats, runs) -> str:
         SECTION,
         "",
         f"`bench/optim.py --runs {runs}` (every configuration measured {runs} times, one row per run; each run",
-        f"{repeats} rounds, each one step of ours and one of torch's back to back, in one process on the same",
+        f"{repeats} rounds for AdamW and {max(5, repeats // 2)} for Muon, each one step of ours and one of torch's back to back, in one process on the same",
         "shapes and gradients; times are medians, the ratio is the median of the per-round ratios;",
-        f"commit {commit}). Machine: {machine()}. Load average at start: "
+        f"commit {commit}). Machine: {machine()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}. "
+        f"Load average at start: "
         f"{LOAD_AT_START:.1f}, at the end: {os.getloadavg()[0]:.1f} (the machine is shared, so absolute times are noisy; "
         "the ratio is the result, and the CPU-time ratio is the one least disturbed by other processes).",
         "",
@@ -181,8 +182,20 @@ def render(rows, repeats, runs) -> str:
         "casts the Nesterov sum once into kept per-shape buffers, iterates small shapes together in batched",
         "matmuls and large ones one matrix at a time into reused scratch, runs tall matrices on the right",
         "(no transposed copies), and computes the symmetric Gram matrix X X^T and b P + c P^2 block-triangle",
-        "only (3 blocks at 768 rows: 2/3 of those products' FLOPs); torch's Muon runs three full matmuls per",
-        "iteration on fresh tensors.",
+        "only (3 blocks at 768 rows: 2/3 of those products' FLOPs), one column panel (diagonal block and all",
+        "below it) per matmul; torch's Muon runs three full matmuls per iteration on fresh tensors.",
+        "",
+        "Panels instead of blocks (this round): 3 matmuls instead of 6 per product at 768 rows, same FLOPs and the",
+        "same bits (the whole step's parameters bitwise equal). Gram + polynomial alone, CPU time against the whole",
+        "products: panels 0.78-0.93x, blocks 0.81-0.99x at 2 threads (768 x 768 .. 4096 x 768); whole 100M step",
+        "at 2 threads, both variants alternating in one process: panels 0.97x CPU time, 0.94x wall of blocks.",
+        "Recorded runs: commit 241a888 (blocks, load 3.6-6.7): Muon 0.84-0.96x, 5 of 8 rows <= 0.9x; commit b0691bf",
+        "(panels, load 3.1-7.0): 0.88-0.93x, 3 of 8 (100M at 2 threads 0.91/0.88, CPU time 0.84/0.88). Single",
+        "rows move by +-0.05 between runs with the load, so the demo rows (0.88-0.96x over both recordings, 0.92-0.96x at 1 thread) are the ones",
+        "still short of 0.9x on this machine.",
+        "At the demo's 256-row Gram matrices both lose (panels 1.0-2.2x, blocks 1.3-3.9x the whole products), so",
+        "the demo runs whole products as before: its step is 85-90% matmuls in which ours is already 0.87-0.90x",
+        "torch's (batching), and the rest is casts, momentum and the update (about 8 ms of 57 at 1 thread).",
         "",
         "Muon before this work (commit 142fadf, idle machine, 7 rounds): 1.18x (demo, 1 thread), 1.28x (100M, 1",
         "thread), 0.72x (demo, 2 threads), 1.31x (100M, 2 threads). Newton-Schulz alone per shape after it (CPU time,",
@@ -208,7 +221,11 @@ def render(rows, repeats, runs) -> str:
         "of the FLOPs at 100M but in bf16 it drifted (relative error to an fp64 run 27% at 768 x 4096, against",
         "4.7% for the standard iteration; 10.7% with a restart after two steps), and fp32 matmuls are 5-9x",
         "slower than bf16 on this CPU (768^3: 18 ms against 2.1 ms). Stacking large shapes into `bmm` also lost",
-        "to one `mm` per matrix at 1 thread.",
+        "to one `mm` per matrix at 1 thread. Folding a into the polynomial (X (a I + Q): one plain matmul, no copy",
+        "of X into the output) doubles the bf16 error against an fp64 iteration (1.1% -> 2.1% at every shape), so it",
+        "is not used. Stacking the demo's four 1536 x 256 matrices into one bmm: 1.00-1.05x of one mm each (whole",
+        "step, 1 thread), no gain. Note OMP_WAIT_POLICY: without PASSIVE, 2 threads on this loaded 2-core machine",
+        "spin against other processes (a 100M step took 25 s instead of 3).",
         "",
     ]
     return "\n".join(lines)

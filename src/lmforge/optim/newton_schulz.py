@@ -119,23 +119,24 @@ def _bounds(size: int, parts: int) -> list[int]:
 
 
 def _mirror_(out: torch.Tensor, h: list[int]) -> None:
-    """Copy the lower blocks of a symmetric ``out`` into the upper ones."""
-    for i in range(len(h) - 1):
-        for j in range(i):
-            out[h[j] : h[j + 1], h[i] : h[i + 1]].copy_(out[h[i] : h[i + 1], h[j] : h[j + 1]].mT)
+    """Copy the lower triangle of blocks of a symmetric ``out`` into the upper one, a row strip at a time."""
+    for j in range(len(h) - 2):
+        out[h[j] : h[j + 1], h[j + 1] :].copy_(out[h[j + 1] :, h[j] : h[j + 1]].mT)
 
 
 def _gram_(X: torch.Tensor, out: torch.Tensor, parts: int) -> None:
     """``out = X X^T`` (``X`` ``[s, n]``, or a batch). ``parts > 1``: the product is symmetric, so
-    compute only the blocks on and below the diagonal of a ``parts x parts`` tiling and mirror the rest:
-    ``(parts + 1) / (2 parts)`` of the FLOPs, the same dot products."""
+    compute only the lower triangle of a ``parts x parts`` tiling, one column panel (the diagonal block
+    and everything under it) per matmul, and mirror the rest: ``(parts + 1) / (2 parts)`` of the FLOPs,
+    the same dot products. A panel per call rather than a block per call: ``parts`` calls instead of
+    ``parts (parts + 1) / 2``, each larger, which splits better over threads (docs/benchmarks.md)."""
     if parts == 1:
         torch.matmul(X, X.mT, out=out)
         return
     h = _bounds(X.shape[-2], parts)
-    for i in range(parts):
-        for j in range(i + 1):
-            torch.mm(X[h[i] : h[i + 1]], X[h[j] : h[j + 1]].mT, out=out[h[i] : h[i + 1], h[j] : h[j + 1]])
+    for j in range(parts):
+        cols = slice(h[j], h[j + 1])
+        torch.mm(X[h[j] :], X[cols].mT, out=out[h[j] :, cols])
     _mirror_(out, h)
 
 
@@ -145,10 +146,9 @@ def _poly_(P: torch.Tensor, out: torch.Tensor, b: float, c: float, parts: int) -
         (torch.baddbmm if P.dim() == 3 else torch.addmm)(P, P, P, beta=b, alpha=c, out=out)
         return
     h = _bounds(P.shape[-1], parts)
-    for i in range(parts):
-        for j in range(i + 1):
-            rows, cols = slice(h[i], h[i + 1]), slice(h[j], h[j + 1])
-            torch.addmm(P[rows, cols], P[rows], P[cols].mT, beta=b, alpha=c, out=out[rows, cols])
+    for j in range(parts):
+        cols = slice(h[j], h[j + 1])
+        torch.addmm(P[h[j] :, cols], P[h[j] :], P[cols].mT, beta=b, alpha=c, out=out[h[j] :, cols])
     _mirror_(out, h)
 
 
