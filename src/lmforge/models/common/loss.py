@@ -60,6 +60,23 @@ def chunk_loss_and_grad(
     return loss, grad.to(grad_dtype)
 
 
+def _add_chunk_grads(
+    grad: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    grad_h_rows: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+) -> None:
+    """From one chunk's logits' gradient: write its hidden states' gradient rows, add its weight gradient."""
+    if grad_h_rows is not None:
+        torch.mm(grad, weight, out=grad_h_rows)
+    if grad_w is not None:
+        if grad_w.dtype == weight.dtype:
+            grad_w.addmm_(grad.t(), h)
+        else:
+            grad_w.add_(grad.t() @ h)
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """Forward computes the loss and, chunk by chunk, both gradients (the chunk's logits are needed
     for both and are freed right after); backward only scales them by the incoming gradient.
@@ -91,13 +108,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 # since the vocabulary-parallel statistics are all-reduced between its steps.
                 part, grad = chunk_fn(h @ weight.t(), lab, wt, hidden.dtype)
                 total = total + part
-                if need_h:
-                    torch.mm(grad, weight, out=grad_h[sl])
-                if need_w:
-                    if grad_w.dtype == weight.dtype:
-                        grad_w.addmm_(grad.t(), h)
-                    else:
-                        grad_w.add_(grad.t() @ h)
+                _add_chunk_grads(grad, h, weight, grad_h[sl] if need_h else None, grad_w)
                 continue
             logits = (h @ weight.t()).float()
             target = logits.gather(1, lab[:, None]).squeeze(1) * mine
@@ -119,13 +130,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             grad[rows[mine], lab[mine]] -= 1.0
             grad = grad.mul_(wt[:, None]).to(hidden.dtype)
             del logits, probs
-            if need_h:
-                torch.mm(grad, weight, out=grad_h[sl])
-            if need_w:
-                if grad_w.dtype == weight.dtype:
-                    grad_w.addmm_(grad.t(), h)
-                else:
-                    grad_w.add_(grad.t() @ h)
+            _add_chunk_grads(grad, h, weight, grad_h[sl] if need_h else None, grad_w)
         if group is not None and need_h:
             dist.all_reduce(grad_h, group=group)  # each rank's vocabulary shard adds its part
         # Kept on ctx rather than saved: backward scales them in place (no second weight-sized buffer).
