@@ -282,10 +282,27 @@ def estimate_memory(
     # Under tp the plain loss path gathers the final norm's output and the output weight, so every tp
     # rank computes the full-vocabulary logits (sequence and vocabulary unsplit).
     full_tokens = seq_length * local_batch_size / dims.cp
-    rest = full_tokens * (hidden_size * (2 * cbytes + 4) + 4 * vocab_size + _REST_CONST)
-    # The loss backward: three fp32 logits-sized tensors (softmax, its gradient, the logits' gradient)
-    # and the output layer's weight gradient, its first.
-    logits_grad = full_tokens * vocab_size * 4 * 3 + vocab_size * hidden_size * 4
+    chunk = config.loss_chunk_size if isinstance(config, TransformerConfig) and dims.pp == 1 else 0
+    if chunk > 0:
+        # The chunked loss (models/common/loss.py; pipeline stages keep the plain one): no logits are
+        # saved. Its forward holds one chunk's logits over this rank's vocabulary rows (in 16 bits: the
+        # logits, their fp32 copy turned into the softmax in place, and the 16-bit gradient; in fp32 one
+        # buffer serves all three), and keeps the hidden states' gradient and the output weight's
+        # gradient (fp32 accumulation) until backward.
+        rest = full_tokens * (hidden_size * (2 * cbytes + 4) + _REST_CONST)
+        vocab_here = vocab_size / dims.tp
+        chunk_bytes = 4 if cbytes >= 4 else 2 * cbytes + 4
+        logits_grad = (
+            min(chunk, full_tokens) * vocab_here * chunk_bytes
+            + full_tokens * hidden_size * cbytes
+            + vocab_here * hidden_size * 4
+        )
+        notes.append(f"chunked loss ({chunk} tokens per chunk): the [tokens, vocab] logits never exist")
+    else:
+        rest = full_tokens * (hidden_size * (2 * cbytes + 4) + 4 * vocab_size + _REST_CONST)
+        # The loss backward: three fp32 logits-sized tensors (softmax, its gradient, the logits'
+        # gradient) and the output layer's weight gradient, its first.
+        logits_grad = full_tokens * vocab_size * 4 * 3 + vocab_size * hidden_size * 4
     layer_inputs = layers_here * tokens * hidden_size * cbytes / dims.tp  # what full recompute keeps
     stage_layers_act = layers_here * per_layer_act
     if recompute_select:
