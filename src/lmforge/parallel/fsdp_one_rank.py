@@ -28,6 +28,8 @@ from torch import nn
 
 
 def _comm_bases() -> tuple[type, type]:
+    # The base classes set_custom_all_gather/set_custom_reduce_scatter take; torch 2.13 does not re-export
+    # them from torch.distributed.fsdp, so they come from the module that defines them.
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
     return AllGather, ReduceScatter
