@@ -17,6 +17,7 @@ import traceback
 from lmforge import __version__
 from lmforge.cli.threads import apply_thread_defaults
 from lmforge.errors import LmforgeError
+from lmforge.utils.launcher_death import end_with_launcher
 
 # Order is the order shown in ``lmforge --help``.
 SUBCOMMANDS: list[str] = [
@@ -75,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # Before any subcommand module can import torch: OpenMP reads these once, at load.
     apply_thread_defaults()
+    try:  # a torchrun worker ends with its launcher (utils/launcher_death.py)
+        end_with_launcher()
+    except LmforgeError as exc:
+        print(f"lmforge: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
     argv = list(sys.argv[1:] if argv is None else argv)
     # ``--debug`` is accepted anywhere on the line, not only before the subcommand.
     debug = "--debug" in argv
