@@ -180,3 +180,34 @@ def test_two_nodes_restart_together_and_resume(tmp_path):
     assert "elastic restart 1: resuming from the latest complete checkpoint" in log and "(iteration 2)" in log
     assert "iteration_00000002 at step 2" in log
     assert [s for s, _ in losses(tmp_path)] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_before_the_workers_started_waits_for_them_and_stops_the_job(tmp_path):
+    # Sent at once, the signal would reach nobody (torchrun has no workers yet) or kill a worker in
+    # its first seconds (torchrun restarts it); the script holds it until each worker handles it.
+    cfg = job_config(tmp_path, steps=10_000, checkpoint={"save_interleaved_steps": 100_000})
+    env = launcher_env(NPROC_PER_NODE="2", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
+    proc = subprocess.Popen(
+        [str(LAUNCHER), "train", "--config", cfg],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        time.sleep(0.5)  # the script has set its traps; torchrun is still starting
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=150)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert "received SIGTERM during start-up" in out and "exitcode" not in out, out[-3000:]
+    # The stop was agreed before the first step: the initial state is saved, once, by both ranks.
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("iteration_*"))
+    assert saved == ["iteration_00000000"], saved
+    assert len(list((tmp_path / "ckpt" / saved[0]).glob("*.distcp"))) == 2
+    assert losses(tmp_path) == []
