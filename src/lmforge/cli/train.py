@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     trainer = None
     # SIGTERM while the model and data are being built (before the trainer handles signals) must not
-    # kill the run either: it is remembered, and the run stops after its first step, saved.
+    # kill the run either: it is remembered, and the run stops before its first step, saved.
     early: list[str] = []
     built: list[Any] = []  # the trainer, once built
     previous = _remember_signals(early, built)
