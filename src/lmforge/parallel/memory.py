@@ -313,13 +313,14 @@ def estimate_memory(
     chunk = config.loss_chunk_size if isinstance(config, TransformerConfig) and dims.pp == 1 else 0
     if chunk > 0:
         # The chunked loss (models/common/loss.py; pipeline stages keep the plain one): no logits are
-        # saved. Its forward holds one chunk's logits over this rank's vocabulary rows (in 16 bits: the
-        # logits, their fp32 copy turned into the softmax in place, and the 16-bit gradient; in fp32 one
-        # buffer serves all three), and keeps the hidden states' gradient and the output weight's
+        # saved. Its forward holds one chunk's logits over this rank's vocabulary rows, two buffers at
+        # most at once in 16 bits (the fp32 copy, turned into the softmax in place, beside the 16-bit
+        # logits it is made from or the 16-bit gradient made from it; measured on 2 ranks); in fp32 one
+        # buffer serves all three. It keeps the hidden states' gradient and the output weight's
         # gradient (fp32 accumulation) until backward.
         rest = full_tokens * (hidden_size * (2 * cbytes + 4) + _REST_CONST)
         vocab_here = vocab_size / dims.tp
-        chunk_bytes = 4 if cbytes >= 4 else 2 * cbytes + 4
+        chunk_bytes = 4 if cbytes >= 4 else 4 + cbytes
         logits_grad = (
             min(chunk, full_tokens) * vocab_here * chunk_bytes
             + full_tokens * hidden_size * cbytes
