@@ -132,15 +132,16 @@ class LiveStorageBytes(TorchDispatchMode):
                 self.live[key] = n
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not self.paused:
-            self._resync_sizes()  # a storage re-grown since the last operator is an input of this one
         out = func(*args, **(kwargs or {}))
         if self.paused:
             return out
+        # Sizes changed since the last operator (a resize runs none) are read before the outputs are
+        # added, so the total at the end of this operator is right (FSDP2's all-gather copy-out writes
+        # into storages it has just re-grown).
+        self._resync_sizes()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 self.track(t)
-        self._resync_sizes()  # an output written into a re-grown storage (FSDP2's all-gather copy-out)
         self.peak = max(self.peak, self.current)
         return out
 
