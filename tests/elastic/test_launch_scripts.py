@@ -9,6 +9,7 @@ machine, and a fake ``scontrol``. Real SLURM is not available here.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,6 +26,23 @@ SLURM = REPO / "scripts" / "slurm" / "lmforge.slurm"
 
 
 def free_port() -> int:
+    """A free port below the kernel's ephemeral range, for a rendezvous that torchrun binds later.
+
+    A port the kernel handed out (bind to 0) may be handed out again, to any process's connection,
+    before torchrun binds it seconds later: on a machine busy with other distributed tests the
+    rendezvous then fails. Ports below the range are only ever taken by an explicit bind.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for port in random.sample(range(max(low - 12_000, 1024), max(low, 1025)), 200) if low > 2048 else []:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -65,6 +83,20 @@ def run_nodes(nnodes: int, args: list[str], timeout: float = 180, **extra: str) 
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     return outs
+
+
+def wait_for_steps(proc: subprocess.Popen, root: Path, steps: int, timeout: float = 180) -> None:
+    """Until the job started with stdout=PIPE logged ``steps`` steps; a failure shows its output."""
+    deadline = time.monotonic() + timeout
+    while len(losses(root)) < steps:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_group(proc)
+            try:
+                out = proc.communicate(timeout=30)[0]
+            except subprocess.TimeoutExpired:
+                out = "(no output: the pipe stayed open)"
+            pytest.fail(f"training did not start (exit status {proc.returncode}):\n{out[-4000:]}")
+        time.sleep(0.2)
 
 
 def test_launcher_prints_the_torchrun_line():
@@ -150,10 +182,7 @@ def test_sigterm_to_the_launcher_saves_once_on_all_ranks_and_exits_0(tmp_path):
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 180
-        while len(losses(tmp_path)) < 3:
-            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-            time.sleep(0.2)
+        wait_for_steps(proc, tmp_path, 3)
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0]
     finally:
