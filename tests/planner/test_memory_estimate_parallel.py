@@ -1,7 +1,7 @@
 """``lmforge check --world-size 2``'s per-rank memory estimate against the peaks measured on 2 gloo ranks.
 
 One spawn of 2 ranks runs one training step of every layout in turn (FSDP, TP with sequence parallel,
-PP 1F1B, with bf16, Muon, full and select recompute) and reports each rank's peak (tests/planner/
+PP 1F1B with the plain and the chunked loss, with bf16, Muon, full and select recompute) and reports each rank's peak (tests/planner/
 measure_parallel.py: the same storage accounting as the single-process cases). The estimate describes
 the most loaded rank, so it is compared with the larger of the two peaks: within 15% on every case and
 10% on most (the issue's bar). The figures are recorded in docs/guide.md.
@@ -36,6 +36,8 @@ CASES = {
         {"tensor_parallel": 2, "sequence_parallel": True}, training__global_batch_size=2
     ),
     "pp2_1f1b_two_microbatches": _case({"pipeline_parallel": 2}),
+    # The last stage's chunked loss (4 chunks of its 512-token micro-batch): no logits.
+    "pp2_1f1b_chunked_loss": _case({"pipeline_parallel": 2}, model__loss_chunk_size=128),
 }
 
 

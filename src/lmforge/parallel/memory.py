@@ -282,12 +282,12 @@ def estimate_memory(
     # Under tp the plain loss path gathers the final norm's output and the output weight, so every tp
     # rank computes the full-vocabulary logits (sequence and vocabulary unsplit).
     full_tokens = seq_length * local_batch_size / dims.cp
-    chunk = config.loss_chunk_size if isinstance(config, TransformerConfig) and dims.pp == 1 else 0
+    chunk = config.loss_chunk_size if isinstance(config, TransformerConfig) else 0
     if chunk > 0:
-        # The chunked loss (models/common/loss.py; pipeline stages keep the plain one): no logits are
-        # saved. Its forward holds one chunk's logits over this rank's vocabulary rows (in 16 bits: the
-        # logits, their fp32 copy turned into the softmax in place, and the 16-bit gradient; in fp32 one
-        # buffer serves all three), and keeps the hidden states' gradient and the output weight's
+        # The chunked loss (models/common/loss.py; under pp the last stage's, per micro-batch): no logits
+        # are saved. Its forward holds one chunk's logits over this rank's vocabulary rows (in 16 bits:
+        # the logits, their fp32 copy turned into the softmax in place, and the 16-bit gradient; in fp32
+        # one buffer serves all three), and keeps the hidden states' gradient and the output weight's
         # gradient (fp32 accumulation) until backward.
         rest = full_tokens * (hidden_size * (2 * cbytes + 4) + _REST_CONST)
         vocab_here = vocab_size / dims.tp
@@ -299,7 +299,10 @@ def estimate_memory(
         )
         notes.append(f"chunked loss ({chunk} tokens per chunk): the [tokens, vocab] logits never exist")
     else:
-        rest = full_tokens * (hidden_size * (2 * cbytes + 4) + 4 * vocab_size + _REST_CONST)
+        # The fp32 logits stay alive through backward on one process (the model returns them with the
+        # loss); the pipeline's last stage returns only the loss, so there they are freed after forward.
+        kept_logits = 4 * vocab_size if dims.pp == 1 else 0
+        rest = full_tokens * (hidden_size * (2 * cbytes + 4) + kept_logits + _REST_CONST)
         # The loss backward: three fp32 logits-sized tensors (softmax, its gradient, the logits'
         # gradient) and the output layer's weight gradient, its first.
         logits_grad = full_tokens * vocab_size * 4 * 3 + vocab_size * hidden_size * 4
