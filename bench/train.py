@@ -13,6 +13,8 @@ hyper-parameters run in
   mixed-precision recipe, fp32 master weights like ours), ``torch.optim.AdamW``,
   ``clip_grad_norm_(1.0)``, ``loss.backward()``.
 
+Both loops run in one process under lmforge's allocator defaults (``cli/malloc.py``: freed memory kept
+in the process, as ``lmforge train`` runs); ``LMFORGE_MALLOC=default`` measures both under glibc's own.
 Rounds alternate between the two (background load hits both alike); tokens/s is the median over the
 timed steps of all rounds. MFU = FLOPs/token (the model's ``flops_per_token``, forward + backward)
 x tokens/s / the bf16 matmul peak measured in this run.
@@ -51,6 +53,7 @@ from pathlib import Path
 import torch
 
 from benchdoc import replace_section
+from lmforge.cli import malloc
 from lmforge.models import save_hf_pretrained
 from lmforge.optim import build_optimizer
 from lmforge.train.builder import build_training_model
@@ -330,7 +333,7 @@ def machine() -> str:
     policy = os.environ.get("OMP_WAIT_POLICY", "default")
     return (
         f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"OMP_WAIT_POLICY {policy}"
+        f"OMP_WAIT_POLICY {policy}, allocator: {malloc.status}"
     )
 
 
@@ -411,6 +414,7 @@ def main() -> int:
     )
     p.add_argument("--compile", action="store_true", help="also time both loops compiled (extra rows)")
     args = p.parse_args()
+    malloc.apply_malloc_defaults()  # what `lmforge train` does at start; it applies to both loops
     load = os.getloadavg()[0]
     names = [n for n in args.models.split(",") if n]
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,10 +1,15 @@
 """Measure a single-process training step's peak memory and put it beside ``lmforge check``'s estimate.
 
 The measurement counts, at every operator of two full training steps (forward, backward, clipping,
-optimizer step), the bytes of all tensor storages alive (each storage once, freed when its last
-reference goes; the same accounting as ``torch.distributed._tools.mem_tracker``, which refuses a
-module called twice per step), plus the model's parameters and buffers that exist before. It is
-independent of lmforge's estimator.
+optimizer step), the bytes of all tensor storages alive (each storage once, at its current size, freed
+when its last reference goes; the same accounting as ``torch.distributed._tools.mem_tracker``, which
+refuses a module called twice per step), plus the model's parameters and buffers that exist before. It
+is independent of lmforge's estimator.
+
+A storage's size is re-read at every operator: FSDP2 frees a layer's unsharded parameters by resizing
+their storages to 0 bytes (``untyped_storage().resize_(0)``, no operator the dispatch mode sees) and
+re-grows them at the next all-gather; counting each storage at its size when created kept every layer's
+unsharded copy alive for the whole step (3-5 MiB too high on the 2-rank FSDP cases).
 """
 
 from __future__ import annotations
@@ -114,13 +119,30 @@ class LiveStorageBytes(TorchDispatchMode):
 
         self._refs[key] = weakref.ref(st, gone)
 
+    def _resync_sizes(self) -> None:
+        """Re-read every live storage's size: FSDP2 frees and re-grows unsharded parameters with
+        ``resize_``, which runs no operator (see the module docstring)."""
+        for key, ref in list(self._refs.items()):
+            st = ref()
+            if st is None or key not in self.live:
+                continue
+            n = st.nbytes()
+            if n != self.live[key]:
+                self.current += n - self.live[key]
+                self.live[key] = n
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.paused:
             return out
+        # Sizes changed since the last operator (a resize runs none) are read before the outputs are
+        # added, so the total at the end of this operator is right (FSDP2's all-gather copy-out writes
+        # into storages it has just re-grown).
+        self._resync_sizes()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 self.track(t)
+        self.peak = max(self.peak, self.current)
         return out
 
 

@@ -15,6 +15,7 @@ import sys
 import traceback
 
 from lmforge import __version__
+from lmforge.cli.malloc import apply_malloc_defaults
 from lmforge.cli.threads import apply_thread_defaults
 from lmforge.errors import LmforgeError
 
@@ -75,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # Before any subcommand module can import torch: OpenMP reads these once, at load.
     apply_thread_defaults()
+    # Freed memory stays in the process instead of being faulted in again every step (cli/malloc.py).
+    apply_malloc_defaults()
     argv = list(sys.argv[1:] if argv is None else argv)
     # ``--debug`` is accepted anywhere on the line, not only before the subcommand.
     debug = "--debug" in argv

@@ -69,6 +69,7 @@ def rank_view() -> dict[str, Any]:
     import torch
 
     import lmforge
+    from lmforge.cli import malloc
 
     cuda = torch.cuda.is_available()
     devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
@@ -84,6 +85,7 @@ def rank_view() -> dict[str, Any]:
         "device": f"cuda:{local_rank}" if cuda else "cpu",
         "visible_devices": devices,
         "cpu_threads": torch.get_num_threads(),
+        "allocator": malloc.status,
         "backend": "nccl" if cuda else "gloo",
         "versions": {
             "lmforge": lmforge.__version__,
@@ -136,6 +138,7 @@ def format_table(summary: dict[str, Any]) -> str:
         f"world size      : {summary['world_size']} rank(s) on {summary['nodes']} node(s)",
         f"backend         : {summary['backend']}",
         "versions        : " + ", ".join(f"{k} {v}" for k, v in first["versions"].items() if v),
+        f"allocator       : {first['allocator']}",
     ]
     if not summary["same_versions_everywhere"]:
         lines.append("WARNING         : the ranks run different versions (see --json)")

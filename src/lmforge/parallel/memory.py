@@ -4,10 +4,11 @@ An estimate, checked against measurements: parameter counts are exact (taken fro
 the meta device). Activations are counted per token and layer from the model's dimensions with the
 coefficients of lmforge's own layers (:func:`layer_activation_bytes_per_token`: what autograd saves
 in a Qwen3/Llama-style layer, measured with ``count_saved_activation_bytes`` while varying each
-dimension), split by tp (sequence parallel) and cp. The peak is the largest of three moments of a step:
-the start of backward (every saved activation plus the logits' gradient), with recompute a layer's
-backward (the gradients plus the kept layer inputs and one recomputed layer's activations) and the
-optimizer step (all gradients).
+dimension), split by tp (sequence parallel) and cp. The peak is the largest of four moments of a step:
+the start of backward (every saved activation plus the logits' gradient), the MLP backward of the
+stage's last layer (every saved activation plus that MLP's gradients and what the loss left), with
+recompute a layer's backward (the gradients plus the kept layer inputs and one recomputed layer's
+activations) and the optimizer step (all gradients).
 tests/planner compares the result with the measured peak of real CPU steps (docs/guide.md).
 
 Storage follows what :func:`lmforge.parallel.parallelize` does on every world size, one process
@@ -52,18 +53,25 @@ class MemoryEstimate:
     # With full recompute, a layer's backward holds the gradients, the kept layer inputs and one
     # recomputed layer's activations at once.
     recompute_backward: int = 0
+    # Without full recompute, the MLP backward of the stage's last layer (the first layer backward
+    # reaches): every saved activation, that MLP's gradients and what the loss left behind. With the
+    # chunked loss this moment, not the loss, is the peak when the MLP is wide next to one chunk's logits.
+    mlp_backward: int = 0
     # Gradient accumulation: later micro-batches run their forward with every gradient allocated.
     gradients_during_forward: bool = False
     moment_bytes: int = 4  # per optimizer-moment element: 4 (fp32) or 2 (optimizer.moment_dtype: bfloat16)
 
     def total(self, recompute: bool = False) -> int:
-        """The peak: the largest of the start of backward, a recomputed layer's backward and the
-        optimizer step (where all gradients are allocated and the activations freed)."""
+        """The peak: the largest of the start of backward, the last layer's MLP backward (without full
+        recompute), a recomputed layer's backward and the optimizer step (where all gradients are
+        allocated and the activations freed)."""
         act = self.activations_recompute if recompute else self.activations
-        backward_start = act + (self.gradients if self.gradients_during_forward else 0)
-        dynamic = max(backward_start, self.gradients)
+        held_grads = self.gradients if self.gradients_during_forward else 0
+        dynamic = max(act + held_grads, self.gradients)
         if recompute:
             dynamic = max(dynamic, self.gradients + self.recompute_backward)
+        else:
+            dynamic = max(dynamic, self.mlp_backward + held_grads)
         return self.parameters + self.optimizer_states + self.gathered_parameters + dynamic
 
     def rows(self) -> list[tuple[str, int]]:
@@ -164,6 +172,26 @@ def layer_activation_bytes_per_token(
         mlp = dense_mlp
     parts["mlp"] = mlp
     return hidden + attention + mlp
+
+
+def mlp_backward_bytes(
+    config: Any, layer_id: int, tokens: float, hidden_size: int, cbytes: int, dims: Any
+) -> float:
+    """The gradients alive in the MLP backward of layer ``layer_id`` (``tokens``: the MLP's input rows on
+    this rank; its intermediate width is split by tp), measured at the SiLU·up product's backward: the
+    gradients of its three ``[tokens, ffn]`` intermediates (the product, the SiLU output, the up half)
+    and the second projection's unsharded weight gradient, all in the compute dtype. A routed MoE layer
+    has them per token copy (``k`` rows a token) and for this rank's experts at once (one batched
+    matmul); its shared expert runs before or after and counts as a dense MLP of its own width."""
+    c = cbytes
+    if config.is_moe_layer(layer_id):
+        k, f = config.num_experts_per_tok, config.moe_intermediate_size / dims.tp
+        local_experts = config.num_experts / dims.ep
+        routed = 3 * k * tokens * f * c + local_experts * hidden_size * f * c
+        shared = config.shared_expert_intermediate_size / dims.tp
+        return max(routed, 3 * tokens * shared * c + hidden_size * shared * c)
+    f = config.intermediate_size / dims.tp
+    return 3 * tokens * f * c + hidden_size * f * c
 
 
 def _require_dimensions(config: Any) -> None:
@@ -278,20 +306,24 @@ def estimate_memory(
     per_layer_act = per_token_layer * tokens / dims.tp
     # 1F1B keeps up to pp micro-batches in flight on the first stage; GPipe keeps all of them.
     in_flight = min(dims.pp, accumulation_steps) if dims.pp > 1 else 1
-    # Outside the layers: embedding output, final norm (2 copies in 16-bit), fp32 logits saved for the loss.
+    # Outside the layers: embedding output, final norm (2 copies in 16-bit), on the plain path the logits.
     # Under tp the plain loss path gathers the final norm's output and the output weight, so every tp
     # rank computes the full-vocabulary logits (sequence and vocabulary unsplit).
     full_tokens = seq_length * local_batch_size / dims.cp
     chunk = config.loss_chunk_size if isinstance(config, TransformerConfig) else 0
+    # The plain path's logits live to the end of the step on one process (the model returns them with the
+    # loss); the pipeline's last stage returns only the loss, so there they are freed after its forward.
+    logits_kept = dims.pp == 1
     if chunk > 0:
         # The chunked loss (models/common/loss.py; under pp the last stage's, per micro-batch): no logits
-        # are saved. Its forward holds one chunk's logits over this rank's vocabulary rows (in 16 bits:
-        # the logits, their fp32 copy turned into the softmax in place, and the 16-bit gradient; in fp32
-        # one buffer serves all three), and keeps the hidden states' gradient and the output weight's
+        # are saved. Its forward holds one chunk's logits over this rank's vocabulary rows, two buffers at
+        # most at once in 16 bits (the fp32 copy, turned into the softmax in place, beside the 16-bit
+        # logits it is made from or the 16-bit gradient made from it; measured on 2 ranks); in fp32 one
+        # buffer serves all three. It keeps the hidden states' gradient and the output weight's
         # gradient (fp32 accumulation) until backward.
         rest = full_tokens * (hidden_size * (2 * cbytes + 4) + _REST_CONST)
         vocab_here = vocab_size / dims.tp
-        chunk_bytes = 4 if cbytes >= 4 else 2 * cbytes + 4
+        chunk_bytes = 4 if cbytes >= 4 else 4 + cbytes
         logits_grad = (
             min(chunk, full_tokens) * vocab_here * chunk_bytes
             + full_tokens * hidden_size * cbytes
@@ -299,15 +331,16 @@ def estimate_memory(
         )
         notes.append(f"chunked loss ({chunk} tokens per chunk): the [tokens, vocab] logits never exist")
     else:
-        # The fp32 logits stay alive through backward on one process (the model returns them with the
-        # loss); the pipeline's last stage returns only the loss, so there they are freed after forward.
-        kept_logits = 4 * vocab_size if dims.pp == 1 else 0
-        rest = full_tokens * (hidden_size * (2 * cbytes + 4) + kept_logits + _REST_CONST)
-        # The loss backward: three fp32 logits-sized tensors (softmax, its gradient, the logits'
-        # gradient) and the output layer's weight gradient, its first.
-        logits_grad = full_tokens * vocab_size * 4 * 3 + vocab_size * hidden_size * 4
+        # The logits themselves in the compute dtype where the step returns them (they live to the end).
+        kept = cbytes * vocab_size if logits_kept else 0
+        rest = full_tokens * (hidden_size * (2 * cbytes + 4) + kept + _REST_CONST)
+        # The loss backward's first step, its peak: three fp32 logits-sized tensors (the log-softmax saved
+        # for backward, the gradient coming into it and the one it returns). The output weight's gradient
+        # comes after they are freed (the MLP-backward moment counts it).
+        logits_grad = full_tokens * vocab_size * 4 * 3
     layer_inputs = layers_here * tokens * hidden_size * cbytes / dims.tp  # what full recompute keeps
     stage_layers_act = layers_here * per_layer_act
+    recomputed_last_mlp = 0.0
     if recompute_select:
         # The selected modules keep only their input (already counted as the norm's output). Under
         # pipeline parallelism the stage with the most selected layers is not known here: count the
@@ -316,16 +349,40 @@ def estimate_memory(
         freed = sum(part[name] for names in recompute_select.values() for name in names)
         stage_layers_act -= freed / dims.pp * tokens / dims.tp
         notes.append("recompute select: the selected attention / MLP modules' activations are not kept")
+        if dims.pp == 1 and "mlp" in recompute_select.get(num_layers - 1, ()):
+            # its backward runs the MLP's forward again first: its activations are back
+            recomputed_last_mlp = part["mlp"] * tokens / dims.tp
+    # The MLP backward of the stage's last layer, the first layer backward reaches (the peak of the 2-rank
+    # FSDP steps with the chunked loss in tests/planner, where one chunk's logits are smaller than the
+    # MLP's gradients). Alive then, besides every saved activation: the MLP's gradients
+    # (:func:`mlp_backward_bytes`; its input rows are the whole local sequence, gathered under sequence
+    # parallel) and what the loss left: the output weight's unsharded gradient in the compute dtype (FSDP
+    # reduces the root unit only after the embedding's backward; the plain path's is the gathered weight's)
+    # and, on the plain path, the logits the step returns. Outside the layers the final norm's saved tensors
+    # are gone; the embedding output and the hidden states' gradient (compute dtype) remain.
+    rest_in_backward = full_tokens * (2 * hidden_size * cbytes + _REST_CONST)
+    if chunk > 0:
+        loss_left = vocab_size / dims.tp * hidden_size * cbytes
+    else:
+        loss_left = ((full_tokens if logits_kept else 0) + hidden_size) * vocab_size * cbytes
+    first_stage_last = min(layers_here, num_layers) - 1
+    mlp_grads_last = mlp_backward_bytes(config, num_layers - 1, full_tokens, hidden_size, cbytes, dims)
+    last_stage = stage_layers_act + recomputed_last_mlp + rest_in_backward + loss_left + mlp_grads_last
     if dims.pp > 1:
         # The first stage keeps ``in_flight`` micro-batches of its layers; the last stage one
         # micro-batch plus the loss. The larger of the two.
         act = int(max(stage_layers_act * in_flight, stage_layers_act + rest + logits_grad))
         act_rc = int(max(layer_inputs * in_flight, layer_inputs + rest + logits_grad))
         recompute_backward = int(max(layer_inputs * in_flight, layer_inputs + rest) + per_layer_act)
+        first_stage = stage_layers_act * in_flight + mlp_backward_bytes(
+            config, first_stage_last, full_tokens, hidden_size, cbytes, dims
+        )
+        mlp_backward = int(max(first_stage, last_stage))
     else:
         act = int(stage_layers_act + rest + logits_grad)
         act_rc = int(layer_inputs + rest + logits_grad)
         recompute_backward = int(layer_inputs + per_layer_act + rest)
+        mlp_backward = int(last_stage)
     if accumulation_steps > 1:
         notes.append("gradients stay allocated while later micro-batches run (gradient accumulation)")
     return MemoryEstimate(
@@ -338,6 +395,7 @@ def estimate_memory(
         local_parameter_count=int(local),
         notes=notes,
         recompute_backward=recompute_backward,
+        mlp_backward=mlp_backward,
         gradients_during_forward=accumulation_steps > 1,
         moment_bytes=moment_bytes,
     )

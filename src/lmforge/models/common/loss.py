@@ -66,13 +66,20 @@ def _add_chunk_grads(
     weight: torch.Tensor,
     grad_h_rows: torch.Tensor | None,
     grad_w: torch.Tensor | None,
+    first: bool,
 ) -> None:
-    """From one chunk's logits' gradient: write its hidden states' gradient rows, add its weight gradient."""
+    """From one chunk's logits' gradient: write its hidden states' gradient rows, add its weight gradient
+    (the first chunk writes it: the buffer starts uninitialised, which saves a zero-fill and its read)."""
     if grad_h_rows is not None:
         torch.mm(grad, weight, out=grad_h_rows)
     if grad_w is not None:
         if grad_w.dtype == weight.dtype:
-            grad_w.addmm_(grad.t(), h)
+            if first:
+                torch.mm(grad.t(), h, out=grad_w)
+            else:
+                grad_w.addmm_(grad.t(), h)
+        elif first:
+            grad_w.copy_(grad.t() @ h)
         else:
             grad_w.add_(grad.t() @ h)
 
@@ -94,7 +101,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
         # A 16-bit weight's gradient is summed over the chunks in fp32 (one 16-bit rounding per chunk's
         # matmul, not one per accumulation: bf16 sums over many chunks would lose the small ones).
         acc_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
-        grad_w = torch.zeros_like(weight, dtype=acc_dtype) if need_w else None
+        # Uninitialised: the first chunk writes it (zeros when there are no tokens).
+        alloc = torch.empty_like if hidden.shape[0] > 0 else torch.zeros_like
+        grad_w = alloc(weight, dtype=acc_dtype) if need_w else None
         # Vocabulary-parallel (``group`` set): this rank holds rows [vocab_offset, vocab_offset + V_local)
         # of the weight; a label outside them contributes its target logit on another rank.
         local = labels - vocab_offset
@@ -108,7 +117,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 # since the vocabulary-parallel statistics are all-reduced between its steps.
                 part, grad = chunk_fn(h @ weight.t(), lab, wt, hidden.dtype)
                 total = total + part
-                _add_chunk_grads(grad, h, weight, grad_h[sl] if need_h else None, grad_w)
+                _add_chunk_grads(grad, h, weight, grad_h[sl] if need_h else None, grad_w, start == 0)
                 continue
             logits = (h @ weight.t()).float()
             target = logits.gather(1, lab[:, None]).squeeze(1) * mine
@@ -130,7 +139,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             grad[rows[mine], lab[mine]] -= 1.0
             grad = grad.mul_(wt[:, None]).to(hidden.dtype)
             del logits, probs
-            _add_chunk_grads(grad, h, weight, grad_h[sl] if need_h else None, grad_w)
+            _add_chunk_grads(grad, h, weight, grad_h[sl] if need_h else None, grad_w, start == 0)
         if group is not None and need_h:
             dist.all_reduce(grad_h, group=group)  # each rank's vocabulary shard adds its part
         # Kept on ctx rather than saved: backward scales them in place (no second weight-sized buffer).
