@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 LR = 3e-3
 MAX_NORM = 1.0
@@ -319,6 +320,69 @@ def buffers_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     out["bound_methods"] = sorted(
         {f"{type(m).__name__}.{k}" for m in modules for k, v in vars(m).items() if hasattr(v, "__self__")}
     )
+    return out
+
+
+class LargestFloat32(TorchDispatchMode):
+    """Records the largest fp32 tensor any operation returns while it is active (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel, self.shape = 0, ()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten
+
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() > self.numel:
+                self.numel, self.shape = t.numel(), tuple(t.shape)
+        return out
+
+
+def pipeline_loss_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """One pipelined forward/backward and one evaluation per ``spec['chunks']`` loss_chunk_size, with the
+    same weights and batch: the largest fp32 tensor each produced on this rank, the loss, and the
+    relative difference of every gradient from the first setting's (this rank's parameters)."""
+    from torch.distributed.tensor import DTensor
+
+    data = torch.load(spec["data"], weights_only=True)
+    out: dict[str, Any] = {}
+    first_grads: dict[str, torch.Tensor] = {}
+    for chunk in spec["chunks"]:
+        model, info, _ = build_parallel(
+            rank, world, {**spec, "model": {**spec["model"], "loss_chunk_size": chunk}}
+        )
+        pipe = info.pipeline
+        batches = micro_batches(data, 0, list(range(spec["gbs"])), spec["lbs"])
+        n = sum(float(((b["labels"] >= 0) & (b["loss_mask"] != 0)).sum()) for b in batches)
+        train = LargestFloat32()
+        with train:
+            args, kwargs = pipe.step_inputs(batches, scale=1.0 / n, aux_scale=0.0)
+            pipe.schedule.step(*args, **kwargs)
+            loss_sum, tokens, _ = pipe.finish_step()
+        evaluation = LargestFloat32()
+        with evaluation:
+            eval_sum, eval_tokens = pipe.evaluate_batch(batches[0])
+        grads = {
+            name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+            for name, p in model.named_parameters()
+            if p.grad is not None
+        }
+        first_grads = first_grads or grads
+        rel = {
+            name: float((g - first_grads[name]).norm() / first_grads[name].norm().clamp(min=1e-30))
+            for name, g in grads.items()
+        }
+        out[str(chunk)] = {
+            "largest_fp32_train": [train.numel, list(train.shape)],
+            "largest_fp32_eval": [evaluation.numel, list(evaluation.shape)],
+            "loss": float(loss_sum) / float(tokens),
+            "tokens": float(tokens),
+            "eval_loss": float(eval_sum) / float(eval_tokens),
+            "grad_rel_diff": rel,
+            "last_stage": pipe.has_last,
+        }
     return out
 
 

@@ -36,6 +36,12 @@ MODELS = {
     "llama_bf16": lambda: tiny_llama(compute_dtype="bfloat16"),
     "llama_docs": tiny_llama,  # the data has packed documents (actual_seq_len)
     "llama_tied": lambda: tiny_llama(tie_word_embeddings=True),
+    # The loss: the default chunk (512) is one chunk of these 16-token micro-batches; 4 gives several
+    # chunks (two under cp), 0 the plain loss with whole logits.
+    "llama_plain_loss": lambda: tiny_llama(loss_chunk_size=0),
+    "llama_chunk4": lambda: tiny_llama(loss_chunk_size=4),
+    "llama_tied_plain_loss": lambda: tiny_llama(tie_word_embeddings=True, loss_chunk_size=0),
+    "llama_tied_chunk4": lambda: tiny_llama(tie_word_embeddings=True, loss_chunk_size=4),
     "qwen3_moe": tiny_qwen3_moe,
     "deepseek": tiny_deepseek,
     "deepseek_mtp": lambda: tiny_deepseek(num_nextn_predict_layers=1),
@@ -170,6 +176,16 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         _case("tp_documents", "llama_docs", tensor_parallel=2),
         _case("tp_tied_embeddings", "llama_tied", tensor_parallel=2),
         _case("pp_tied_embeddings", "llama_tied", pipeline_parallel=2),
+        _case("pp_plain_loss", "llama_plain_loss", pipeline_parallel=2),
+        _case(
+            "pp_interleaved_chunk4",
+            "llama_chunk4",
+            pipeline_parallel=2,
+            pipeline_parallel_schedule="interleaved_1f1b",
+            pipeline_parallel_interleave_num=2,
+        ),
+        _case("pp_tied_embeddings_plain_loss", "llama_tied_plain_loss", pipeline_parallel=2),
+        _case("pp_tied_embeddings_chunk4", "llama_tied_chunk4", pipeline_parallel=2),
         _case("pp_moe", "qwen3_moe", pipeline_parallel=2),  # balancing loss inside the schedule's backward
         _case("pp_documents", "llama_docs", pipeline_parallel=2),  # masks reach every stage as step kwargs
         _case(
@@ -204,6 +220,12 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         _case("pp_x_cp", "llama", context_parallel=2, pipeline_parallel=2),
         _case("pp_x_fsdp_tied_embeddings", "llama_tied", pipeline_parallel=2),
         _case("pp_x_tp", "llama", pipeline_parallel=2, tensor_parallel=2),
+        _case("pp_x_tp_plain_loss", "llama_plain_loss", pipeline_parallel=2, tensor_parallel=2),
+        _case(
+            "pp_x_tp_chunk4", "llama_chunk4", pipeline_parallel=2, tensor_parallel=2
+        ),  # vocabulary-parallel
+        _case("pp_x_cp_chunk4", "llama_chunk4", context_parallel=2, pipeline_parallel=2),
+        _case("pp_x_fsdp_tied_embeddings_plain_loss", "llama_tied_plain_loss", pipeline_parallel=2),
         _case("ep_x_fsdp", "qwen3_moe", expert_parallel=2),
         _case("ep_x_tp", "qwen3_moe", expert_parallel=2, tensor_parallel=2),
         _case("muon_qkclip_fsdp_x_tp", "deepseek", MUON, tensor_parallel=2),

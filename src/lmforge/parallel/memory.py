@@ -310,10 +310,13 @@ def estimate_memory(
     # Under tp the plain loss path gathers the final norm's output and the output weight, so every tp
     # rank computes the full-vocabulary logits (sequence and vocabulary unsplit).
     full_tokens = seq_length * local_batch_size / dims.cp
-    chunk = config.loss_chunk_size if isinstance(config, TransformerConfig) and dims.pp == 1 else 0
+    chunk = config.loss_chunk_size if isinstance(config, TransformerConfig) else 0
+    # The plain path's logits live to the end of the step on one process (the model returns them with the
+    # loss); the pipeline's last stage returns only the loss, so there they are freed after its forward.
+    logits_kept = dims.pp == 1
     if chunk > 0:
-        # The chunked loss (models/common/loss.py; pipeline stages keep the plain one): no logits are
-        # saved. Its forward holds one chunk's logits over this rank's vocabulary rows, two buffers at
+        # The chunked loss (models/common/loss.py; under pp the last stage's, per micro-batch): no logits
+        # are saved. Its forward holds one chunk's logits over this rank's vocabulary rows, two buffers at
         # most at once in 16 bits (the fp32 copy, turned into the softmax in place, beside the 16-bit
         # logits it is made from or the 16-bit gradient made from it; measured on 2 ranks); in fp32 one
         # buffer serves all three. It keeps the hidden states' gradient and the output weight's
@@ -328,8 +331,9 @@ def estimate_memory(
         )
         notes.append(f"chunked loss ({chunk} tokens per chunk): the [tokens, vocab] logits never exist")
     else:
-        # The logits themselves in the compute dtype: the step returns them, so they live to the end.
-        rest = full_tokens * (hidden_size * (2 * cbytes + 4) + cbytes * vocab_size + _REST_CONST)
+        # The logits themselves in the compute dtype where the step returns them (they live to the end).
+        kept = cbytes * vocab_size if logits_kept else 0
+        rest = full_tokens * (hidden_size * (2 * cbytes + 4) + kept + _REST_CONST)
         # The loss backward's first step, its peak: three fp32 logits-sized tensors (the log-softmax saved
         # for backward, the gradient coming into it and the one it returns). The output weight's gradient
         # comes after they are freed (the MLP-backward moment counts it).
@@ -360,7 +364,7 @@ def estimate_memory(
     if chunk > 0:
         loss_left = vocab_size / dims.tp * hidden_size * cbytes
     else:
-        loss_left = (full_tokens + hidden_size) * vocab_size * cbytes
+        loss_left = ((full_tokens if logits_kept else 0) + hidden_size) * vocab_size * cbytes
     first_stage_last = min(layers_here, num_layers) - 1
     mlp_grads_last = mlp_backward_bytes(config, num_layers - 1, full_tokens, hidden_size, cbytes, dims)
     last_stage = stage_layers_act + recomputed_last_mlp + rest_in_backward + loss_left + mlp_grads_last

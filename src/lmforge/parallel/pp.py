@@ -9,9 +9,13 @@ modules over slices of that copy, each wrapped in a ``PipelineStage``.
 The train step runs the schedule itself (as torchtitan's ``if pp: schedule.step(...)``):
 :meth:`Pipeline.step_inputs` gives the whole-batch arguments of this rank's stages (micro-batches =
 accumulation steps, as in the original), ``pipeline.schedule.step(...)`` runs forward and backward of
-every micro-batch, and :meth:`Pipeline.finish_step` returns the tied gradient and the loss. The loss function
-(:class:`TokenLoss`) backpropagates each micro-batch's ``loss_sum × scale`` with ``scale = 1/N_global``
-(times the fp16 loss scale): the global-batch token mean of DESIGN §6, with ``scale_grads=False``.
+every micro-batch, and :meth:`Pipeline.finish_step` returns the tied gradient and the loss. The last
+stage computes its micro-batch's loss itself, through the model's ``token_loss`` module (chunked by
+``model.loss_chunk_size``: the ``[tokens, vocab]`` logits never exist whole; vocabulary-parallel under
+tensor parallel), from the labels it receives as keyword arguments, and returns ``(CE sum, valid
+tokens)``. The schedule's loss function (:class:`MicroBatchLossScale`) only backpropagates each
+micro-batch's ``loss_sum × scale`` with ``scale = 1/N_global`` (times the fp16 loss scale): the
+global-batch token mean of DESIGN §6, with ``scale_grads=False``.
 MoE balancing losses are added to the gradient where they arise (their layer's output), as
 Megatron's auto-scaler. Evaluation runs the stages forward-only, one micro-batch at a time
 (:meth:`Pipeline.evaluate_batch`). Calling the pruned model directly is refused with a clear message.
@@ -25,7 +29,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from lmforge.errors import ConfigError, NotSupportedError
@@ -37,6 +40,8 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 IGNORE_INDEX = -100
 # Side inputs every stage receives as keyword arguments of ``schedule.step`` (split per micro-batch).
 STAGE_KWARGS = ("position_ids", "attention_mask", "actual_seq_len")
+# What the last stage's loss needs, given to the stages of the rank that holds it (also split per micro-batch).
+LOSS_KWARGS = ("labels", "loss_mask")
 
 
 class KeyedLayers(nn.ModuleDict):
@@ -63,11 +68,15 @@ class _AttachAux(torch.autograd.Function):
 
 
 class StageModule(nn.Module):
-    """One virtual stage: embedding (first), a run of decoder layers, final norm + logits (last).
+    """One virtual stage: embedding (first), a run of decoder layers, final norm + loss (last).
 
-    Its submodules are the pruned model's own (one name, one parameter each). The logits use the
-    model's output weight, or, with tied embeddings, ``tied_output``: the first stage's embedding
-    weight as received for this step (:mod:`lmforge.parallel.pp_tied`).
+    Its submodules are the pruned model's own (one name, one parameter each). The last stage returns
+    ``[CE sum, valid tokens]`` (fp32) of its micro-batch, computed by the model's ``token_loss`` with the
+    model's output weight, or, with tied embeddings, ``tied_output``: the first stage's embedding weight
+    as received for this step (:mod:`lmforge.parallel.pp_tied`). The loss runs inside this forward, not
+    in the schedule's loss function, so that the output weight is used inside the FSDP2 module that
+    holds it (gathered by its pre-forward hook, its gradient reduce-scattered after backward) and the
+    logits exist only one chunk at a time.
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> None:
@@ -95,14 +104,17 @@ class StageModule(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         actual_seq_len: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Hidden states for the next stage, or on the last stage ``[CE sum, valid tokens]``."""
         self.calls += 1
         if not self.restore_buffers_after_next_call:
-            return self._run(x, position_ids, attention_mask, actual_seq_len)
+            return self._run(x, position_ids, attention_mask, actual_seq_len, labels, loss_mask)
         self.restore_buffers_after_next_call = False
         saved = [(b, _local(b).detach().clone()) for b in self.buffers()]
         aux_before = self.aux_sum
-        out = self._run(x, position_ids, attention_mask, actual_seq_len)
+        out = self._run(x, position_ids, attention_mask, actual_seq_len, labels, loss_mask)
         self.aux_sum = aux_before
         with torch.no_grad():
             for b, before in saved:
@@ -116,6 +128,8 @@ class StageModule(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         actual_seq_len: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        loss_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         from lmforge.models.common.masks import attention_layout
 
@@ -133,35 +147,42 @@ class StageModule(nn.Module):
                 self.moe_layers += 1
         if not self.last:
             return h
+        if labels is None:
+            raise ConfigError(
+                "the last pipeline stage computes the loss and needs the micro-batch's labels (a pipeline-"
+                "parallel model computes losses only; logits need parallelism.pipeline_parallel: 1)."
+            )
         normed = self.final_layernorm(h)
         if self.tied_output is not None:
-            return F.linear(normed, self.tied_output.weight.to(self.tied_output.compute_dtype))
-        return F.linear(normed, model._output_weight())
+            weight = self.tied_output.weight.to(self.tied_output.compute_dtype)
+        else:
+            weight = model._stored_output_weight()  # a DTensor split by vocabulary rows under tp
+        loss_sum, count, _ = model.token_loss(normed, weight, labels, loss_mask)
+        return torch.stack([loss_sum, count.to(loss_sum.dtype)])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class TokenLoss:
-    """The schedule's loss function: a micro-batch's cross-entropy sum over its valid tokens × ``scale``.
+class MicroBatchLossScale:
+    """The schedule's loss function: scales the last stage's output, a micro-batch's ``[CE sum over its
+    valid tokens, valid tokens]``, to the micro-batch's part of the step's objective, ``CE sum × scale``.
 
     ``scale`` (a ``loss_kwargs`` entry of ``schedule.step``) is ``1 / N_global`` times the fp16 loss
     scale, so the micro-batches' backward passes add up to the gradient of the global-batch token mean.
-    The unscaled sums and token counts are kept for the step's reported loss.
+    The unscaled sums and token counts are kept for the step's reported loss. The ``target`` that torch's
+    schedules pass is unused (the stage already had the labels).
     """
 
     def __init__(self) -> None:
         self.sums: list[torch.Tensor] = []
         self.tokens: list[torch.Tensor] = []
 
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        from lmforge.models.common.loss import token_cross_entropy
-
-        loss_sum, num = token_cross_entropy(logits, target[..., 0], target[..., 1])
-        self.sums.append(loss_sum.detach())
-        self.tokens.append(num.detach())
-        return loss_sum * scale
+    def __call__(self, output: torch.Tensor, target: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        self.sums.append(output[0].detach())
+        self.tokens.append(output[1].detach())
+        return output[0] * scale
 
 
 def _schedule_class(name: str):
@@ -248,7 +269,7 @@ class Pipeline:
         self.stage_modules = [StageModule(model, ids, s == 0, s == n_stages - 1) for s, ids in stage_specs]
         self.has_first = any(m.first for m in self.stage_modules)
         self.has_last = any(m.last for m in self.stage_modules)
-        self.loss = TokenLoss()
+        self.loss = MicroBatchLossScale()
         self.tied: Any = None  # pp_tied.TiedOutput when the output layer is the embedding
         self._stage_ids = [s for s, _ in stage_specs]
         self._n_stages = n_stages
@@ -268,7 +289,7 @@ class Pipeline:
             )
 
     def attach_tied_output(self, tied: Any) -> None:
-        """Tied embeddings: the last stage computes its logits from ``tied``'s copy of the weight."""
+        """Tied embeddings: the last stage computes its loss from ``tied``'s copy of the weight."""
         self.tied = tied
         for m in self.stage_modules:
             if m.last:
@@ -332,15 +353,18 @@ class Pipeline:
         kwargs: dict[str, Any] = {
             key: torch.cat([b[key] for b in local]) for key in STAGE_KWARGS if local[0].get(key) is not None
         }
+        # The stages' outputs are not kept for a return value (on the last stage they are the losses, which
+        # the loss function keeps).
+        kwargs["return_outputs"] = False
         if self.has_last:
-            labels = torch.cat([b["labels"] for b in local])
-            mask = torch.cat(
-                [
-                    torch.ones_like(b["labels"]) if b.get("loss_mask") is None else b["loss_mask"]
-                    for b in local
-                ]
-            )
-            kwargs["target"] = torch.stack([labels.long(), mask.long()], dim=-1)
+            kwargs["labels"] = torch.cat([b["labels"] for b in local])
+            masks = [b.get("loss_mask") for b in local]
+            given = next((m for m in masks if m is not None), None)
+            if given is not None:
+                kwargs["loss_mask"] = torch.cat([torch.ones_like(given) if m is None else m for m in masks])
+            # torch's schedules require a target per micro-batch for the last stage's loss function; the
+            # stage has already computed the loss from the labels, so this one is a placeholder.
+            kwargs["target"] = torch.zeros(self.n_micro, device=self.device)
             kwargs["loss_kwargs"] = {"scale": scale}
         if self.tied is not None:
             self.tied.send_weight(requires_grad=True)
@@ -392,8 +416,6 @@ class Pipeline:
 
         Returns ``(loss_sum, num_tokens)`` of the batch, the same on every pipeline rank.
         """
-        from lmforge.models.common.loss import token_cross_entropy
-
         if batch.get("labels") is None:
             raise ConfigError(
                 "a pipeline-parallel model computes losses only (labels are required); generation and logits "
@@ -418,14 +440,14 @@ class Pipeline:
             else:
                 x = torch.empty(hidden_shape, dtype=self.compute_dtype, device=self.device)
                 dist.recv(x, group_src=(sid - 1) % pp, group=self.pp_group)
-            h = by_id[sid](x, **side)
             if sid < self._n_stages - 1:
+                h = by_id[sid](x, **side)
                 dist.send(
                     h.to(self.compute_dtype).contiguous(), group_dst=(sid + 1) % pp, group=self.pp_group
                 )
             else:
-                loss_sum, num = token_cross_entropy(h, batch["labels"], batch.get("loss_mask"))
-                totals = torch.stack([loss_sum.to(torch.float64), num.to(torch.float64)])
+                out = by_id[sid](x, **side, labels=batch["labels"], loss_mask=batch.get("loss_mask"))
+                totals = out.to(torch.float64)
         return self._share_totals(totals)
 
 

@@ -206,6 +206,10 @@ def chunked_linear_cross_entropy(
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     flat_h = hidden.reshape(-1, hidden.shape[-1])
+    if not torch.is_grad_enabled():
+        # Evaluation: the forward would still compute both gradients (``needs_input_grad`` follows
+        # ``requires_grad``, not the grad mode): two more matmuls per chunk and a weight-sized buffer.
+        flat_h, weight = flat_h.detach(), weight.detach()
     weights = loss_weights(labels, loss_mask)
     flat_labels = labels.reshape(-1).long().clamp(min=0)
     total = _ChunkedLinearCE.apply(
