@@ -49,9 +49,6 @@ if [[ -n "${LMFORGE_PRINT_ONLY:-}" ]]; then  # show the torchrun line instead of
     exit 0
 fi
 
-"${cmd[@]}" &
-torchrun_pid=$!
-
 # A received signal is passed to each of torchrun's children (the training processes) once, as soon
 # as that process handles SIGTERM itself (lmforge does from the start of `train`): sent earlier, in
 # its first seconds, it would kill the worker (torchrun counts a failure and restarts it), and sent
@@ -70,6 +67,7 @@ handles_term() {  # SigCgt: the signals the process catches; bit 14 is SIGTERM (
 
 deliver() {
     local pid
+    [[ -n $torchrun_pid ]] || return 0  # not started yet: the loop below delivers it
     for pid in $(pgrep -P "$torchrun_pid" || true); do
         [[ -n ${sent[$pid]:-} ]] && continue
         if handles_term "$pid" || ((SECONDS - since > 60)); then
@@ -85,8 +83,13 @@ forward() {
     sent=()  # a second signal goes to every worker again (a second SIGINT stops at once)
     deliver
 }
+# The traps are set before torchrun starts: a signal from the first moment on is held, not lost.
+torchrun_pid=""
 trap 'forward TERM' TERM
 trap 'forward INT' INT
+
+"${cmd[@]}" &
+torchrun_pid=$!
 
 status=0
 while true; do
