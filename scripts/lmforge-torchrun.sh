@@ -19,7 +19,9 @@
 # (checkpoint.auto_resume, docs/training.md). SIGTERM or SIGINT to this script (scancel, a SLURM
 # time limit with --signal) is passed to the training processes only, not to torchrun: every rank
 # saves a checkpoint at the end of the same step and stops, and the script exits 0. (Sent to
-# torchrun itself, the signal would make torchrun stop the workers and exit 1.)
+# torchrun itself, the signal would make torchrun stop the workers and exit 1.) If this script and
+# torchrun are killed (kill -9 of the process group), the workers notice that torchrun died and
+# stop the same way (docs/guide.md, "When the launcher dies").
 set -euo pipefail
 
 if [[ $# -eq 0 ]]; then
@@ -47,18 +49,55 @@ if [[ -n "${LMFORGE_PRINT_ONLY:-}" ]]; then  # show the torchrun line instead of
     exit 0
 fi
 
-"${cmd[@]}" &
-torchrun_pid=$!
+# A received signal is passed to each of torchrun's children (the training processes) once, as soon
+# as that process handles SIGTERM itself (lmforge does from the start of `train`): sent earlier, in
+# its first seconds, it would kill the worker (torchrun counts a failure and restarts it), and sent
+# before torchrun started the workers it would reach nobody. Workers of a later restart get it too.
+# A worker that does not handle SIGTERM within 60 s gets it anyway. Without /proc: sent at once.
+pending=""
+declare -A sent=()
+since=0
+
+handles_term() {  # SigCgt: the signals the process catches; bit 14 is SIGTERM (15)
+    local mask
+    [[ -r /proc/$1/status ]] || return 0
+    mask=$(sed -n 's/^SigCgt:[[:space:]]*//p' "/proc/$1/status" 2>/dev/null)
+    [[ -n $mask ]] && (((16#$mask >> 14) & 1))
+}
+
+deliver() {
+    local pid
+    [[ -n $torchrun_pid ]] || return 0  # not started yet: the loop below delivers it
+    for pid in $(pgrep -P "$torchrun_pid" || true); do
+        [[ -n ${sent[$pid]:-} ]] && continue
+        if handles_term "$pid" || ((SECONDS - since > 60)); then
+            kill "-$pending" "$pid" 2>/dev/null && sent[$pid]=1
+        fi
+    done
+}
 
 forward() {
     echo "lmforge-torchrun.sh: SIG$1 received: the workers save a checkpoint at the end of this step and stop" >&2
-    pkill "-$1" -P "$torchrun_pid" || true  # torchrun's children: the training processes
+    pending=$1
+    since=$SECONDS
+    sent=()  # a second signal goes to every worker again (a second SIGINT stops at once)
+    deliver
 }
+# The traps are set before torchrun starts: a signal from the first moment on is held, not lost.
+torchrun_pid=""
 trap 'forward TERM' TERM
 trap 'forward INT' INT
 
+"${cmd[@]}" &
+torchrun_pid=$!
+
 status=0
 while true; do
+    if [[ -n $pending ]] && kill -0 "$torchrun_pid" 2>/dev/null; then
+        sleep 0.2  # a signal is waiting for workers that do not handle it yet
+        deliver
+        continue
+    fi
     wait "$torchrun_pid" && status=0 || status=$?
     kill -0 "$torchrun_pid" 2>/dev/null || break  # a trapped signal interrupts wait; torchrun still runs
 done

@@ -6,7 +6,8 @@ the restarted job runs clean:
 - ``kill``: SIGKILL at the end of step ``step`` (after that step's checkpoint, if any);
 - ``kill_mid_save``: SIGKILL inside the checkpoint save of step ``step``, after this rank wrote its
   shard files and before the save was published (the tracker still names the previous checkpoint);
-- ``hang``: stop making progress at the end of step ``step`` (sleeps, ignoring nothing but SIGKILL).
+- ``hang``: stop making progress at the end of step ``step`` (sleeps, ignoring nothing but SIGKILL);
+- ``sigterm``: SIGTERM to this rank alone at the start of step ``step`` (the others get no signal).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class Fault(TrainerCallback):
     order = 85  # after the checkpoint callback (80) of the same step
 
     def __init__(self, kind: str, step: int, rank: int = 1, attempt: int = 0) -> None:
-        assert kind in ("kill", "kill_mid_save", "hang"), kind
+        assert kind in ("kill", "kill_mid_save", "hang", "sigterm"), kind
         self.kind, self.step, self.rank, self.attempt = kind, step, rank, attempt
         self.active = False
         self._state: Any = None
@@ -50,6 +51,10 @@ class Fault(TrainerCallback):
                 return future
 
             FileSystemWriter.write_data = write_then_die
+
+    def on_step_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        if self.active and self.kind == "sigterm" and state.global_step + 1 == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
         if not self.active or state.global_step != self.step:

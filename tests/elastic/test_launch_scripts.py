@@ -9,6 +9,7 @@ machine, and a fake ``scontrol``. Real SLURM is not available here.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,6 +26,23 @@ SLURM = REPO / "scripts" / "slurm" / "lmforge.slurm"
 
 
 def free_port() -> int:
+    """A free port below the kernel's ephemeral range, for a rendezvous that torchrun binds later.
+
+    A port the kernel handed out (bind to 0) may be handed out again, to any process's connection,
+    before torchrun binds it seconds later: on a machine busy with other distributed tests the
+    rendezvous then fails. Ports below the range are only ever taken by an explicit bind.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for port in random.sample(range(max(low - 12_000, 1024), max(low, 1025)), 200) if low > 2048 else []:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -65,6 +83,30 @@ def run_nodes(nnodes: int, args: list[str], timeout: float = 180, **extra: str) 
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     return outs
+
+
+def handles_sigterm(pid: int) -> bool:
+    """Whether the process catches SIGTERM (bit 14 of SigCgt in /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool((int(mask, 16) >> (signal.SIGTERM - 1)) & 1)
+
+
+def wait_for_steps(proc: subprocess.Popen, root: Path, steps: int, timeout: float = 180) -> None:
+    """Until the job started with stdout=PIPE logged ``steps`` steps; a failure shows its output."""
+    deadline = time.monotonic() + timeout
+    while len(losses(root)) < steps:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_group(proc)
+            try:
+                out = proc.communicate(timeout=30)[0]
+            except subprocess.TimeoutExpired:
+                out = "(no output: the pipe stayed open)"
+            pytest.fail(f"training did not start (exit status {proc.returncode}):\n{out[-4000:]}")
+        time.sleep(0.2)
 
 
 def test_launcher_prints_the_torchrun_line():
@@ -150,10 +192,7 @@ def test_sigterm_to_the_launcher_saves_once_on_all_ranks_and_exits_0(tmp_path):
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 180
-        while len(losses(tmp_path)) < 3:
-            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-            time.sleep(0.2)
+        wait_for_steps(proc, tmp_path, 3)
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0]
     finally:
@@ -180,3 +219,39 @@ def test_two_nodes_restart_together_and_resume(tmp_path):
     assert "elastic restart 1: resuming from the latest complete checkpoint" in log and "(iteration 2)" in log
     assert "iteration_00000002 at step 2" in log
     assert [s for s, _ in losses(tmp_path)] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_before_the_workers_started_waits_for_them_and_stops_the_job(tmp_path):
+    # Sent at once, the signal would reach nobody (torchrun has no workers yet) or kill a worker in
+    # its first seconds (torchrun restarts it); the script holds it until each worker handles it.
+    cfg = job_config(tmp_path, steps=10_000, checkpoint={"save_interleaved_steps": 100_000})
+    env = launcher_env(NPROC_PER_NODE="2", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
+    proc = subprocess.Popen(
+        [str(LAUNCHER), "train", "--config", cfg],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        # As soon as the script handles SIGTERM (its trap, set before it starts torchrun).
+        deadline = time.monotonic() + 30
+        while not handles_sigterm(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=150)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-3000:]
+    # Each rank got it during start-up or once training began (whichever came first on that rank),
+    # and no worker was killed by it (torchrun would report its exitcode and restart it).
+    assert "stopped early (received SIGTERM" in out and "exitcode" not in out, out[-3000:]
+    # The stop was agreed before the first step: the initial state is saved, once, by both ranks.
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("iteration_*"))
+    assert saved == ["iteration_00000000"], saved
+    assert len(list((tmp_path / "ckpt" / saved[0]).glob("*.distcp"))) == 2
+    assert losses(tmp_path) == []

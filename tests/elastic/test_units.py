@@ -109,6 +109,21 @@ def test_watchdog_names_the_stalled_rank_from_a_waiting_one():
     assert json.loads(store.get("lmforge/phase/1"))["waiting"] is False
 
 
+def test_watchdog_stops_publishing_to_a_store_that_is_gone():
+    class GoneStore:
+        sets = 0
+
+        def set(self, key, value):
+            GoneStore.sets += 1
+            raise RuntimeError("Broken pipe")  # torchrun's agent (the store's host) was killed
+
+    dog = HangWatchdog(5.0, rank=0, world_size=2, store=GoneStore())
+    for step in range(3):
+        dog.enter(f"step {step}")
+    assert GoneStore.sets == 1 and dog.store is None and dog.phase == "step 2"
+    assert dog.peer_phases() == {}
+
+
 def test_env_prints_one_process_view(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out

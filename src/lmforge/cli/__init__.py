@@ -18,6 +18,7 @@ from lmforge import __version__
 from lmforge.cli.malloc import apply_malloc_defaults
 from lmforge.cli.threads import apply_thread_defaults
 from lmforge.errors import LmforgeError
+from lmforge.utils.launcher_death import end_with_launcher
 
 # Order is the order shown in ``lmforge --help``.
 SUBCOMMANDS: list[str] = [
@@ -78,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     apply_thread_defaults()
     # Freed memory stays in the process instead of being faulted in again every step (cli/malloc.py).
     apply_malloc_defaults()
+    try:  # a torchrun worker ends with its launcher (utils/launcher_death.py)
+        end_with_launcher()
+    except LmforgeError as exc:
+        print(f"lmforge: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
     argv = list(sys.argv[1:] if argv is None else argv)
     # ``--debug`` is accepted anywhere on the line, not only before the subcommand.
     debug = "--debug" in argv

@@ -48,9 +48,10 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     trainer = None
     # SIGTERM while the model and data are being built (before the trainer handles signals) must not
-    # kill the run either: it is remembered, and the run stops after its first step, saved.
+    # kill the run either: it is remembered, and the run stops before its first step, saved.
     early: list[str] = []
-    previous = _remember_signals(early)
+    built: list[Any] = []  # the trainer, once built
+    previous = _remember_signals(early, built)
     try:
         try:
             trainer = build_trainer(config, output_dir=args.output_dir, device=args.device)
@@ -62,7 +63,10 @@ def run(args: argparse.Namespace) -> int:
                     text.replace("Invalid configuration", f"Invalid configuration in {args.config}", 1)
                 ) from None
             raise
-        _restore(previous)
+        # The start-up handler stays until fit() installs the trainer's own (a SIGTERM in between
+        # must not kill this rank: torchrun would count a failure and restart the job); from here
+        # it passes signals straight to the trainer.
+        built.append(trainer)
         if early:
             trainer.request_stop(f"received {early[0]} during start-up")
         trainer.fit()
@@ -88,15 +92,23 @@ def _report_distributed_failure(trainer: Any, exc: BaseException) -> None:
     print(f"lmforge train: error: {message}", file=sys.stderr, flush=True)
 
 
-def _remember_signals(received: list[str]) -> dict[int, Any]:
+def _remember_signals(received: list[str], built: list[Any]) -> dict[int, Any]:
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         return {}
+
+    def handler(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if built:  # request_stop only sets flags: safe here
+            built[0].request_stop(f"received {name} during start-up")
+        else:
+            received.append(name)
+
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM,)}
     for sig in previous:
-        signal.signal(sig, lambda signum, frame: received.append(signal.Signals(signum).name))
+        signal.signal(sig, handler)
     return previous
 
 

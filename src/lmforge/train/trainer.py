@@ -90,8 +90,12 @@ class Trainer:
 
             self._compile_watch = CompileWatch()
         self.log_to_file = log_to_file
+        # stop_requested is this rank's wish (a signal, request_stop); stopping is what all ranks
+        # agreed at the last stop agreement. Only stopping may change what a rank does next.
         self.stop_requested = False
+        self.stopping = False
         self.stop_reason: str | None = None
+        self._stop_signal = 0  # the number of the last stop signal this rank received (0: none)
         self.artifacts: dict[str, str] = {}
         self._setup_run_dir()
 
@@ -466,29 +470,42 @@ class Trainer:
     # -- stopping -----------------------------------------------------------------------------
 
     def request_stop(self, reason: str) -> None:
-        if not self.stop_requested:
-            logger.warning(
-                "%s: saving a checkpoint at the end of step %d and stopping.",
-                reason,
-                self.state.global_step + 1,
-            )
-        self.stop_requested = True
+        """Ask the run to stop: all ranks agree on it before the next step, save and stop.
+
+        Safe inside a signal handler: it only sets flags (no logging, no I/O, no collective).
+        """
         self.stop_reason = self.stop_reason or reason
+        self.stop_requested = True
 
     def _stop_agreed(self) -> bool:
-        """Every rank stops at the same step, even if only one received the signal."""
+        """Every rank stops at the same step, even if only one received the signal.
+
+        Called at one fixed point of the loop, before each step, on every rank: an all-reduce (MAX)
+        of [this rank wants to stop, the signal it received]. Everything a rank does differently on
+        stopping (breaking out of the loop, the final save) follows the agreed value, never the local
+        flag: a signal handled during a step, or right after this all-reduce, is only acted on at the
+        next agreement, so no rank can enter a save's collectives while another trains on.
+        """
+        if self.stopping:
+            return True
         if self.ctx.distributed:
-            flag = torch.tensor([1 if self.stop_requested else 0], device=self.ctx.device)
+            flag = torch.tensor([1 if self.stop_requested else 0, self._stop_signal], device=self.ctx.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            agreed = bool(int(flag.item()))
-            if agreed and not self.stop_requested:
-                self.stop_requested = True
-                self.stop_reason = "stop requested on another rank"
-            # The agreed value, not the local flag: a signal handled right after the all-reduce
-            # would stop this rank alone (the others train on: a collective mismatch); it is
-            # agreed on at the next step instead.
-            return agreed
-        return self.stop_requested
+            agreed, signum = bool(int(flag[0].item())), int(flag[1].item())
+        else:
+            agreed, signum = self.stop_requested, self._stop_signal
+        if not agreed:
+            return False
+        if signum and self._stop_signal != signum:  # the strongest signal any rank received
+            self.stop_reason = f"received {signal.Signals(signum).name} (on another rank)"
+        self.stop_reason = self.stop_reason or "stop requested on another rank"
+        self.stop_requested = self.stopping = True
+        logger.warning(
+            "%s: all ranks stop after step %d (with a checkpoint of it when saving is on).",
+            self.stop_reason,
+            self.state.global_step,
+        )
+        return True
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
@@ -500,6 +517,8 @@ class Trainer:
             def handler(signum: int, frame: Any, _prev: Any = previous[sig]) -> None:
                 if self.stop_requested and signum == signal.SIGINT:
                     raise KeyboardInterrupt  # a second Ctrl-C stops at once
+                # Flags only: the stop is agreed and logged at the next fixed point of the loop.
+                self._stop_signal = max(self._stop_signal, int(signum))
                 self.request_stop(f"received {signal.Signals(signum).name}")
 
             signal.signal(sig, handler)
@@ -516,7 +535,7 @@ class Trainer:
         elapsed = time.perf_counter() - self._run_started if self._run_started else 0.0
         if self.stop_reason and self.stop_reason.startswith("diverged"):
             status = "stopped: too many consecutive skipped steps"
-        elif self.stop_requested:
+        elif self.stopping:
             status = f"stopped early ({self.stop_reason})"
         else:
             status = "completed"

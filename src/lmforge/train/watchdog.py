@@ -15,7 +15,6 @@ Phases that wait for the other ranks on purpose (the stop agreement between step
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -50,11 +49,15 @@ class HangWatchdog(TrainerCallback):
         self.phase, self.waiting, self.since = phase, waiting, time.monotonic()
         if self.store is not None:
             # A store that is gone is not reported here: the collective that follows reports the failure.
-            with contextlib.suppress(Exception):
+            # Nor is it tried again (torchrun's agent hosts it: once the launcher died, every try
+            # would print torch's warning and stack again while the ranks stop).
+            try:
                 self.store.set(
                     _KEY.format(rank=self.rank),
                     json.dumps({"phase": phase, "waiting": waiting, "t": time.time()}),
                 )
+            except Exception:
+                self.store = None
 
     def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
         self.enter(

@@ -23,7 +23,10 @@ class CheckpointCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
         trainer = kwargs["trainer"]
         self.manager.poll()
-        if state.global_step % self.interval == 0 or trainer.stop_requested:
+        # Not on a stop request: a save is collective, and a signal may reach one rank during this
+        # step and another only after it. The stop is agreed before the next step, and the run's
+        # end (on_train_end) saves the step at which every rank stopped.
+        if state.global_step % self.interval == 0:
             self._save(trainer, state)
             kwargs["metrics"]["checkpoint_save_s"] = round(self.manager.last_save_seconds, 4)
 
