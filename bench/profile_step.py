@@ -137,6 +137,9 @@ def main() -> int:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--only", choices=["lmforge", "hf"], default=None)
     args = p.parse_args()
+    from lmforge.cli import malloc
+
+    malloc.apply_malloc_defaults()  # as bench/train.py and the lmforge command
     section = bench.MODELS[args.model]
     b, s = section["batch"], section["seq_length"]
     g = torch.Generator().manual_seed(0)

@@ -37,7 +37,7 @@ INERT_FIELDS = {
     "enable_mc2": "MC2 is an Ascend matmul+communication fusion",
     "expert_parallel_async_d2h": "an Ascend host/device copy optimisation",
     "expert_parallel_use_safe_tokens": "an Ascend dispatch safety switch; the all-to-all here is exact",
-    "enable_loss_parallel": "the loss is computed from gathered logits (same value)",
+    "enable_loss_parallel": "under tp the loss is vocabulary-parallel whenever model.loss_chunk_size > 0 (the default) and computed from gathered logits at 0, whatever this key says (same value)",
     "npu_nums_per_device": "only read by the alltoall_deredundancy check",
     "pipeline_parallel_microbatch_size": "overwritten by the number of accumulation steps, as in the original",
 }
