@@ -177,12 +177,11 @@ def test_slurm_script_with_fake_srun(tmp_path):
     assert [s for s, _ in losses(tmp_path / "job")] == [1, 2, 3]
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_sigterm_to_the_launcher_saves_once_on_all_ranks_and_exits_0(tmp_path):
+def start_long_job(tmp_path) -> subprocess.Popen:
+    """A 2-rank job through the launcher script that trains until stopped, saving only when it stops."""
     cfg = job_config(tmp_path, steps=10_000, checkpoint={"save_interleaved_steps": 100_000})
     env = launcher_env(NPROC_PER_NODE="2", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [str(LAUNCHER), "train", "--config", cfg],
         env=env,
         cwd=REPO,
@@ -191,6 +190,12 @@ def test_sigterm_to_the_launcher_saves_once_on_all_ranks_and_exits_0(tmp_path):
         text=True,
         start_new_session=True,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_the_launcher_saves_once_on_all_ranks_and_exits_0(tmp_path):
+    proc = start_long_job(tmp_path)
     try:
         wait_for_steps(proc, tmp_path, 3)
         proc.send_signal(signal.SIGTERM)
@@ -226,17 +231,7 @@ def test_two_nodes_restart_together_and_resume(tmp_path):
 def test_sigterm_before_the_workers_started_waits_for_them_and_stops_the_job(tmp_path):
     # Sent at once, the signal would reach nobody (torchrun has no workers yet) or kill a worker in
     # its first seconds (torchrun restarts it); the script holds it until each worker handles it.
-    cfg = job_config(tmp_path, steps=10_000, checkpoint={"save_interleaved_steps": 100_000})
-    env = launcher_env(NPROC_PER_NODE="2", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
-    proc = subprocess.Popen(
-        [str(LAUNCHER), "train", "--config", cfg],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_long_job(tmp_path)
     try:
         # As soon as the script handles SIGTERM (its trap, set before it starts torchrun).
         deadline = time.monotonic() + 30
