@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 from lmforge.optim.builder import build_optimizer
+from lmforge.parallel import fsdp
 from lmforge.parallel.fsdp_one_rank import make_one_rank_comms
 from lmforge.train.builder import build_training_model
 from lmforge.train.step import TrainStep
@@ -35,7 +36,7 @@ ADAMW = {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0
 def _train(default_comms: bool, steps: int = 3) -> dict[str, torch.Tensor]:
     model, ctx = build_training_model(dict(SECTION), seed=0, device="cpu")
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    assert len(fsdp_modules) == 3  # two layers and the root
+    assert len(fsdp_modules) == 3  # two layers and the root (the fixture keeps a unit per layer)
     for m in fsdp_modules:  # installed by apply_fsdp at a shard group of one
         assert (
             type(m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm).__name__
@@ -55,6 +56,13 @@ def _train(default_comms: bool, steps: int = 3) -> dict[str, torch.Tensor]:
             micro.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:].clone()})
         step(micro)
     return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(autouse=True)
+def _unit_per_layer(monkeypatch):
+    # At one rank small layers share an FSDP unit (tests/parallel/test_fsdp_units.py); a unit per layer
+    # here exercises the one-rank collectives of several groups, each reducing its own gradients.
+    monkeypatch.setattr(fsdp, "ONE_RANK_UNIT_PARAMS", 0)
 
 
 def test_one_rank_comms_train_bitwise_like_fsdp2_defaults():
