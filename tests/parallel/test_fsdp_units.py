@@ -63,7 +63,10 @@ def test_layers_are_grouped_up_to_the_bound(monkeypatch):
     # Room for two layers per unit, less than the whole model.
     monkeypatch.setattr(fsdp, "ONE_RANK_UNIT_PARAMS", 2 * _layer_params(probe))
     model, _ = build_training_model(dict(SECTION), seed=0, device="cpu")
-    assert _units(model) == [["decoder.layers.0", "decoder.layers.1"], ["decoder.layers.2", "decoder.layers.3"]]
+    assert _units(model) == [
+        ["decoder.layers.0", "decoder.layers.1"],
+        ["decoder.layers.2", "decoder.layers.3"],
+    ]
 
 
 def test_fp32_keeps_a_unit_per_layer():
