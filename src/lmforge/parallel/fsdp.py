@@ -19,9 +19,10 @@ compute copy is cast from them. There, with a 16-bit ``compute_dtype``, the ``de
 compute copies from forward to backward (resharding would only cast every layer again in backward; the
 memory is that of the former bf16 parameters); in fp32 the copy would double the parameters' memory, so
 layers are resharded as usual. The gradient divide factor is left alone (nothing is reduced; setting it
-would cost a division pass over every gradient). Modules whose shard group is one rank get collectives
-that move nothing (``fsdp_one_rank.py``): no self-copy in the all-gather, no copy of the fp32 gradients
-between the reduce-scatter buffers.
+would cost a division pass over every gradient). Modules whose shard group is one rank get a gradient
+reduction that moves nothing (``fsdp_one_rank.py``): no copy of the fp32 gradients between the
+reduce-scatter buffers. (FSDP2 itself skips the all-gather there and casts each parameter into its
+compute copy.)
 
 Units at one rank. Where nothing is sharded and the compute copies are kept, an FSDP unit per layer buys
 nothing (no all-gather to overlap, nothing to free after forward) and costs Python hooks around every
@@ -138,8 +139,8 @@ def apply_fsdp(
     for unit in fsdp_units(model, layers, group=one_rank_kept):
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, **common)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **common)
-    # Where a module's shard group is one rank, its all-gather and reduce-scatter move nothing: skip
-    # FSDP2's copies through them (parallel/fsdp_one_rank.py).
+    # Where a module's shard group is one rank, its reduce-scatter moves nothing: skip FSDP2's copy
+    # between its buffers (parallel/fsdp_one_rank.py).
     experts_one_rank = expert_mesh is not None and _shard_size(expert_mesh) == 1
     use_one_rank_comms(
         [
