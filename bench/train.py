@@ -289,7 +289,9 @@ def memory_section(rows: list[dict], load: float) -> str:
         "",
         f"`bench/train.py --only memory` (commit {commit()}). Machine: {machine()}. Load average at start: "
         f"{load:.1f}. Linux peak RSS (VmHWM) above the process's RSS before the measured work, one fresh "
-        "process per row (`bench/step_memory.py`). Seq 2048, vocabulary 151,936, hidden 1024 (Qwen3-0.6B).",
+        "process per row (`bench/step_memory.py`, under glibc's default allocator whatever the line above "
+        "says of this process: freed large blocks go back to the system, so VmHWM follows the live peak). "
+        "Seq 2048, vocabulary 151,936, hidden 1024 (Qwen3-0.6B).",
         "",
         "The output projection + cross-entropy alone (bf16, forward and backward; the input gradients "
         "are subtracted):",

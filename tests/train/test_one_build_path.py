@@ -17,9 +17,9 @@ def test_one_process_is_fsdp2_with_fp32_parameters_states_and_gradients(tmp_path
     cfg = load_config(write_config(tmp_path, ADAMW, steps=1))  # model.compute_dtype: bfloat16
     trainer = build_trainer(cfg, device="cpu")
     model = trainer.model
-    assert isinstance(model, FSDPModule) and all(
-        isinstance(layer, FSDPModule) for layer in model.decoder.layers
-    )
+    # One FSDP unit: at one rank in bf16 a model this small is grouped into the root (parallel/fsdp.py,
+    # tests/parallel/test_fsdp_units.py); several ranks give each layer its own.
+    assert isinstance(model, FSDPModule)
     params = dict(model.named_parameters())
     assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in params.values())
     assert model.compute_dtype == torch.bfloat16

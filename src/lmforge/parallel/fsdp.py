@@ -19,9 +19,18 @@ compute copy is cast from them. There, with a 16-bit ``compute_dtype``, the ``de
 compute copies from forward to backward (resharding would only cast every layer again in backward; the
 memory is that of the former bf16 parameters); in fp32 the copy would double the parameters' memory, so
 layers are resharded as usual. The gradient divide factor is left alone (nothing is reduced; setting it
-would cost a division pass over every gradient). Modules whose shard group is one rank get collectives
-that move nothing (``fsdp_one_rank.py``): no self-copy in the all-gather, no copy of the fp32 gradients
-between the reduce-scatter buffers.
+would cost a division pass over every gradient). Modules whose shard group is one rank get a gradient
+reduction that moves nothing (``fsdp_one_rank.py``): no copy of the fp32 gradients between the
+reduce-scatter buffers. (FSDP2 itself skips the all-gather there and casts each parameter into its
+compute copy.)
+
+Units at one rank. Where nothing is sharded and the compute copies are kept, an FSDP unit per layer buys
+nothing (no all-gather to overlap, nothing to free after forward) and costs Python hooks around every
+layer's forward and backward: 5-9% of a step of the demo model on a CPU. There consecutive layers are
+grouped into one unit (:func:`fsdp_units`) up to :data:`ONE_RANK_UNIT_PARAMS` parameters, and a model
+no larger than that is a single unit. The price is memory: a unit's 16-bit gradients stay alive until
+its reduction, up to 2 bytes per parameter of the largest unit at the end of backward (the memory
+estimate counts them). Layers larger than the bound keep a unit each, as on several ranks.
 """
 
 from __future__ import annotations
@@ -36,6 +45,11 @@ from lmforge.parallel.fsdp_one_rank import use_one_rank_comms
 
 SHARD_STRATEGIES = ("optim_grads_params", "optim_grads", "optim")
 RESHARD_POLICIES = ("default", "always", "never")
+
+# The most parameters one FSDP unit groups at one rank (see the module docstring): 2**25 (~34M)
+# parameters, whose bf16 gradients are 64 MiB. On a CPU a unit's hooks cost ~2-3 ms per step, under 1%
+# of the compute of a unit this size at 2k tokens per step.
+ONE_RANK_UNIT_PARAMS = 1 << 25
 
 
 def _reshard_after_forward(
@@ -108,7 +122,8 @@ def apply_fsdp(
     common = {"mp_policy": mp, "offload_policy": offload}
     fp32_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, cast_forward_inputs=False)
     expert_modules: list[nn.Module] = []
-    for layer in decoder_layers(model) if layers is None else layers:
+    layers = decoder_layers(model) if layers is None else layers
+    for layer in layers:
         for sub in layer.modules():
             if getattr(sub, "keep_fp32", False) and compute_dtype != torch.float32:
                 # Routers compute in fp32 (the original's router_dense_type): their own group, no cast.
@@ -120,10 +135,12 @@ def apply_fsdp(
             # Experts are already split over ep; shard the rest of their parameters over the remaining ranks.
             fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard, **common)
             expert_modules.append(experts)
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, **common)
+    one_rank_kept = _shard_size(mesh) == 1 and reshard is False
+    for unit in fsdp_units(model, layers, group=one_rank_kept):
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, **common)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **common)
-    # Where a module's shard group is one rank, its all-gather and reduce-scatter move nothing: skip
-    # FSDP2's copies through them (parallel/fsdp_one_rank.py).
+    # Where a module's shard group is one rank, its reduce-scatter moves nothing: skip FSDP2's copy
+    # between its buffers (parallel/fsdp_one_rank.py).
     experts_one_rank = expert_mesh is not None and _shard_size(expert_mesh) == 1
     use_one_rank_comms(
         [
@@ -142,6 +159,40 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return model
+
+
+def group_sizes(sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` (parameters per layer) grouped greedily into runs of at most
+    ``limit`` parameters; a layer larger than ``limit`` is a run of its own."""
+    runs: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if runs and total + n <= limit:
+            runs[-1].append(i)
+            total += n
+        else:
+            runs.append([i])
+            total = n
+    return runs
+
+
+def fsdp_units(model: nn.Module, layers: list[nn.Module], *, group: bool) -> list[list[nn.Module]]:
+    """The FSDP units below the root, in order: a layer each, or with ``group`` (one rank, compute copies
+    kept) runs of consecutive layers up to :data:`ONE_RANK_UNIT_PARAMS` parameters, and none at all when
+    the whole model is within that bound (the root unit then holds everything)."""
+    if not group:
+        return [[layer] for layer in layers]
+    if sum(_local_numel(p) for p in model.parameters()) <= ONE_RANK_UNIT_PARAMS:
+        return []
+    sizes = [sum(_local_numel(p) for p in layer.parameters()) for layer in layers]
+    return [[layers[i] for i in run] for run in group_sizes(sizes, ONE_RANK_UNIT_PARAMS)]
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    # A tensor-parallel parameter is already a DTensor here; numel() would count all its shards.
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
 def _shard_size(mesh: Any) -> int:

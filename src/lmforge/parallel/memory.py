@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lmforge.models.common.transformer_config import TransformerConfig
+from lmforge.parallel import fsdp
 from lmforge.parallel.dims import ParallelDims
 
 _DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
@@ -59,25 +60,35 @@ class MemoryEstimate:
     mlp_backward: int = 0
     # Gradient accumulation: later micro-batches run their forward with every gradient allocated.
     gradients_during_forward: bool = False
+    # One rank computing in 16 bits groups layers into larger FSDP units (parallel/fsdp.py): the largest
+    # unit's 16-bit gradients are alive beside the fp32 ones at its reduction, at the end of backward.
+    unit_gradients: int = 0
     moment_bytes: int = 4  # per optimizer-moment element: 4 (fp32) or 2 (optimizer.moment_dtype: bfloat16)
 
     def total(self, recompute: bool = False) -> int:
         """The peak: the largest of the start of backward, the last layer's MLP backward (without full
-        recompute), a recomputed layer's backward and the optimizer step (where all gradients are
-        allocated and the activations freed)."""
+        recompute), a recomputed layer's backward and the end of backward (all gradients allocated,
+        the activations and, once resharded, the compute copies freed; the last FSDP unit's 16-bit
+        gradients are being turned into fp32 ones there; the optimizer step holds the same without them)."""
         act = self.activations_recompute if recompute else self.activations
         held_grads = self.gradients if self.gradients_during_forward else 0
-        dynamic = max(act + held_grads, self.gradients)
+        during = act + held_grads
         if recompute:
-            dynamic = max(dynamic, self.gradients + self.recompute_backward)
+            during = max(during, self.gradients + self.recompute_backward)
         else:
-            dynamic = max(dynamic, self.mlp_backward + held_grads)
-        return self.parameters + self.optimizer_states + self.gathered_parameters + dynamic
+            during = max(during, self.mlp_backward + held_grads)
+        after = self.gradients + self.unit_gradients
+        return self.parameters + self.optimizer_states + max(self.gathered_parameters + during, after)
 
     def rows(self) -> list[tuple[str, int]]:
         return [
             ("parameters", self.parameters),
             ("gradients (fp32)", self.gradients),
+            *(
+                [("16-bit gradients of the largest FSDP unit", self.unit_gradients)]
+                if self.unit_gradients
+                else []
+            ),
             (f"optimizer states ({'fp32' if self.moment_bytes == 4 else 'bf16'})", self.optimizer_states),
             ("gathered layer parameters", self.gathered_parameters),
             ("activations", self.activations),
@@ -260,8 +271,14 @@ def estimate_memory(
     muon_local = 0.0
     largest_layer = 0
     per_layer: dict[str, int] = {}
+    layer_local: dict[str, float] = {}  # per layer (in order), what one rank of its stage holds
     for name, p in model.named_parameters():
         n = p.numel()
+        if "layers." in name:
+            owner, rest = name.split("layers.", 1)
+            key = owner + rest.split(".", 1)[0]
+            share = dims.tp * (dims.ep * dims.expert_fsdp_size if _is_expert(name) else dims.fsdp_size)
+            layer_local[key] = layer_local.get(key, 0.0) + n / share
         if _is_expert(name):
             local = n / (dims.pp * dims.tp * dims.ep) / dims.expert_fsdp_size
             expert_local += local
@@ -288,6 +305,20 @@ def estimate_memory(
         # backward (parallel/fsdp.py).
         gathered = int(local * cbytes)
     grads = int(local * 4)
+    unit_grads = 0
+    if dims.fsdp_size == 1 and cbytes < 4:
+        # The units parallel/fsdp.py forms there: the whole model when it is within the bound, otherwise
+        # runs of consecutive layers (this stage's, under pp).
+        sizes = list(layer_local.values())
+        if dims.pp > 1:
+            sizes = sizes[: -(-num_layers // dims.pp)]
+        limit = fsdp.ONE_RANK_UNIT_PARAMS
+        if local <= limit:
+            unit_grads = int(local * cbytes)
+        elif sizes:
+            unit_grads = int(
+                max(sum(sizes[i] for i in run) for run in fsdp.group_sizes(sizes, limit)) * cbytes
+            )
     opt = optimizer_type.lower()
     if opt == "muon":
         # momentum for Muon matrices, Adam's two moments for the rest
@@ -397,6 +428,7 @@ def estimate_memory(
         recompute_backward=recompute_backward,
         mlp_backward=mlp_backward,
         gradients_during_forward=accumulation_steps > 1,
+        unit_gradients=unit_grads,
         moment_bytes=moment_bytes,
     )
 
