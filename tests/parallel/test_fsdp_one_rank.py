@@ -48,13 +48,19 @@ def _train(default_comms: bool, steps: int = 3, all_gathers: list | None = None)
     if all_gathers is not None:
         for m in fsdp_modules:
             m.set_custom_all_gather(_CountingAllGather(all_gathers))
+    return train_steps(model, ctx, SECTION, steps)
+
+
+def train_steps(model, ctx, section: dict, steps: int = 3) -> dict[str, torch.Tensor]:
+    """``steps`` AdamW steps of two micro-batches each (the second reduction accumulates into the first's
+    gradients) on fixed random tokens; the full parameters after them."""
     opt = build_optimizer(ADAMW, model, 1e-3)
     step = TrainStep(model, opt, None, max_norm=1.0, ctx=ctx)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         micro = []
-        for _ in range(2):  # two micro-batches: the second reduction accumulates into the first's gradients
-            ids = torch.randint(0, SECTION["vocab_size"], (2, SECTION["seq_length"] + 1), generator=g)
+        for _ in range(2):
+            ids = torch.randint(0, section["vocab_size"], (2, section["seq_length"] + 1), generator=g)
             micro.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:].clone()})
         step(micro)
     return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}

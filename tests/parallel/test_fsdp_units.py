@@ -9,27 +9,14 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from lmforge.optim.builder import build_optimizer
 from lmforge.parallel import fsdp
 from lmforge.train.builder import build_training_model
-from lmforge.train.step import TrainStep
 
-SECTION = {
-    "model_type": "qwen3",
-    "architectures": "Qwen3ForCausalLM",
-    "compute_dtype": "bfloat16",
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "seq_length": 16,
-    "tie_word_embeddings": True,
-}
+from .test_fsdp_one_rank import SECTION as TWO_LAYERS
+from .test_fsdp_one_rank import train_steps
+
+SECTION = {**TWO_LAYERS, "num_hidden_layers": 4}
 DEFAULT_LIMIT = fsdp.ONE_RANK_UNIT_PARAMS
-ADAMW = {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.01}
 
 
 def _units(model) -> list[list[str]]:
@@ -78,16 +65,7 @@ def test_fp32_keeps_a_unit_per_layer():
 def _train(limit: int, monkeypatch) -> dict[str, torch.Tensor]:
     monkeypatch.setattr(fsdp, "ONE_RANK_UNIT_PARAMS", limit)
     model, ctx = build_training_model(dict(SECTION), seed=0, device="cpu")
-    opt = build_optimizer(ADAMW, model, 1e-3)
-    step = TrainStep(model, opt, None, max_norm=1.0, ctx=ctx)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        micro = []
-        for _ in range(2):  # two micro-batches: the second reduction accumulates into the first's gradients
-            ids = torch.randint(0, SECTION["vocab_size"], (2, SECTION["seq_length"] + 1), generator=g)
-            micro.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:].clone()})
-        step(micro)
-    return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    return train_steps(model, ctx, SECTION)
 
 
 @pytest.mark.parametrize("layers_per_unit", [2, None])  # None: the whole model in the root unit
