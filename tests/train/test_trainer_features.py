@@ -154,3 +154,27 @@ def test_spike_skipping_is_opt_in_and_non_finite_steps_are_always_skipped(make_c
     plain.fit()
     records = read_metrics(plain.output_dir / "metrics.jsonl")
     assert [r.get("skipped", False) for r in records] == [False, True, False]
+
+
+def test_a_save_after_the_loop_is_reported_in_the_summary_and_log(make_config, tmp_path):
+    # Step 5 is no multiple of 2: its checkpoint is written after the loop, where no metrics line is.
+    cfg = make_config(training={"steps": 5}, checkpoint={"save_interleaved_steps": 2})
+    trainer = tiny_trainer(cfg)
+    summary = trainer.fit()
+    records = read_metrics(trainer.output_dir / "metrics.jsonl")
+    assert [r["step"] for r in records if "checkpoint_save_s" in r] == [2, 4]
+    assert summary["final checkpoint save"].startswith("step 5, ")
+    seconds = float(summary["final checkpoint save"].split(", ")[1].removesuffix(" s"))
+    assert seconds > 0
+    assert (
+        "Checkpoint of step 5 saved at the end of the run" in (trainer.output_dir / "train.log").read_text()
+    )
+    # A last step that was already saved in the loop is not saved again, and nothing is reported.
+    cfg = make_config(
+        output_dir=str(tmp_path / "run2"),
+        training={"steps": 4},
+        checkpoint={"save_interleaved_steps": 2, "save_path": str(tmp_path / "ckpt2")},
+    )
+    second = tiny_trainer(cfg).fit()
+    assert second["steps"] == "4/4" and second["resumed from"] == "-"
+    assert "final checkpoint save" not in second

@@ -96,6 +96,7 @@ class Trainer:
         self.stopping = False
         self.stop_reason: str | None = None
         self._stop_signal = 0  # the number of the last stop signal this rank received (0: none)
+        self.final_save: tuple[int, float] | None = None  # (step, seconds) of the save after the loop
         self.artifacts: dict[str, str] = {}
         self._setup_run_dir()
 
@@ -558,6 +559,10 @@ class Trainer:
             else "-",
             "metrics": str(self.output_dir / "metrics.jsonl"),
         }
+        if self.final_save is not None:  # the save after the loop (train/callbacks/checkpointing.py)
+            step, seconds = self.final_save
+            out["final checkpoint save"] = f"step {step}, {seconds:.2f} s"
+
         for key in ("log", "curves"):
             if key in self.artifacts:
                 out[key] = self.artifacts[key]

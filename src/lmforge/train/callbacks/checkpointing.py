@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.checkpoint import CheckpointManager
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointCallback(TrainerCallback):
@@ -31,11 +35,22 @@ class CheckpointCallback(TrainerCallback):
             kwargs["metrics"]["checkpoint_save_s"] = round(self.manager.last_save_seconds, 4)
 
     def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
-        if self.last_saved_step != state.global_step:
-            self._save(kwargs["trainer"], state)
-        self.manager.close()
-        kwargs["trainer"].artifacts["checkpoints"] = str(self.manager.save_path)
+        trainer = kwargs["trainer"]
+        t0 = time.perf_counter()
+        saved = self.last_saved_step != state.global_step and self._save(trainer, state)
+        self.manager.close()  # waits for an asynchronous save still in flight
+        if saved:
+            # After the loop, so no metrics.jsonl line carries it (a stop's save, or a last step that is
+            # no multiple of save_interleaved_steps): the log and summary.json report it instead.
+            seconds = time.perf_counter() - t0
+            trainer.final_save = (state.global_step, seconds)
+            logger.info(
+                "Checkpoint of step %d saved at the end of the run in %.2f s.", state.global_step, seconds
+            )
+        trainer.artifacts["checkpoints"] = str(self.manager.save_path)
 
-    def _save(self, trainer: Any, state: Any) -> None:
+    def _save(self, trainer: Any, state: Any) -> bool:
         if self.manager.save(trainer.checkpointable(), state.global_step):
             self.last_saved_step = state.global_step
+            return True
+        return False
