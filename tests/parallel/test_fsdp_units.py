@@ -56,9 +56,13 @@ def test_layers_are_grouped_up_to_the_bound(monkeypatch):
     ]
 
 
-def test_fp32_keeps_a_unit_per_layer():
-    # In fp32 the copies are resharded after forward; a larger unit would hold more of them at once.
-    model, _ = build_training_model({**SECTION, "compute_dtype": "float32"}, seed=0, device="cpu")
+@pytest.mark.parametrize("parallelism", [{}, {"data_parallel_shard_strategy": "optim_grads"}])
+def test_fp32_keeps_a_unit_per_layer(parallelism):
+    # In fp32 a larger unit would hold more fp32 copies and gradients at once; that holds whether the
+    # copies are resharded after forward (the default) or kept to backward (ZeRO-2).
+    model, _ = build_training_model(
+        {**SECTION, "compute_dtype": "float32"}, seed=0, device="cpu", parallelism=parallelism
+    )
     assert _units(model) == [[f"decoder.layers.{i}"] for i in range(4)]
 
 

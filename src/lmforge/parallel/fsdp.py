@@ -135,7 +135,9 @@ def apply_fsdp(
             # Experts are already split over ep; shard the rest of their parameters over the remaining ranks.
             fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard, **common)
             expert_modules.append(experts)
-    one_rank_kept = _shard_size(mesh) == 1 and reshard is False
+    # Grouped only where the 16-bit compute copies are kept anyway (module docstring); in fp32 a group
+    # would also keep fp32 copies and gradients of several layers at once.
+    one_rank_kept = _shard_size(mesh) == 1 and reshard is False and compute_dtype != torch.float32
     for unit in fsdp_units(model, layers, group=one_rank_kept):
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, **common)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **common)
