@@ -24,7 +24,7 @@ reduction that moves nothing (``fsdp_one_rank.py``): no copy of the fp32 gradien
 reduce-scatter buffers. (FSDP2 itself skips the all-gather there and casts each parameter into its
 compute copy.)
 
-Units at one rank. Where nothing is sharded and the compute copies are kept, an FSDP unit per layer buys
+Units at one rank. Where nothing is sharded and the 16-bit compute copies are kept, an FSDP unit per layer buys
 nothing (no all-gather to overlap, nothing to free after forward) and costs Python hooks around every
 layer's forward and backward: 5-9% of a step of the demo model on a CPU. There consecutive layers are
 grouped into one unit (:func:`fsdp_units`) up to :data:`ONE_RANK_UNIT_PARAMS` parameters, and a model
