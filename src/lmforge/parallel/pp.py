@@ -89,6 +89,7 @@ class StageModule(nn.Module):
         self.tied_output: nn.Module | None = None  # set on the last stage when embeddings are tied
         object.__setattr__(self, "_model", model)  # not a submodule: no second name for its parameters
         self.aux_scale = 0.0  # weight of the MoE balancing losses in this step's objective
+        self.loss_grad_scale = 1.0  # the gradient of the last stage's loss sum (MicroBatchLossScale's scale)
         self.aux_sum: torch.Tensor | float = 0.0  # this step's balancing losses (for the log)
         self.moe_layers = 0  # layers of this stage that produced a balancing loss in its last call
         # The schedule's first step infers the stage's shapes with one extra forward (on the first
@@ -157,7 +158,13 @@ class StageModule(nn.Module):
             weight = self.tied_output.weight.to(self.tied_output.compute_dtype)
         else:
             weight = model._stored_output_weight()  # a DTensor split by vocabulary rows under tp
-        loss_sum, count, _ = model.token_loss(normed, weight, labels, loss_mask)
+        # The schedule's loss function backpropagates loss_sum × loss_grad_scale: announced to the chunked loss.
+        scale = (
+            {"grad_scale": self.loss_grad_scale}
+            if model.token_loss.chunk_size > 0 and torch.is_grad_enabled()
+            else {}
+        )
+        loss_sum, count, _ = model.token_loss(normed, weight, labels, loss_mask, **scale)
         return torch.stack([loss_sum, count.to(loss_sum.dtype)])
 
 
@@ -345,6 +352,7 @@ class Pipeline:
         self._first_step = self._schedule is None
         for m in self.stage_modules:
             m.aux_scale = aux_scale / self.cp_size
+            m.loss_grad_scale = scale
             m.aux_sum = 0.0
             m.calls = 0
             m.restore_buffers_after_next_call = self._first_step  # the schedule's shape inference

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.errors import LmforgeError
+from lmforge.models.common.loss import loss_gradient_scale
 from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext
 
@@ -199,7 +200,9 @@ class TrainStep:
             model_tokens += pipe_tokens
             aux_totals = {name: value / accum for name, value in pipe_aux.items()}
         for batch in batches if pipeline is None else ():  # (the pipeline ran them above)
-            out = self.model(**{k: v for k, v in batch.items() if k in MODEL_INPUTS})
+            # The gradient of loss_sum below is inv_tokens: announced, the chunked loss folds it in forward.
+            with loss_gradient_scale(inv_tokens):
+                out = self.model(**{k: v for k, v in batch.items() if k in MODEL_INPUTS})
             objective = out.loss_sum * inv_tokens
             aux = getattr(out, "aux_loss", None)
             if isinstance(aux, torch.Tensor) and aux.requires_grad:

@@ -26,7 +26,7 @@ from lmforge.models.common import init
 from lmforge.models.common.attention import CoreAttention
 from lmforge.models.common.blocks import LayerBlocks
 from lmforge.models.common.init import draw_seed
-from lmforge.models.common.loss import TokenLoss
+from lmforge.models.common.loss import TokenLoss, announced_gradient_scale
 from lmforge.models.common.masks import attention_layout
 from lmforge.models.common.moe import ExpertWeight, MoELayer, TopKRouter, moe_layers
 from lmforge.models.common.norms import RMSNorm
@@ -223,7 +223,10 @@ class GPTModel(nn.Module):
         if labels is None:
             return CausalLMOutput(logits=F.linear(normed, self._output_weight()))
         out = CausalLMOutput(logits=None)
-        loss_sum, num_tokens, out.logits = self._token_loss(normed, labels, loss_mask)
+        # The main loss only: the train step announces the gradient of this sum (MTP sums get others).
+        loss_sum, num_tokens, out.logits = self._token_loss(
+            normed, labels, loss_mask, announced_gradient_scale()
+        )
         aux_total = loss_sum.new_zeros(())
         aux_losses: dict[str, torch.Tensor] = {}
         if self.mtp is not None:
@@ -240,10 +243,17 @@ class GPTModel(nn.Module):
         return out
 
     def _token_loss(
-        self, normed: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None
+        self,
+        normed: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        grad_scale: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(CE sum, valid tokens, logits or None) through ``self.token_loss`` with the stored output weight."""
-        return self.token_loss(normed, self._stored_output_weight(), labels, loss_mask)
+        """(CE sum, valid tokens, logits or None) through ``self.token_loss`` with the stored output weight;
+        ``grad_scale``: the gradient the sum will get in backward, if known (the chunked loss folds it in)."""
+        return self.token_loss(
+            normed, self._stored_output_weight(), labels, loss_mask, **_scale_kwargs(self, grad_scale)
+        )
 
     def _mtp_losses(
         self, hidden, input_ids, labels, loss_mask, cos, sin, allowed, aux_losses
@@ -355,3 +365,11 @@ class GPTModel(nn.Module):
             for mtp in self.mtp.layers:
                 fwd += 2 * 2 * h * h + mtp.transformer_layer.flops_per_token(h, s) + 2 * h * v
         return 3.0 * fwd
+
+
+def _scale_kwargs(model: nn.Module, grad_scale: float | None) -> dict[str, float]:
+    """``token_loss`` keyword arguments for an announced gradient scale: only the chunked loss takes one (a
+    compiled plain loss would otherwise be specialised on, and recompiled for, every step's value)."""
+    if grad_scale is None or model.token_loss.chunk_size <= 0:
+        return {}
+    return {"grad_scale": grad_scale}
