@@ -17,16 +17,11 @@ from lmforge.models.common.loss import (
 )
 
 from .helpers import max_rel, tiny_model
+from .test_chunked_loss import _inputs as chunked_inputs
 
 
-def _inputs(dtype, n=64, h=32, v=301):
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
-    weight = (torch.randn(v, h, generator=g) * 0.3).to(dtype).requires_grad_()
-    labels = torch.randint(0, v, (n,), generator=g)
-    labels[[3, 10]] = -100
-    mask = (torch.rand(n, generator=g) > 0.2).float()
-    return hidden, weight, labels, mask
+def _inputs(dtype):
+    return chunked_inputs(dtype, n=64, h=32)
 
 
 def _grads(hidden, weight, labels, mask, chunk, announced, applied):
