@@ -18,6 +18,7 @@ compute copy of a layer in the compute dtype. Gradients are fp32.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -351,15 +352,22 @@ def estimate_memory(
         # most at once in 16 bits (the fp32 copy, turned into the softmax in place, beside the 16-bit
         # logits it is made from or the 16-bit gradient made from it; measured on 2 ranks); in fp32 one
         # buffer serves all three. It keeps the hidden states' gradient and the output weight's
-        # gradient (fp32 accumulation) until backward.
+        # gradient until backward. The train step announces the loss's gradient scale, so a 16-bit
+        # weight's gradient is summed in 16 bits over one or two chunks and in fp32 over more, rounded
+        # to 16 bits at the end of forward, when the fp32 sum and its copy meet (the chunks' logits are
+        # freed by then).
         rest = full_tokens * (hidden_size * (2 * cbytes + 4) + _REST_CONST)
         vocab_here = vocab_size / dims.tp
         chunk_bytes = 4 if cbytes >= 4 else 4 + cbytes
-        logits_grad = (
-            min(chunk, full_tokens) * vocab_here * chunk_bytes
-            + full_tokens * hidden_size * cbytes
-            + vocab_here * hidden_size * 4
-        )
+        weight_grad = vocab_here * hidden_size
+        if cbytes < 4 and math.ceil(full_tokens / chunk) <= 2:
+            chunks, sum_bytes = min(chunk, full_tokens) * vocab_here * chunk_bytes, weight_grad * cbytes
+        elif cbytes < 4:
+            chunks = max(min(chunk, full_tokens) * vocab_here * chunk_bytes, weight_grad * cbytes)
+            sum_bytes = weight_grad * 4
+        else:
+            chunks, sum_bytes = min(chunk, full_tokens) * vocab_here * chunk_bytes, weight_grad * 4
+        logits_grad = chunks + full_tokens * hidden_size * cbytes + sum_bytes
         notes.append(f"chunked loss ({chunk} tokens per chunk): the [tokens, vocab] logits never exist")
     else:
         # The logits themselves in the compute dtype where the step returns them (they live to the end).
