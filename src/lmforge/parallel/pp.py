@@ -159,11 +159,7 @@ class StageModule(nn.Module):
         else:
             weight = model._stored_output_weight()  # a DTensor split by vocabulary rows under tp
         # The schedule's loss function backpropagates loss_sum × loss_grad_scale: announced to the chunked loss.
-        scale = (
-            {"grad_scale": self.loss_grad_scale}
-            if model.token_loss.chunk_size > 0 and torch.is_grad_enabled()
-            else {}
-        )
+        scale = model.token_loss.grad_scale_kwargs(self.loss_grad_scale)
         loss_sum, count, _ = model.token_loss(normed, weight, labels, loss_mask, **scale)
         return torch.stack([loss_sum, count.to(loss_sum.dtype)])
 

@@ -252,7 +252,11 @@ class GPTModel(nn.Module):
         """(CE sum, valid tokens, logits or None) through ``self.token_loss`` with the stored output weight;
         ``grad_scale``: the gradient the sum will get in backward, if known (the chunked loss folds it in)."""
         return self.token_loss(
-            normed, self._stored_output_weight(), labels, loss_mask, **_scale_kwargs(self, grad_scale)
+            normed,
+            self._stored_output_weight(),
+            labels,
+            loss_mask,
+            **self.token_loss.grad_scale_kwargs(grad_scale),
         )
 
     def _mtp_losses(
@@ -365,11 +369,3 @@ class GPTModel(nn.Module):
             for mtp in self.mtp.layers:
                 fwd += 2 * 2 * h * h + mtp.transformer_layer.flops_per_token(h, s) + 2 * h * v
         return 3.0 * fwd
-
-
-def _scale_kwargs(model: nn.Module, grad_scale: float | None) -> dict[str, float]:
-    """``token_loss`` keyword arguments for an announced gradient scale: only the chunked loss takes one (a
-    compiled plain loss would otherwise be specialised on, and recompiled for, every step's value)."""
-    if grad_scale is None or model.token_loss.chunk_size <= 0:
-        return {}
-    return {"grad_scale": grad_scale}

@@ -21,7 +21,7 @@ gradient is summed over the chunks:
 
 * one or two chunks: in the weight's dtype, the second through ``addmm`` (its product is added in fp32
   inside the matmul and rounded once). Against an fp64 reference this is as precise as summing the two
-  rounded products in fp32 (``tests/speed/test_chunked_loss.py``), and it needs no fp32 buffer and no
+  rounded products in fp32 (``tests/speed/test_chunked_loss_scale.py``), and it needs no fp32 buffer and no
   passes over one;
 * more chunks: in fp32 (one 16-bit rounding per chunk's matmul, not one per accumulation: bf16 sums over
   many chunks lose the small ones), rounded to the weight's dtype at the end of forward, which frees the
@@ -342,6 +342,11 @@ class TokenLoss(nn.Module):
         logits = F.linear(hidden, full)
         loss_sum, count = token_cross_entropy(logits, labels, loss_mask)
         return loss_sum, count, logits
+
+    def grad_scale_kwargs(self, grad_scale: float | None) -> dict[str, float]:
+        """Keyword arguments of this module's call for an announced gradient scale: only the chunked loss
+        takes one (a compiled plain loss would be specialised on, and recompiled for, every value)."""
+        return {} if grad_scale is None or self.chunk_size <= 0 else {"grad_scale": grad_scale}
 
     def compile(self, *args, **kwargs) -> None:  # type: ignore[override]
         """Plain: the whole module, as ``nn.Module.compile``. Chunked: each chunk's softmax and logits'
