@@ -114,13 +114,13 @@ def wrap_phases(step_obj, opt) -> None:
     """Scopes around the optimizer step and the gradient norm (lmforge's TrainStep)."""
     import lmforge.train.step as step_mod
 
-    orig_norm = step_mod.global_grad_norm
+    orig_norm = step_mod.grad_norms
 
     def norm(*a, **k):
         with record_function("phase::grad norm"):
             return orig_norm(*a, **k)
 
-    step_mod.global_grad_norm = norm
+    step_mod.grad_norms = norm
     orig_step = opt.step
 
     def ostep(*a, **k):

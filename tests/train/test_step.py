@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.train.parallel_seam import ParallelContext
-from lmforge.train.step import SkipPolicy, TrainStep
+from lmforge.train.step import SkipPolicy, TrainStep, grad_norms
 
 from .tiny import TinyLM, TinyLoader
 
@@ -92,3 +92,24 @@ def test_spike_threshold_skips_finite_but_large_gradient_norm():
     )
     assert result.skipped and "global_norm_skip_threshold" in result.skip_reason
     assert math.isfinite(result.grad_norm)
+
+
+def test_embedding_norm_is_its_own_gradient_norm_from_the_same_pass():
+    torch.manual_seed(4)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    batches = micro_batches(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    result = TrainStep(model, opt, None, max_norm=1e9, ctx=ParallelContext())(batches)
+    reference_loss(ref, batches).backward()
+    emb = ref.embedding.word_embeddings.weight.grad
+    assert result.embedding_grad_norm == pytest.approx(float(torch.linalg.vector_norm(emb)), rel=1e-5)
+    assert result.grad_norm == pytest.approx(float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])), rel=1e-5)
+    assert result.embedding_grad_norm < result.grad_norm
+
+
+def test_grad_norms_subset_stays_finite_when_another_gradient_is_not():
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    a.grad, b.grad = torch.tensor([3.0, 4.0, 0.0]), torch.tensor([math.inf, 1.0])
+    total, sub = grad_norms([a, b], ParallelContext(), [a]).tolist()
+    assert total == math.inf and sub == 5.0

@@ -93,11 +93,18 @@ def count_loss_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return weights.sum()
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], ctx: ParallelContext) -> torch.Tensor:
-    """One L2 norm over all gradients; DTensor-aware: a shard replicated on k ranks counts once."""
+def grad_norms(
+    params: Iterable[torch.Tensor], ctx: ParallelContext, subset: Iterable[torch.Tensor] = ()
+) -> torch.Tensor:
+    """``[norm of all gradients, norm of those of subset]`` (L2, over every rank), from one pass.
+
+    DTensor-aware: a shard replicated on k ranks counts once. ``subset``'s parameters must be among
+    ``params``; its norm (the embedding's, for the skip policy) comes from the same per-tensor norms, so
+    its gradients are not read twice and both norms share one all-reduce."""
+    in_subset = {id(p) for p in subset}
     # Squared norms grouped by how many ranks hold the same values (plain tensors: every rank);
     # per-tensor norms come from one fused kernel per group (as torch's clip_grad_norm_).
-    groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
+    groups: dict[tuple[int, torch.device, torch.dtype], list[tuple[torch.Tensor, bool]]] = {}
     for p in params:
         g = p.grad
         if g is None:
@@ -112,18 +119,21 @@ def global_grad_norm(params: Iterable[torch.Tensor], ctx: ParallelContext) -> to
             local = g
             factor = ctx.world_size  # a plain tensor is a full replica on every rank
         if local.numel():
-            groups.setdefault((factor, local.device, local.dtype), []).append(local)
-    total = torch.zeros((), dtype=torch.float32, device=ctx.device)
-    for (factor, _device, _dtype), tensors in groups.items():
+            groups.setdefault((factor, local.device, local.dtype), []).append((local, id(p) in in_subset))
+    totals = torch.zeros(2, dtype=torch.float32, device=ctx.device)
+    for (factor, _device, _dtype), entries in groups.items():
+        tensors = [t for t, _ in entries]
         if _dtype in (torch.float32, torch.float64):
             norms = torch._foreach_norm(tensors)
         else:  # low-precision grads (a model outside the trainer's FSDP2): accumulate each norm in fp32
             norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
-        sq = torch.stack([n.to(device=ctx.device, dtype=torch.float32) for n in norms]).square().sum()
-        total = total + sq / factor
+        sq = torch.stack([n.to(device=ctx.device, dtype=torch.float32) for n in norms]).square() / factor
+        mask = torch.tensor([marked for _, marked in entries], device=ctx.device)
+        # where, not a product: an inf/nan outside the subset must not turn the subset's norm into nan.
+        totals = totals + torch.stack([sq.sum(), torch.where(mask, sq, 0.0).sum()])
     if ctx.distributed:
-        dist.all_reduce(total)
-    return total.sqrt()
+        dist.all_reduce(totals)
+    return totals.sqrt()
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -229,13 +239,11 @@ class TrainStep:
         loss = float(reduced[0]) / max(n_global, 1.0)
         aux_losses = {k: float(v) / ctx.dp_size for k, v in zip(aux_totals, reduced[1:].tolist())}
 
-        grad_norm = float(global_grad_norm(self.params, ctx)) / loss_scale
-        # Every rank joins the reduction (under pipeline parallel only the first stage holds the embedding).
-        emb_norm = (
-            float(global_grad_norm(self.embedding_params, ctx)) / loss_scale
-            if (self.embedding_params or ctx.distributed)
-            else None
-        )
+        # One pass and one reduction for both norms; every rank joins it (under pipeline parallel only the
+        # first stage holds the embedding).
+        norms = grad_norms(self.params, ctx, self.embedding_params).tolist()
+        grad_norm = norms[0] / loss_scale
+        emb_norm = norms[1] / loss_scale if (self.embedding_params or ctx.distributed) else None
         lr = self._current_lr()
         result = StepResult(
             loss=loss,
