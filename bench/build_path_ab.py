@@ -26,7 +26,8 @@ land in the heap moves kernel times by a few percent) and pools them.
 
 Reported per model: the median step of each contestant, and the speed ratios ``now / before``,
 ``before / hf`` and ``now / hf`` as the median over rounds of the per-round ratio (each round's steps ran
-back to back) with its interquartile range, per worker and pooled. Both loops run under lmforge's
+back to back) with its interquartile range, per worker and pooled; pooled also by CPU time (the process's
+CPU seconds per step, which time stolen by other work on the machine does not inflate). Both loops run under lmforge's
 allocator defaults (``cli/malloc.py``) and ``OMP_WAIT_POLICY=PASSIVE``, as ``lmforge train`` runs.
 """
 
@@ -198,6 +199,7 @@ def main() -> None:
         print(f"before = {args.before} (as {PACKAGE}), now = {now_name}", flush=True)
         for model, n_rounds in zip(models, rounds):
             pooled = {k: [] for k in CONTESTANTS}
+            pooled_cpu = {k: [] for k in CONTESTANTS}
             print(f"\n### {model}: {args.processes} processes x {n_rounds} rounds\n")
             print(
                 "| process | built first | median step before / now / hf (ms) | now / before | before / hf | now / hf | load |"
@@ -216,6 +218,7 @@ def main() -> None:
                 wall = res["wall"]
                 for k in CONTESTANTS:
                     pooled[k] += wall[k]
+                    pooled_cpu[k] += res["cpu"][k]
                 med = {k: 1e3 * statistics.median(wall[k]) for k in CONTESTANTS}
                 cells = [
                     statistics.median(ratios(wall, a, b))
@@ -232,7 +235,11 @@ def main() -> None:
             print()
             for a, b in (("now", "before"), ("before", "hf"), ("now", "hf")):
                 q1, m, q3 = quartiles(ratios(pooled, a, b))
-                print(f"pooled {a} / {b}: median of per-round speed ratios {m:.3f} (IQR {q1:.3f}-{q3:.3f})")
+                c1, cm, c3 = quartiles(ratios(pooled_cpu, a, b))
+                print(
+                    f"pooled {a} / {b}: median of per-round speed ratios {m:.3f} (IQR {q1:.3f}-{q3:.3f}); "
+                    f"by CPU time {cm:.3f} (IQR {c1:.3f}-{c3:.3f})"
+                )
             meds = {k: 1e3 * statistics.median(pooled[k]) for k in CONTESTANTS}
             print(
                 "pooled median step (ms): " + ", ".join(f"{k} {v:,.0f}" for k, v in meds.items()), flush=True

@@ -104,7 +104,9 @@ def test_embedding_norm_is_its_own_gradient_norm_from_the_same_pass():
     reference_loss(ref, batches).backward()
     emb = ref.embedding.word_embeddings.weight.grad
     assert result.embedding_grad_norm == pytest.approx(float(torch.linalg.vector_norm(emb)), rel=1e-5)
-    assert result.grad_norm == pytest.approx(float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])), rel=1e-5)
+    assert result.grad_norm == pytest.approx(
+        float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])), rel=1e-5
+    )
     assert result.embedding_grad_norm < result.grad_norm
 
 
@@ -113,3 +115,22 @@ def test_grad_norms_subset_stays_finite_when_another_gradient_is_not():
     a.grad, b.grad = torch.tensor([3.0, 4.0, 0.0]), torch.tensor([math.inf, 1.0])
     total, sub = grad_norms([a, b], ParallelContext(), [a]).tolist()
     assert total == math.inf and sub == 5.0
+
+
+def test_clipping_folded_into_lmforge_adamw_matches_torch():
+    from lmforge.optim.adamw import AdamW
+
+    torch.manual_seed(5)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    batches = micro_batches(2)
+    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    max_norm = 0.05
+    result = TrainStep(model, opt, None, max_norm=max_norm, ctx=ParallelContext())(batches)
+    reference_loss(ref, batches).backward()
+    pre = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    ref_opt.step()
+    assert result.grad_norm == pytest.approx(float(pre), rel=1e-5) and result.grad_norm > max_norm
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)

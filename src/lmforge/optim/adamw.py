@@ -55,6 +55,10 @@ def adam_update(
     torch._foreach_add_(steps, 1)
     # Compressed (bf16) moments: the update runs on fp32 copies, stored back stochastically rounded.
     m32, v32, vmax32 = widen(m), widen(v), widen(vmax)
+    # The step's gradient scale (clipping), folded into the kernel: it divides the gradients by this.
+    inverse = None
+    if opt.grad_scale != 1.0:
+        inverse = torch.tensor(1.0 / opt.grad_scale, dtype=torch.float32, device=weights[0].device)
     torch._fused_adamw_(
         weights,
         grads,
@@ -69,6 +73,7 @@ def adam_update(
         eps=eps,
         amsgrad=amsgrad,
         maximize=maximize,
+        grad_scale=inverse,
     )
     if opt.moment_dtype != torch.float32:
         step = int(steps[0].item())
@@ -98,6 +103,9 @@ class AdamW(UpdateRuleOptimizer):
 
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
         init_adam_state(self, p, state, group["amsgrad"])
+
+    def _folds_grad_scale(self, group: dict) -> bool:
+        return True  # adam_update passes it to the fused kernel
 
     def _update_group(self, group: dict) -> None:
         adam_update(

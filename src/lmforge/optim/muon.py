@@ -184,6 +184,9 @@ class Muon(UpdateRuleOptimizer):
         return layers
 
     # -- the step -----------------------------------------------------------------------------------
+    def _folds_grad_scale(self, group: dict) -> bool:
+        return group["route"] != "muon"  # the AdamW groups (adam_update's fused kernel)
+
     def _update_group(self, group: dict) -> None:
         if group["route"] == "muon":
             self._pending.append(group)

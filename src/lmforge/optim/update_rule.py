@@ -59,6 +59,7 @@ class UpdateRuleOptimizer(torch.optim.Optimizer):
         moment_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.moment_dtype = moment_dtype  # bf16: compressed moments (lmforge.optim.moment_dtype)
+        self.grad_scale = 1.0  # during step(): the factor a folding rule applies to the gradients
         groups = list(params)
         if groups and isinstance(groups[0], dict):
             # Materialise each group's params once (a generator would be consumed by the check).
@@ -103,18 +104,41 @@ class UpdateRuleOptimizer(torch.optim.Optimizer):
     def _update_group(self, group: dict) -> None:  # pragma: no cover
         raise NotImplementedError
 
+    def _folds_grad_scale(self, group: dict) -> bool:
+        """Whether ``_update_group`` applies :attr:`grad_scale` itself (inside its kernel); otherwise
+        :meth:`step` multiplies the group's gradients by it first."""
+        return False
+
     def _after_update(self) -> None:
         """Runs after every group's update (Muon's orthogonalised updates, QK-Clip)."""
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> Any:
+        """One update of every group. ``grad_scale``: the gradients enter the update multiplied by it
+        (the trainer's clipping coefficient, times 1 / the fp16 loss scale). AdamW folds it into its fused
+        kernel (which divides by its inverse: the same value within one rounding), which saves a pass over
+        every gradient; other rules get the gradients multiplied first. Either way the gradients are left
+        scaled (the fused kernel writes them back), as after ``clip_grad_norm_``."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            self._update_group(group)
-        self._after_update()
+        scale = float(grad_scale)
+        # Folding divides by 1 / scale: only a finite positive scale has a finite positive inverse.
+        foldable = scale != 1.0 and 0.0 < scale < float("inf")
+        try:
+            for group in self.param_groups:
+                folds = foldable and self._folds_grad_scale(group)
+                if scale != 1.0 and not folds:
+                    grads = [local(p.grad) for p in group["params"] if p.grad is not None]
+                    if grads:
+                        torch._foreach_mul_(grads, scale)
+                self.grad_scale = scale if folds else 1.0
+                self._update_group(group)
+            self.grad_scale = 1.0
+            self._after_update()
+        finally:
+            self.grad_scale = 1.0
         return loss
 
     # -- checkpoints --------------------------------------------------------------------------------

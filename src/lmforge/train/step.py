@@ -19,6 +19,7 @@ from torch import nn
 
 from lmforge.errors import LmforgeError
 from lmforge.models.common.loss import loss_gradient_scale
+from lmforge.optim.update_rule import UpdateRuleOptimizer
 from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext
 
@@ -272,12 +273,16 @@ class TrainStep:
             result.skipped, result.skip_reason = True, reason
             return result
 
-        # One pass over the gradients: clipping and, under fp16, unscaling.
+        # Clipping and, under fp16, unscaling: one factor. lmforge's optimizers fold it into the update
+        # (AdamW: into its fused kernel), which saves a pass over every gradient; others get it applied.
         coef = min(1.0, self.max_norm / (grad_norm + CLIP_EPS)) / loss_scale
-        if coef != 1.0:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            torch._foreach_mul_(grads, coef)
-        self.optimizer.step()
+        if isinstance(self.optimizer, UpdateRuleOptimizer):
+            self.optimizer.step(grad_scale=coef)
+        else:
+            if coef != 1.0:
+                grads = [p.grad for p in self.params if p.grad is not None]
+                torch._foreach_mul_(grads, coef)
+            self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         update_bias = getattr(self.model, "update_expert_bias", None)
