@@ -1,7 +1,7 @@
 """Single-device training step of the old build path against this tree's, in one process, same weights.
 
     .venv/bin/python bench/build_path_ab.py --before 46f3119 [--models demo,100m] [--processes 4]
-        [--rounds 100,30]
+        [--rounds 100,30] [--loss-chunk N]
 
 Issue 14 asks that the one build path (meta build, FSDP2 over the one process with fp32 parameters, bf16
 compute) not lower single-device throughput against the Hugging Face loop, "both commits side by side in
@@ -29,6 +29,10 @@ Reported per model: the median step of each contestant, and the speed ratios ``n
 back to back) with its interquartile range, per worker and pooled; pooled also by CPU time (the process's
 CPU seconds per step, which time stolen by other work on the machine does not inflate). Both loops run under lmforge's
 allocator defaults (``cli/malloc.py``) and ``OMP_WAIT_POLICY=PASSIVE``, as ``lmforge train`` runs.
+
+Each tree trains with its own default loss unless ``--loss-chunk N`` sets ``model.loss_chunk_size`` for both
+(the old tree's default was the plain loss, 0; this tree's is chunks of 512, a memory feature that came with
+another change): ``--loss-chunk 0`` and ``--loss-chunk 512`` compare the build paths like for like.
 """
 
 from __future__ import annotations
@@ -118,6 +122,8 @@ def worker(args: argparse.Namespace) -> None:
     from lmforge.models import save_hf_pretrained
 
     section = dict(B.MODELS[args.model])
+    if args.loss_chunk is not None:
+        section["loss_chunk_size"] = args.loss_chunk  # both trees: like for like
     b, s = section["batch"], section["seq_length"]
     g = torch.Generator().manual_seed(0)
     full = torch.randint(0, section["vocab_size"], (b, s + 1), generator=g)
@@ -172,6 +178,12 @@ def main() -> None:
     p.add_argument("--models", default="demo,100m")
     p.add_argument("--rounds", default="100,30", help="rounds per worker, one value or one per model")
     p.add_argument("--processes", type=int, default=4, help="workers per model")
+    p.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=None,
+        help="model.loss_chunk_size for both trees (default: each tree's own default; the old tree's was 0)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--before-path", help=argparse.SUPPRESS)
@@ -196,7 +208,12 @@ def main() -> None:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO / "src"))
     with tempfile.TemporaryDirectory() as tmp:
         before_path = extract_before(args.before, Path(tmp))
-        print(f"before = {args.before} (as {PACKAGE}), now = {now_name}", flush=True)
+        loss = (
+            "each tree's default"
+            if args.loss_chunk is None
+            else f"model.loss_chunk_size {args.loss_chunk} in both"
+        )
+        print(f"before = {args.before} (as {PACKAGE}), now = {now_name}; loss: {loss}", flush=True)
         for model, n_rounds in zip(models, rounds):
             pooled = {k: [] for k in CONTESTANTS}
             pooled_cpu = {k: [] for k in CONTESTANTS}
@@ -208,6 +225,8 @@ def main() -> None:
             for proc in range(args.processes):
                 cmd = [sys.executable, __file__, "--worker", "--model", model, "--rounds", str(n_rounds)]
                 cmd += ["--before-path", str(before_path)]
+                if args.loss_chunk is not None:
+                    cmd += ["--loss-chunk", str(args.loss_chunk)]
                 before_first = proc % 2 == 1
                 if before_first:
                     cmd.append("--before-first")
