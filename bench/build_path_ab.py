@@ -192,6 +192,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.loss_chunk is not None and args.loss_chunk < 0:
+        raise SystemExit(
+            f"--loss-chunk: tokens per loss chunk, 0 (the plain loss) or more; got {args.loss_chunk}"
+        )
     models = args.models.split(",")
     rounds = [int(r) for r in args.rounds.split(",")]
     if len(rounds) == 1:
