@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lmforge.config import validate_section
 from optim import make_params, time_pair  # bench/optim.py
 
 QWEN3 = {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "compute_dtype": "bfloat16"}
@@ -121,7 +122,11 @@ class Checks:
         model, ctx = build_training_model(
             self.model_section, seed=0, device=str(self.device), before_fsdp=before_fsdp
         )
-        opt = build_optimizer({"type": "AdamW", "betas": [0.9, 0.95], "weight_decay": 0.01}, model, 1e-4)
+        opt = build_optimizer(
+            validate_section("optimizer", {"type": "AdamW", "betas": [0.9, 0.95], "weight_decay": 0.01}),
+            model,
+            1e-4,
+        )
         step = TrainStep(model, opt, None, max_norm=1.0, ctx=ctx)
         s, v = self.model_section["seq_length"], self.model_section["vocab_size"]
         g = torch.Generator().manual_seed(0)

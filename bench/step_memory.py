@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lmforge.config import validate_section
+
 SEQ, VOCAB, HIDDEN = 2048, 151936, 1024
 QWEN3_06B_2L = {
     "model_type": "qwen3",
@@ -92,7 +94,11 @@ def step_lmforge(chunk: int) -> dict:
     # The trainer's build: FSDP2 over this one process, fp32 parameters (the masters), bf16 compute.
     model, ctx = build_training_model({**QWEN3_06B_2L, "loss_chunk_size": chunk}, seed=0, device="cpu")
     opt = build_optimizer(
-        {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}, model, 1e-4
+        validate_section(
+            "optimizer", {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
+        ),
+        model,
+        1e-4,
     )
     step = TrainStep(model, opt, None, max_norm=1.0, ctx=ctx)
     batch = _batch()

@@ -54,6 +54,7 @@ import torch
 
 from benchdoc import replace_section
 from lmforge.cli import malloc
+from lmforge.config import validate_section
 from lmforge.models import save_hf_pretrained
 from lmforge.optim import build_optimizer
 from lmforge.train.builder import build_training_model
@@ -116,7 +117,7 @@ def lmforge_model(section: dict, compiled: bool = False):
 
 def lmforge_runner(section: dict, batch: dict, compiled: bool = False):
     model, ctx = lmforge_model(section, compiled)
-    opt = build_optimizer(ADAMW, model, LR)
+    opt = build_optimizer(validate_section("optimizer", ADAMW), model, LR)
     step = TrainStep(model, opt, None, max_norm=1.0, ctx=ctx)
     return model, opt, (lambda: step([batch]))
 
@@ -203,7 +204,7 @@ def bench_throughput(name: str, steps: int, rounds: int, workdir: Path, compiled
 def bench_checkpoint(name: str, workdir: Path, repeats: int = 3) -> dict:
     section = MODELS[name]
     model, _ = lmforge_model(section)
-    opt = build_optimizer(ADAMW, model, LR)
+    opt = build_optimizer(validate_section("optimizer", ADAMW), model, LR)
     target = Checkpointable(model, opt)
     # The peer saves the same tensors as plain ones (the one process's DTensors hold them whole).
     tensors = {f"p{i}": p.to_local().detach().clone() for i, p in enumerate(model.parameters())}

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from lmforge.cli import main
-from lmforge.config import load_config
+from lmforge.config import load_config, validate_section
 from lmforge.errors import CheckpointError
 from lmforge.lr import build_scheduler
 from lmforge.models import build_model, build_model_config
@@ -117,7 +117,9 @@ def test_starting_template_is_within_the_articles_ranges() -> None:
     small |= {"head_dim": 16, "num_hidden_layers": 2, "attention_bias": True}
     model = build_model({**cfg.model.to_dict(), **small}, device="meta").float()
     decay = {
-        n: g["weight_decay"] for g in build_optimizer(opt, model, 1e-3).param_groups for n in g["param_names"]
+        n: g["weight_decay"]
+        for g in build_optimizer(validate_section("optimizer", opt), model, 1e-3).param_groups
+        for n in g["param_names"]
     }
     assert decay["embedding.word_embeddings.weight"] == 0.0
     assert decay["output_layer.weight"] == opt.weight_decay  # untied here: a projection, it decays

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from lmforge.config import validate_section
 from lmforge.errors import ConfigError
 from lmforge.optim import build_optimizer
 from lmforge.parallel.activation import plan_activation_memory
@@ -19,7 +20,7 @@ MUON = {"type": "Muon", "qk_clip_enabled": False, "ns_dtype": "float32"}
 
 
 def _train(model, steps=3):
-    opt = build_optimizer(MUON, model, 2e-2)
+    opt = build_optimizer(validate_section("optimizer", MUON), model, 2e-2)
     gen = torch.Generator().manual_seed(5)
     for step in range(steps):
         ids = torch.randint(0, 64, (2, 16), generator=gen)
@@ -62,4 +63,6 @@ def test_muon_updates_with_layer_and_op_swap_equal_the_run_without_swap():
 def test_the_optimizer_key_swap_is_still_refused_with_the_original_message():
     # `optimizer.swap` is the original's Muon kwarg (parameter swap), not the activation section.
     with pytest.raises(ConfigError, match="optimizer.swap: Muon does not support swap."):
-        build_optimizer({**MUON, "swap": True}, TinyDecoder(num_layers=1), 1e-2)
+        build_optimizer(
+            validate_section("optimizer", {**MUON, "swap": True}), TinyDecoder(num_layers=1), 1e-2
+        )

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from lmforge.config import validate_section
+
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 COMMON = dict(
@@ -127,6 +129,7 @@ def _worker(rank: int, world: int, init: str, root: str) -> None:
             hf = Path(root) / family
             section = json.loads((hf / "section.json").read_text())
             reference = torch.load(hf / "reference.pt", weights_only=True)
+            par = validate_section("parallelism", par)
             dims = ParallelDims.from_section(par, world)
             model = build_model(section, device="meta")
             model, _ = parallelize(model, dims, dims.build_mesh("cpu"), par, num_microbatches=4)

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from lmforge.config import validate_section
 from lmforge.errors import ConfigError
 from lmforge.optim import build_optimizer
 
@@ -35,7 +36,7 @@ def _torch_twin(opt, model, twin, cls=torch.optim.AdamW, **kw):
 def test_adamw_equals_torch_adamw_over_20_steps():
     model = TinyLM()
     twin = copy.deepcopy(model)
-    opt = build_optimizer(SECTION, model, 1e-2)
+    opt = build_optimizer(validate_section("optimizer", SECTION), model, 1e-2)
     assert len(opt.param_groups) >= 3
     ref = _torch_twin(opt, model, twin, betas=(0.9, 0.95), eps=1e-8, foreach=True)
     for step in range(20):
@@ -55,7 +56,7 @@ def test_low_precision_parameters_are_refused_naming_the_parameter(kind):
     with pytest.raises(
         ConfigError, match=r"parameter '.*word_embeddings.weight' is torch.bfloat16.*model.float\(\)"
     ):
-        build_optimizer({"type": kind}, TinyLM(dtype=torch.bfloat16), 1e-3)
+        build_optimizer(validate_section("optimizer", {"type": kind}), TinyLM(dtype=torch.bfloat16), 1e-3)
 
 
 @pytest.mark.parametrize(
@@ -72,7 +73,7 @@ def test_low_precision_parameters_are_refused_naming_the_parameter(kind):
 )
 def test_checkpointed_state_resumes_bitwise(section, dtype, tmp_path):
     model = TinyLM(dtype=dtype)
-    opt = build_optimizer(section, model, 1e-2)
+    opt = build_optimizer(validate_section("optimizer", section), model, 1e-2)
     for step in range(3):
         set_random_grads(model, step)
         opt.step()
@@ -84,7 +85,7 @@ def test_checkpointed_state_resumes_bitwise(section, dtype, tmp_path):
     resumed = TinyLM(dtype=dtype)
     ckpt = torch.load(tmp_path / "ckpt.pt")
     resumed.load_state_dict(ckpt["model"])
-    opt2 = build_optimizer(section, resumed, 1e-2)
+    opt2 = build_optimizer(validate_section("optimizer", section), resumed, 1e-2)
     opt2.load_state_dict(ckpt["optim"])
     moments = torch.bfloat16 if section.get("moment_dtype") == "bfloat16" else torch.float32
     for p in resumed.parameters():
@@ -103,8 +104,8 @@ def test_offloaded_states_live_with_parameters_in_host_memory():
     CPU they step like the resident ones; parameters on an accelerator (meta here) are refused."""
     a, b = TinyLM(), TinyLM()
     b.load_state_dict(a.state_dict())
-    opt_a = build_optimizer({"offload_states": True}, a, 1e-2)
-    opt_b = build_optimizer({}, b, 1e-2)
+    opt_a = build_optimizer(validate_section("optimizer", {"offload_states": True}), a, 1e-2)
+    opt_b = build_optimizer(validate_section("optimizer", {}), b, 1e-2)
     for step in range(4):
         set_random_grads(a, step)
         set_random_grads(b, step)
@@ -114,13 +115,17 @@ def test_offloaded_states_live_with_parameters_in_host_memory():
         assert opt_a.state[p]["exp_avg"].device.type == "cpu"
         torch.testing.assert_close(p, q, atol=0, rtol=0)
     with pytest.raises(ConfigError, match="optimizer.offload_states: true .* on meta"):
-        build_optimizer({"offload_states": True}, TinyLM().to("meta"), 1e-2)
+        build_optimizer(validate_section("optimizer", {"offload_states": True}), TinyLM().to("meta"), 1e-2)
 
 
 def test_lion_matches_the_paper_update():
     model = TinyLM()
     twin = copy.deepcopy(model)
-    opt = build_optimizer({"type": "Lion", "betas": [0.9, 0.99], "weight_decay": 0.1}, model, 1e-3)
+    opt = build_optimizer(
+        validate_section("optimizer", {"type": "Lion", "betas": [0.9, 0.99], "weight_decay": 0.1}),
+        model,
+        1e-3,
+    )
     wd = {n: g["weight_decay"] for g in opt.param_groups for n in g["param_names"]}
     m = {n: torch.zeros_like(p) for n, p in twin.named_parameters()}
     for step in range(5):
@@ -140,7 +145,7 @@ def test_lamb_matches_the_paper_update():
     model = TinyLM()
     twin = copy.deepcopy(model)
     b1, b2, eps, lr = 0.9, 0.999, 1e-6, 1e-2
-    opt = build_optimizer({"type": "LAMB", "weight_decay": 0.05}, model, lr)
+    opt = build_optimizer(validate_section("optimizer", {"type": "LAMB", "weight_decay": 0.05}), model, lr)
     wd = {n: g["weight_decay"] for g in opt.param_groups for n in g["param_names"]}
     m = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in twin.named_parameters()}
     v = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in twin.named_parameters()}
@@ -169,7 +174,7 @@ def test_fqn_state_dict_of_torch_dcp_resumes_bitwise(section):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     model = TinyLM(tie=True)
-    opt = build_optimizer(section, model, 1e-2)
+    opt = build_optimizer(validate_section("optimizer", section), model, 1e-2)
     for step in range(2):
         set_random_grads(model, step)
         opt.step()
@@ -181,7 +186,7 @@ def test_fqn_state_dict_of_torch_dcp_resumes_bitwise(section):
         opt.step()
     resumed = TinyLM(tie=True)
     resumed.load_state_dict(weights)
-    opt2 = build_optimizer(section, resumed, 1e-2)
+    opt2 = build_optimizer(validate_section("optimizer", section), resumed, 1e-2)
     set_optimizer_state_dict(resumed, opt2, saved)
     for step in range(2, 4):
         set_random_grads(resumed, step)

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from lmforge.config import validate_section
 from lmforge.optim import build_optimizer
 
 from .optim_helpers import TinyLM, set_random_grads
@@ -25,8 +26,8 @@ SECTIONS = {
 def test_scaled_step_is_the_step_on_scaled_gradients(kind, scale):
     model = TinyLM()
     twin = copy.deepcopy(model)
-    opt = build_optimizer(SECTIONS[kind], model, 1e-2)
-    ref = build_optimizer(SECTIONS[kind], twin, 1e-2)
+    opt = build_optimizer(validate_section("optimizer", SECTIONS[kind]), model, 1e-2)
+    ref = build_optimizer(validate_section("optimizer", SECTIONS[kind]), twin, 1e-2)
     for step in range(6):
         set_random_grads(model, step)
         set_random_grads(twin, step)
@@ -52,7 +53,11 @@ def test_scaled_step_is_the_step_on_scaled_gradients(kind, scale):
 def test_adamw_folded_scale_matches_torch_adamw_after_clipping():
     model = TinyLM()
     twin = copy.deepcopy(model)
-    opt = build_optimizer({"type": "AdamW", "betas": [0.9, 0.95], "weight_decay": 0.0}, model, 1e-2)
+    opt = build_optimizer(
+        validate_section("optimizer", {"type": "AdamW", "betas": [0.9, 0.95], "weight_decay": 0.0}),
+        model,
+        1e-2,
+    )
     ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     for step in range(10):
         set_random_grads(model, step)
@@ -67,7 +72,7 @@ def test_adamw_folded_scale_matches_torch_adamw_after_clipping():
 @pytest.mark.parametrize("scale", [0.0, float("inf")])
 def test_a_scale_without_a_finite_inverse_is_applied_to_the_gradients(scale):
     model = TinyLM()
-    opt = build_optimizer(SECTIONS["AdamW"], model, 1e-2)
+    opt = build_optimizer(validate_section("optimizer", SECTIONS["AdamW"]), model, 1e-2)
     set_random_grads(model, 0)
     with torch.no_grad():
         for p in model.parameters():

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from lmforge.config import ParallelismConfig, validate_section
 from lmforge.errors import ConfigError
 from lmforge.optim import build_optimizer
 from lmforge.optim.moment_dtype import stochastic_round_to_bf16_
@@ -28,8 +29,10 @@ def test_bf16_moments_take_half_the_bytes_and_parameters_stay_fp32(kind):
     model = TinyLM()
     n = sum(p.numel() for p in model.parameters())
     extra = {"qk_clip_enabled": False} if kind == "Muon" else {}
-    full = build_optimizer({"type": kind, **extra}, model, 1e-3)
-    small = build_optimizer({"type": kind, "moment_dtype": "bfloat16", **extra}, TinyLM(), 1e-3)
+    full = build_optimizer(validate_section("optimizer", {"type": kind, **extra}), model, 1e-3)
+    small = build_optimizer(
+        validate_section("optimizer", {"type": kind, "moment_dtype": "bfloat16", **extra}), TinyLM(), 1e-3
+    )
     assert _moment_bytes(small) * 2 == _moment_bytes(full)
     if kind == "AdamW":
         assert _moment_bytes(full) == 8 * n and _moment_bytes(small) == 4 * n  # 2 moments x 4 / x 2 bytes
@@ -56,7 +59,11 @@ def test_second_moment_with_beta2_0999_tracks_fp32_instead_of_freezing():
     torch.manual_seed(0)
     p32, p16 = torch.nn.Parameter(torch.zeros(4096)), torch.nn.Parameter(torch.zeros(4096))
     opts = [
-        build_optimizer({"type": "AdamW", "betas": [0.9, 0.999], "moment_dtype": dt}, _Holder(p), 0.0)
+        build_optimizer(
+            validate_section("optimizer", {"type": "AdamW", "betas": [0.9, 0.999], "moment_dtype": dt}),
+            _Holder(p),
+            0.0,
+        )
         for dt, p in (("float32", p32), ("bfloat16", p16))
     ]
     for step in range(300):
@@ -83,7 +90,9 @@ def test_updates_stay_close_to_fp32_moments_and_resume_is_bitwise(kind):
     runs = {}
     for dt in ("float32", "bfloat16"):
         model = copy.deepcopy(base)
-        opt = build_optimizer({"type": kind, "moment_dtype": dt, **extra}, model, 1e-2)
+        opt = build_optimizer(
+            validate_section("optimizer", {"type": kind, "moment_dtype": dt, **extra}), model, 1e-2
+        )
         for step in range(6):
             set_random_grads(model, seed=step)
             opt.step()
@@ -93,14 +102,18 @@ def test_updates_stay_close_to_fp32_moments_and_resume_is_bitwise(kind):
         assert (a - b).norm() <= 0.05 * moved + 1e-7, name
     # Stop after 3 steps, reload the state into a fresh optimizer, finish: bitwise the same as 6 straight.
     model = copy.deepcopy(base)
-    opt = build_optimizer({"type": kind, "moment_dtype": "bfloat16", **extra}, model, 1e-2)
+    opt = build_optimizer(
+        validate_section("optimizer", {"type": kind, "moment_dtype": "bfloat16", **extra}), model, 1e-2
+    )
     for step in range(3):
         set_random_grads(model, seed=step)
         opt.step()
     saved, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
     model = copy.deepcopy(base)
     model.load_state_dict(weights)
-    opt = build_optimizer({"type": kind, "moment_dtype": "bfloat16", **extra}, model, 1e-2)
+    opt = build_optimizer(
+        validate_section("optimizer", {"type": kind, "moment_dtype": "bfloat16", **extra}), model, 1e-2
+    )
     opt.load_state_dict(saved)
     assert all(st[k].dtype == torch.bfloat16 for st in opt.state.values() for k in MOMENTS if k in st)
     for step in range(3, 6):
@@ -119,7 +132,7 @@ def test_updates_stay_close_to_fp32_moments_and_resume_is_bitwise(kind):
 )
 def test_moment_dtype_validation(section, needle):
     with pytest.raises(ConfigError) as info:
-        build_optimizer(section, TinyLM(), 1e-3)
+        build_optimizer(validate_section("optimizer", section), TinyLM(), 1e-3)
     assert needle in str(info.value)
 
 
@@ -141,7 +154,7 @@ def test_memory_estimate_counts_compressed_moments():
     model = build_model(section, device="meta")
     n = sum(p.numel() for p in model.parameters())
     kw = dict(compute_dtype=torch.bfloat16, seq_length=64, local_batch_size=1, hidden_size=64, num_layers=2)
-    dims = ParallelDims.from_section({}, 1)
+    dims = ParallelDims.from_section(ParallelismConfig(), 1)
     for kind in ("AdamW", "Muon"):
         full = estimate_memory(model, dims, optimizer_type=kind, vocab_size=256, **kw)
         small = estimate_memory(model, dims, optimizer_type=kind, vocab_size=256, moment_bytes=2, **kw)

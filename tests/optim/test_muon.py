@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from lmforge.config import validate_section
 from lmforge.optim import Muon, build_optimizer, newton_schulz, normalize_ns_schedule
 from lmforge.optim.newton_schulz import orthogonalize_many
 
@@ -75,7 +76,7 @@ def test_muon_agrees_with_torch_muon_match_rms_adamw(nesterov):
     twin = copy.deepcopy(model)
     start = [p.detach().clone() for p in model.parameters()]
     section = {"type": "Muon", "weight_decay": 0.1, "nesterov": nesterov, "qk_clip_enabled": False}
-    opt = build_optimizer(section, model, 0.02)
+    opt = build_optimizer(validate_section("optimizer", section), model, 0.02)
     assert {g["route"] for g in opt.param_groups} == {"muon"}
     ref = torch.optim.Muon(
         twin.parameters(), lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn="match_rms_adamw"
@@ -96,13 +97,16 @@ def test_update_size_is_lr_times_matched_rms_times_sqrt_max_dim():
     model = nn.Linear(64, 32, bias=False)
     w0 = model.weight.detach().clone()
     opt = build_optimizer(
-        {
-            "type": "Muon",
-            "weight_decay": 0.0,
-            "qk_clip_enabled": False,
-            "ns_coefficients": [[[3.4445, -4.7750, 2.0315], 8], [[2.0, -1.5, 0.5], 2]],
-            "ns_dtype": "float32",
-        },
+        validate_section(
+            "optimizer",
+            {
+                "type": "Muon",
+                "weight_decay": 0.0,
+                "qk_clip_enabled": False,
+                "ns_coefficients": [[[3.4445, -4.7750, 2.0315], 8], [[2.0, -1.5, 0.5], 2]],
+                "ns_dtype": "float32",
+            },
+        ),
         model,
         0.01,
     )
@@ -119,7 +123,11 @@ def test_update_size_is_lr_times_matched_rms_times_sqrt_max_dim():
 def test_weight_decay_uses_the_unadjusted_lr():
     model = nn.Linear(8, 8, bias=False)
     w0 = model.weight.detach().clone()
-    opt = build_optimizer({"type": "Muon", "weight_decay": 0.5, "qk_clip_enabled": False}, model, 0.1)
+    opt = build_optimizer(
+        validate_section("optimizer", {"type": "Muon", "weight_decay": 0.5, "qk_clip_enabled": False}),
+        model,
+        0.1,
+    )
     model.weight.grad = torch.zeros(8, 8)  # zero gradient: NS gives 0, only the decay acts
     opt.step()
     torch.testing.assert_close(model.weight.detach(), w0 * (1 - 0.1 * 0.5))
@@ -133,7 +141,11 @@ def test_expert_stacks_are_orthogonalised_per_expert():
             self.single = nn.ParameterList([nn.Parameter(self.stack[e].detach().clone()) for e in range(3)])
 
     model = Experts()
-    opt = build_optimizer({"type": "Muon", "ns_dtype": "float32", "qk_clip_enabled": False}, model, 0.02)
+    opt = build_optimizer(
+        validate_section("optimizer", {"type": "Muon", "ns_dtype": "float32", "qk_clip_enabled": False}),
+        model,
+        0.02,
+    )
     for step in range(3):
         g = torch.randn(3, 8, 12, generator=torch.Generator().manual_seed(step))
         model.stack.grad = g.clone()
@@ -157,7 +169,11 @@ def test_fused_weights_are_split_by_the_models_schema():
             return {"qkv": (0, [8, 4, 4])}
 
     model = Fused()
-    opt = build_optimizer({"type": "Muon", "ns_dtype": "float32", "qk_clip_enabled": False}, model, 0.02)
+    opt = build_optimizer(
+        validate_section("optimizer", {"type": "Muon", "ns_dtype": "float32", "qk_clip_enabled": False}),
+        model,
+        0.02,
+    )
     for step in range(3):
         g = torch.randn(16, 12, generator=torch.Generator().manual_seed(step))
         model.qkv.grad = g.clone()
@@ -176,14 +192,21 @@ def test_a_schema_that_does_not_add_up_is_rejected():
             return {"w": (0, [4, 4])}
 
     with pytest.raises(ValueError, match="do not add up"):
-        build_optimizer({"type": "Muon", "qk_clip_enabled": False}, Bad(), 0.02)
+        build_optimizer(
+            validate_section("optimizer", {"type": "Muon", "qk_clip_enabled": False}), Bad(), 0.02
+        )
 
 
 def test_adamw_branch_equals_torch_adamw_with_adamw_betas_and_eps():
     model = TinyLM()
     twin = copy.deepcopy(model)
     opt = build_optimizer(
-        {"type": "Muon", "qk_clip_enabled": False, "adamw_betas": [0.9, 0.98], "adamw_eps": 1e-6}, model, 1e-2
+        validate_section(
+            "optimizer",
+            {"type": "Muon", "qk_clip_enabled": False, "adamw_betas": [0.9, 0.98], "adamw_eps": 1e-6},
+        ),
+        model,
+        1e-2,
     )
     adam_names = [n for g in opt.param_groups if g["route"] == "adamw" for n in g["param_names"]]
     by_name = dict(twin.named_parameters())
@@ -210,7 +233,11 @@ def test_adamw_branch_equals_torch_adamw_with_adamw_betas_and_eps():
 
 def _clip_step(model, dtype=torch.float32, threshold=100.0):
     model.to(dtype)
-    opt = build_optimizer({"type": "Muon", "qk_clip_threshold": threshold, "weight_decay": 0.0}, model, 0.0)
+    opt = build_optimizer(
+        validate_section("optimizer", {"type": "Muon", "qk_clip_threshold": threshold, "weight_decay": 0.0}),
+        model,
+        0.0,
+    )
     before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -275,7 +302,7 @@ def test_qk_clip_is_inactive_below_the_threshold_and_with_qk_norm(caplog):
 def test_qk_clip_without_model_support_warns(caplog):
     logging.getLogger("lmforge").propagate = True
     caplog.set_level(logging.WARNING, logger="lmforge")
-    build_optimizer({"type": "Muon"}, nn.Linear(4, 4), 0.02)
+    build_optimizer(validate_section("optimizer", {"type": "Muon"}), nn.Linear(4, 4), 0.02)
     assert "qk_clip_layers" in caplog.text
 
 
@@ -323,7 +350,10 @@ def test_buffers_kept_across_steps_give_the_same_bits_as_fresh_ones():
     model = _matrices()
     model.append(nn.Linear(32, 16, bias=False))  # shares a shape (and so a buffer) with the first
     twin = copy.deepcopy(model)
-    opts = [build_optimizer({"type": "Muon", "qk_clip_enabled": False}, m, 0.02) for m in (model, twin)]
+    opts = [
+        build_optimizer(validate_section("optimizer", {"type": "Muon", "qk_clip_enabled": False}), m, 0.02)
+        for m in (model, twin)
+    ]
     for step in range(4):
         for m in (model, twin):
             set_random_grads(m, step)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from lmforge.config import validate_section
 from lmforge.optim import build_optimizer
 
 from .optim_helpers import MLAModel
@@ -48,7 +49,11 @@ def _grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
 
 def _run_single(ns_dtype: str, steps: int) -> dict[str, torch.Tensor]:
     model = Sharded()
-    opt = build_optimizer({"type": "Muon", "ns_dtype": ns_dtype, "qk_clip_enabled": False}, model, 0.02)
+    opt = build_optimizer(
+        validate_section("optimizer", {"type": "Muon", "ns_dtype": ns_dtype, "qk_clip_enabled": False}),
+        model,
+        0.02,
+    )
     for s in range(steps):
         for n, p in model.named_parameters():
             p.grad = _grads(model, s)[n]
@@ -64,7 +69,7 @@ def _run_sharded(strategy: str, ns_dtype: str, steps: int, mesh) -> dict[str, to
     fully_shard(model, mesh=mesh)
     assert all(isinstance(p, DTensor) for p in model.parameters())
     section = {"type": "Muon", "ns_dtype": ns_dtype, "qk_clip_enabled": False, "comm_strategy": strategy}
-    opt = build_optimizer(section, model, 0.02)
+    opt = build_optimizer(validate_section("optimizer", section), model, 0.02)
     for s in range(steps):
         grads = _grads(model, s)
         for n, p in model.named_parameters():
@@ -79,7 +84,7 @@ def _check_qk_clip_reduces_across_ranks(rank: int) -> None:
     for p in model.parameters():
         nn.init.normal_(p)
     twin = copy.deepcopy(model)
-    opt = build_optimizer({"type": "Muon", "weight_decay": 0.0}, model, 0.0)
+    opt = build_optimizer(validate_section("optimizer", {"type": "Muon", "weight_decay": 0.0}), model, 0.0)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     # Each rank saw a different micro-batch: head 0 exploded on rank 1, head 1 on rank 0.
@@ -87,7 +92,7 @@ def _check_qk_clip_reduces_across_ranks(rank: int) -> None:
         torch.tensor([50.0, 400.0, 10.0]) if rank == 0 else torch.tensor([200.0, 10.0, 10.0])
     )
     opt.step()
-    ref = build_optimizer({"type": "Muon", "weight_decay": 0.0}, twin, 0.0)
+    ref = build_optimizer(validate_section("optimizer", {"type": "Muon", "weight_decay": 0.0}), twin, 0.0)
     for p in twin.parameters():
         p.grad = torch.zeros_like(p)
     twin.attn.max_logits.copy_(torch.tensor([200.0, 400.0, 10.0]))
@@ -110,7 +115,7 @@ def _check_qk_clip_on_sharded_masters(mesh) -> None:
     before = twin.attn.linear_qb.weight.detach().clone()
     for m in (model, twin):
         m.attn.max_logits.copy_(logits)
-        opt = build_optimizer({"type": "Muon", "weight_decay": 0.0}, m, 0.0)
+        opt = build_optimizer(validate_section("optimizer", {"type": "Muon", "weight_decay": 0.0}), m, 0.0)
         for p in m.parameters():
             p.grad = torch.zeros_like(p)
         opt.step()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from lmforge.config import validate_section
 from lmforge.models import build_model
 from lmforge.optim import build_optimizer
 from lmforge.train.checkpoint.layout_upgrade import fused_rows
@@ -79,7 +80,11 @@ def test_muon_updates_are_the_same_in_layout_1_and_layout_2(family):
     assert any(s.order is not None for s in schema.values())
     a, b = _Flat(new, schema), _Flat(old, old_schema)
     opts = [
-        build_optimizer({"type": "Muon", "ns_dtype": "float32", "qk_clip_enabled": False}, m, 0.02)
+        build_optimizer(
+            validate_section("optimizer", {"type": "Muon", "ns_dtype": "float32", "qk_clip_enabled": False}),
+            m,
+            0.02,
+        )
         for m in (a, b)
     ]
     for step in range(2):

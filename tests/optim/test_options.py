@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lmforge.config import validate_section
 from lmforge.config.schema import OptimizerConfig
 from lmforge.errors import ConfigError
 from lmforge.optim import build_optimizer, parse_optimizer_section
@@ -114,26 +115,26 @@ def test_muon_defaults_are_muons_own_when_the_yaml_omits_them():
     # Through the pydantic schema, which fills AdamW-oriented defaults (eps 1e-8, weight_decay 0.01).
     opts = parse_optimizer_section(OptimizerConfig.model_validate({"type": "Muon"}))
     assert opts.grouping.weight_decay == 0.1
-    assert opts.hyper["eps"] == 1e-7
-    assert opts.hyper["adamw_betas"] == (0.95, 0.95)
-    assert opts.hyper["adamw_eps"] == 1e-8
-    assert opts.hyper["momentum"] == 0.95 and opts.hyper["nesterov"] is True
-    assert opts.hyper["matched_adamw_rms"] == 0.2
-    assert opts.hyper["ns_schedule"] == ((3.4445, -4.7750, 2.0315),) * 5
-    assert opts.hyper["qk_clip_enabled"] is True and opts.hyper["qk_clip_threshold"] == 100.0
-    assert opts.hyper["comm_strategy"] == "allgather"
-    assert opts.hyper["adamw_include"] == ["*word_embeddings*", "*output_layer*"]
+    assert opts.hyper.eps == 1e-7
+    assert opts.hyper.adamw_betas == (0.95, 0.95)
+    assert opts.hyper.adamw_eps == 1e-8
+    assert opts.hyper.momentum == 0.95 and opts.hyper.nesterov is True
+    assert opts.hyper.matched_adamw_rms == 0.2
+    assert opts.hyper.ns_schedule == ((3.4445, -4.7750, 2.0315),) * 5
+    assert opts.hyper.qk_clip_enabled is True and opts.hyper.qk_clip_threshold == 100.0
+    assert opts.hyper.comm_strategy == "allgather"
+    assert opts.hyper.adamw_include == ["*word_embeddings*", "*output_layer*"]
     # A key the YAML sets is honoured (eps is Newton-Schulz's eps for Muon, as in the original).
     opts = parse_optimizer_section(
         OptimizerConfig.model_validate({"type": "Muon", "eps": 1e-6, "weight_decay": 0.0})
     )
-    assert opts.hyper["eps"] == 1e-6 and opts.grouping.weight_decay == 0.0
+    assert opts.hyper.eps == 1e-6 and opts.grouping.weight_decay == 0.0
 
 
 def test_adamw_defaults_are_the_spec_table():
     opts = parse_optimizer_section(OptimizerConfig.model_validate({}))
     assert opts.type == "AdamW"
-    assert opts.hyper["betas"] == (0.9, 0.95) and opts.hyper["eps"] == 1e-8
+    assert opts.hyper.betas == (0.9, 0.95) and opts.hyper.eps == 1e-8
     assert opts.grouping.weight_decay == 0.01
     # An int weight decay is a number (the original's float-only check is not copied).
     assert parse_optimizer_section({"weight_decay": 0}).grouping.weight_decay == 0.0
@@ -145,11 +146,11 @@ def test_segmented_schedule_ignores_ns_steps():
             "type": "Muon",
             "ns_steps": 3,
             "ns_coefficients": [[[3.4445, -4.7750, 2.0315], 8], [[2.0, -1.5, 0.5], 2]],
-        }
+        },
     )
-    assert opts.hyper["ns_steps"] == 10
-    assert opts.hyper["ns_schedule"][7] == (3.4445, -4.7750, 2.0315)
-    assert opts.hyper["ns_schedule"][8:] == ((2.0, -1.5, 0.5),) * 2
+    assert opts.hyper.ns_steps == 10
+    assert opts.hyper.ns_schedule[7] == (3.4445, -4.7750, 2.0315)
+    assert opts.hyper.ns_schedule[8:] == ((2.0, -1.5, 0.5),) * 2
 
 
 def test_unused_keys_warn_instead_of_vanishing(caplog):
@@ -163,13 +164,13 @@ def test_unused_keys_warn_instead_of_vanishing(caplog):
 
 
 def test_enable_cpu_offload_is_the_offload_switch():
-    assert parse_optimizer_section({"enable_cpu_offload": True}).hyper["offload_states"] is True
+    assert parse_optimizer_section({"enable_cpu_offload": True}).hyper.offload_states is True
     assert _err({"type": "Muon", "offload_states": True}).startswith("optimizer.offload_states")
 
 
 def test_muon_without_model_names_the_original_error():
     with pytest.raises(ConfigError, match="Model must be provided for Muon optimizer."):
-        build_optimizer({"type": "Muon"}, None, 0.02)
+        build_optimizer(validate_section("optimizer", {"type": "Muon"}), None, 0.02)
 
 
 RECIPES = [
@@ -185,7 +186,7 @@ def test_the_spec_recipes_are_found():
 def test_every_spec_recipe_builds(path):
     section = yaml.safe_load(path.read_text())["optimizer"]
     for form in (section, OptimizerConfig.model_validate(section)):
-        opt = build_optimizer(form, TinyLM(), 1e-3)
+        opt = build_optimizer(validate_section("optimizer", form), TinyLM(), 1e-3)
         assert type(opt).__name__ == section.get("type", "AdamW")
         assert sum(len(g["params"]) for g in opt.param_groups) == len(list(TinyLM().parameters()))
 

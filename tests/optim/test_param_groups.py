@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmforge.config import validate_section
 from lmforge.errors import ConfigError
 from lmforge.optim import AdamW, build_optimizer
 
@@ -22,11 +23,19 @@ def _groups_by_name(opt):
 def test_default_rules_and_priority():
     model = TinyLM()
     opt = build_optimizer(
-        {
-            "weight_decay": 0.1,
-            "weight_decay_include": ["decoder.final_layernorm.weight"],  # exact name beats the 1-D default
-            "weight_decay_exclude": ["linear_proj", "*final_layernorm*"],  # substring; glob loses to include
-        },
+        validate_section(
+            "optimizer",
+            {
+                "weight_decay": 0.1,
+                "weight_decay_include": [
+                    "decoder.final_layernorm.weight"
+                ],  # exact name beats the 1-D default
+                "weight_decay_exclude": [
+                    "linear_proj",
+                    "*final_layernorm*",
+                ],  # substring; glob loses to include
+            },
+        ),
         model,
         1e-3,
     )
@@ -48,7 +57,9 @@ def test_lr_scale_groups_and_initial_lr_from_a_schedule():
             return 2e-3 if step == 0 else 0.0
 
     opt = build_optimizer(
-        {"lr_scale": {"*word_embeddings*": 0.5, "output_layer": 0.25}}, TinyLM(), Schedule()
+        validate_section("optimizer", {"lr_scale": {"*word_embeddings*": 0.5, "output_layer": 0.25}}),
+        TinyLM(),
+        Schedule(),
     )
     g = _groups_by_name(opt)
     assert g["embedding.word_embeddings.weight"]["lr_scale"] == 0.5
@@ -63,7 +74,9 @@ def test_lr_scale_groups_and_initial_lr_from_a_schedule():
 def test_tied_embedding_is_one_parameter_with_one_state():
     model = TinyLM(tie=True)
     # The output layer is the embedding: a rule on either name applies to the shared tensor.
-    opt = build_optimizer({"weight_decay": 0.1, "lr_scale": {"output_layer*": 0.5}}, model, 1e-3)
+    opt = build_optimizer(
+        validate_section("optimizer", {"weight_decay": 0.1, "lr_scale": {"output_layer*": 0.5}}), model, 1e-3
+    )
     params = [p for g in opt.param_groups for p in g["params"]]
     assert len(params) == len({id(p) for p in params}) == len(list(model.parameters()))
     assert len(opt.state) == len(params)
@@ -87,7 +100,7 @@ def test_hand_made_groups_with_a_duplicate_or_a_missing_parameter_are_errors():
 def test_frozen_parameters_are_not_grouped():
     model = TinyLM()
     model.output_layer.weight.requires_grad_(False)
-    opt = build_optimizer({}, model, 1e-3)
+    opt = build_optimizer(validate_section("optimizer", {}), model, 1e-3)
     assert all(p is not model.output_layer.weight for g in opt.param_groups for p in g["params"])
 
 
@@ -96,14 +109,16 @@ def test_summary_table_is_logged(caplog):
 
     logging.getLogger("lmforge").propagate = True
     caplog.set_level(logging.DEBUG, logger="lmforge")
-    build_optimizer({"weight_decay_exclude": ["linear_proj"]}, TinyLM(), 1e-3)
+    build_optimizer(validate_section("optimizer", {"weight_decay_exclude": ["linear_proj"]}), TinyLM(), 1e-3)
     assert "group" in caplog.text and "lr scale" in caplog.text
     assert "reason: custom_exclude:linear_proj" in caplog.text
 
 
 def test_muon_routes_by_shape_and_adamw_include():
     model = TinyLM()
-    opt = build_optimizer({"type": "Muon", "qk_clip_enabled": False}, model, 1e-3)
+    opt = build_optimizer(
+        validate_section("optimizer", {"type": "Muon", "qk_clip_enabled": False}), model, 1e-3
+    )
     route = {n: g["route"] for g in opt.param_groups for n in g["param_names"]}
     assert route["decoder.layers.0.self_attention.linear_qkv.weight"] == "muon"
     assert route["decoder.layers.0.mlp.linear_fc2.weight"] == "muon"
@@ -118,7 +133,11 @@ def test_muon_routes_by_shape_and_adamw_include():
 def test_pipeline_chunks_share_one_optimizer_and_the_same_rules():
     first, last = TinyLM(), TinyLM()
     opt = build_optimizer(
-        {"weight_decay_exclude": ["linear_proj"], "lr_scale": {"output_layer": 0.5}}, [first, last], 1e-3
+        validate_section(
+            "optimizer", {"weight_decay_exclude": ["linear_proj"], "lr_scale": {"output_layer": 0.5}}
+        ),
+        [first, last],
+        1e-3,
     )
     params = [p for g in opt.param_groups for p in g["params"]]
     assert len(params) == len(list(first.parameters())) + len(list(last.parameters()))
@@ -133,11 +152,14 @@ def test_weight_decay_values_per_pattern_apply_only_to_decaying_parameters():
     # The article's groups: embedding 0.02, transformer layers 0.01; norms and biases keep 0.
     model = TinyLM()
     opt = build_optimizer(
-        {
-            "weight_decay": 0.1,
-            "weight_decay_include": ["*word_embeddings*"],  # TinyLM declares the embedding no-decay
-            "weight_decay_values": {"*word_embeddings*": 0.02, "decoder.layers": 0.01},
-        },
+        validate_section(
+            "optimizer",
+            {
+                "weight_decay": 0.1,
+                "weight_decay_include": ["*word_embeddings*"],  # TinyLM declares the embedding no-decay
+                "weight_decay_values": {"*word_embeddings*": 0.02, "decoder.layers": 0.01},
+            },
+        ),
         model,
         1e-3,
     )
@@ -174,5 +196,5 @@ def test_weight_decay_values_per_pattern_apply_only_to_decaying_parameters():
 )
 def test_weight_decay_values_validation(value, needle):
     with pytest.raises(ConfigError) as info:
-        build_optimizer({"weight_decay_values": value}, TinyLM(), 1e-3)
+        build_optimizer(validate_section("optimizer", {"weight_decay_values": value}), TinyLM(), 1e-3)
     assert needle in str(info.value)

@@ -21,6 +21,8 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lmforge.config import validate_section
+
 LR = 3e-3
 MAX_NORM = 1.0
 
@@ -132,7 +134,7 @@ def make_optimizer(model, optimizer: dict[str, Any] | None):
         return torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     from lmforge.optim import build_optimizer
 
-    return build_optimizer(optimizer, model, LR)
+    return build_optimizer(validate_section("optimizer", optimizer), model, LR)
 
 
 def reference_run(
@@ -227,7 +229,7 @@ def build_parallel(rank: int, world: int, spec: dict[str, Any]):
     from lmforge.models import build_model
     from lmforge.parallel import ParallelDims, accumulation_steps, parallelize
 
-    par = spec["parallelism"]
+    par = validate_section("parallelism", spec["parallelism"])
     dims = ParallelDims.from_section(par, world)
     mesh = dims.build_mesh("cpu")
     accum = accumulation_steps(spec["gbs"], spec["lbs"], dims.dp)

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
+from lmforge.config import validate_section
 from lmforge.optim.builder import build_optimizer
 from lmforge.parallel import fsdp
 from lmforge.parallel.fsdp_one_rank import make_one_rank_reduce_scatter
@@ -54,7 +55,7 @@ def _train(default_comms: bool, steps: int = 3, all_gathers: list | None = None)
 def train_steps(model, ctx, section: dict, steps: int = 3) -> dict[str, torch.Tensor]:
     """``steps`` AdamW steps of two micro-batches each (the second reduction accumulates into the first's
     gradients) on fixed random tokens; the full parameters after them."""
-    opt = build_optimizer(ADAMW, model, 1e-3)
+    opt = build_optimizer(validate_section("optimizer", ADAMW), model, 1e-3)
     step = TrainStep(model, opt, None, max_norm=1.0, ctx=ctx)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):

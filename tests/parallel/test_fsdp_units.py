@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from lmforge.config import validate_section
 from lmforge.parallel import fsdp
 from lmforge.train.builder import build_training_model
 
@@ -61,7 +62,10 @@ def test_fp32_keeps_a_unit_per_layer(parallelism):
     # In fp32 a larger unit would hold more fp32 copies and gradients at once; that holds whether the
     # copies are resharded after forward (the default) or kept to backward (ZeRO-2).
     model, _ = build_training_model(
-        {**SECTION, "compute_dtype": "float32"}, seed=0, device="cpu", parallelism=parallelism
+        {**SECTION, "compute_dtype": "float32"},
+        seed=0,
+        device="cpu",
+        parallelism=validate_section("parallelism", parallelism),
     )
     assert _units(model) == [[f"decoder.layers.{i}"] for i in range(4)]
 

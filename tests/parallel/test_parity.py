@@ -201,7 +201,13 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         _case("tp_mla_shared_experts", "deepseek", tensor_parallel=2),
         _case("tp_mtp", "deepseek_mtp", tensor_parallel=2),
         _case("tp_mla_no_q_lora", "deepseek_no_q_lora", tensor_parallel=2),
-        _case("ep_mla", "deepseek", expert_parallel=2, moe_token_dispatcher_type="alltoall_deredundancy"),
+        _case(
+            "ep_mla",
+            "deepseek",
+            expert_parallel=2,
+            moe_token_dispatcher_type="alltoall_deredundancy",
+            npu_nums_per_device=2,
+        ),
         _case(
             "muon_qkclip_cp_ulysses", "deepseek", MUON, context_parallel=2, context_parallel_method="ulysses"
         ),

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lmforge.config import ParallelismConfig
 from lmforge.models import build_model
 
 from .harness import tiny_llama
@@ -87,7 +88,7 @@ def test_routers_and_experts_keep_dtensor_weights_and_read_them_in_their_own_for
     model = build_model(tiny_qwen3_moe(), seed=3)
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("ep", "tp"))
     if layout == "ep_x_tp":
-        apply_ep(model, mesh["ep"], {"moe_token_dispatcher_type": "alltoall"}, tp_mesh=mesh["tp"])
+        apply_ep(model, mesh["ep"], ParallelismConfig(), tp_mesh=mesh["tp"])
     apply_tp(model, mesh["tp"])
     weights = []
     for moe in moe_layers(model):

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from lmforge.cli import main
-from lmforge.config import load_config
+from lmforge.config import load_config, validate_section
 from lmforge.models import build_model, build_model_config
 from lmforge.parallel import ParallelDims
 from lmforge.parallel.memory import estimate_memory
@@ -63,7 +63,7 @@ def test_plan_memory_is_checks_estimate(recipe):
     }
     est = estimate_memory(
         net,
-        ParallelDims.from_section(section, 8),
+        ParallelDims.from_section(validate_section("parallelism", section), 8),
         compute_dtype=torch.bfloat16,
         optimizer_type="Muon",
         seq_length=mc.seq_length,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from lmforge.cli import main
-from lmforge.config import load_config
-from lmforge.optim.options import parse_optimizer_section
+from lmforge.config import ParallelismConfig, load_config
+from lmforge.optim import parse_optimizer_section
 from lmforge.train.builder import _storage_device, _with_offload, build_trainer
 from lmforge.train.preflight import check_cpu_offload_on_one_process
 
@@ -18,12 +18,13 @@ from .test_train_cli import ADAMW, write_config
 def test_on_an_accelerator_offload_states_is_fsdp2_cpu_offload(tmp_path):
     cuda = torch.device("cuda", 0)
     offload = parse_optimizer_section({"type": "AdamW", "offload_states": True})
-    section = _with_offload({"cpu_offload": False}, offload, cuda)
-    assert section["cpu_offload"] is True and _storage_device(section, cuda).type == "cpu"
+    resident_params = ParallelismConfig(cpu_offload=False)
+    section = _with_offload(resident_params, offload, cuda)
+    assert section.cpu_offload is True and _storage_device(section, cuda).type == "cpu"
     resident = parse_optimizer_section({"type": "AdamW"})
-    assert _with_offload({"cpu_offload": False}, resident, cuda) == {"cpu_offload": False}
+    assert _with_offload(resident_params, resident, cuda) == resident_params
     # On a CPU the parameters and states already are in host memory: nothing to change.
-    assert _with_offload({"cpu_offload": False}, offload, torch.device("cpu")) == {"cpu_offload": False}
+    assert _with_offload(resident_params, offload, torch.device("cpu")) == resident_params
     path = write_config(tmp_path, ADAMW, steps=1)
     on = load_config(path, ["parallelism.cpu_offload=true"]).parallelism
     assert check_cpu_offload_on_one_process(on, "cuda") is None  # accepted: FSDP2 offloads one process too

@@ -27,6 +27,16 @@ INERT_FIELDS: dict[str, str] = {
     "parallelism.pipeline_parallel_microbatch_size": "set at run time to the number of gradient-accumulation "
     "steps (as the original does)",
     "parallelism.pipeline_parallel_p2p_transport": "torch.distributed.pipelining chooses its own transport",
+    "parallelism.pipeline_parallel_overlap_p2p": "P2P/compute overlap is left to torch.distributed.pipelining",
+    "parallelism.pipeline_parallel_overlap_b_f": "backward/forward overlap is left to "
+    "torch.distributed.pipelining",
+    "parallelism.pipeline_parallel_enable_dxdw_split": "the dx/dw split (zero-bubble) schedules are not wired "
+    "to this switch",
+    "parallelism.expert_parallel_use_safe_tokens": "an Ascend dispatch safety switch; the all-to-all here is "
+    "exact",
+    "parallelism.enable_loss_parallel": "under tp the loss is vocabulary-parallel whenever "
+    "model.loss_chunk_size > 0 (the default) and computed from gathered logits at 0, whatever this key says "
+    "(same value)",
     "train_dataset.numa_enable": "NUMA binding of MindSpore's data pipeline",
     "profiler.mstx": "Ascend's lightweight marker collection; use torch.profiler record_function ranges",
     "optimizer.accumulate_allreduce_grads_in_fp32": "gradients are always accumulated in fp32 (as in the "
@@ -88,4 +98,37 @@ def collect_warnings(raw: Mapping[str, Any], cfg: Any) -> list[str]:
             "parallelism.sequence_parallel: False is overridden: sequence parallel is always on when "
             f"tensor_parallel > 1 (here {cfg.parallelism.tensor_parallel}), as the spec says."
         )
+    warnings.extend(_conditionally_inert(cfg.parallelism))
     return warnings
+
+
+def _conditionally_inert(parallelism: Any) -> list[str]:
+    # Settings that do something in some layouts only; the section's own values say which.
+    notes = []
+    if parallelism.context_parallel_async and parallelism.context_parallel == 1:
+        notes.append(
+            "parallelism.context_parallel_async: true has no effect with context_parallel 1 (there is no "
+            "context-parallel communication to overlap)."
+        )
+    if parallelism.disable_gradient_division is False:
+        notes.append(
+            "parallelism.disable_gradient_division: false has no numerical effect: lmforge always sums "
+            "gradients over data-parallel ranks and divides once, by the global token count, in the loss."
+        )
+    return notes
+
+
+def inert_keys(path: str, section: Any) -> list[str]:
+    """The keys of the typed section at ``path`` (e.g. ``"parallelism"``) that INERT_FIELDS lists and that
+    ``section`` sets to something other than their default (what ``lmforge check`` names)."""
+    cls = type(section)
+    named = []
+    for dotted in INERT_FIELDS:
+        owner, name = dotted.rsplit(".", 1)
+        if (
+            owner == path
+            and name in cls.model_fields
+            and getattr(section, name) != cls.model_fields[name].default
+        ):
+            named.append(name)
+    return named

@@ -131,13 +131,6 @@ class TrainConfig(OpenSection):
             section._typed = typed_section("lr_scheduler", section.type, section, "lr_scheduler", info.data)
         return section
 
-    @field_validator("optimizer", mode="after")
-    @classmethod
-    def _type_optimizer(cls, section: OptimizerConfig) -> OptimizerConfig:
-        # The optimizer's keys depend on its type: the schema optim/ registered for it validates them.
-        section._typed = typed_section("optimizer", section.type, section, "optimizer", {})
-        return section
-
     @field_validator("model", mode="after")
     @classmethod
     def _type_model(cls, section: ModelConfig) -> ModelConfig:

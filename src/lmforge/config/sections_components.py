@@ -43,6 +43,13 @@ class OptimizerConfig(OpenSection):
             raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
         return self
 
+    @model_validator(mode="after")
+    def _type_by_type(self) -> OptimizerConfig:
+        # The optimizer's keys depend on its type: the schema optim/ registered for it validates them
+        # whenever the section is typed (load_config, or validate_section("optimizer", ...)).
+        self._typed = typed_section("optimizer", self.type, self, "optimizer", {})
+        return self
+
 
 class LrSchedulerConfig(OpenSection):
     type: str

@@ -13,7 +13,8 @@ from lmforge.config.layer_spec import parse_layer_specs
 # --------------------------------------------------------------------------------------------------
 # parallelism
 
-SHARD_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# ZeRO-1, ZeRO-2, ZeRO-3 (docs/compatibility.md: ZeRO-1 runs as ZeRO-2, FSDP2 always shards gradients)
+SHARD_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 RESHARD_POLICIES = ("always", "never", "default")
 CP_METHODS = ("colossal", "ulysses", "hybrid")
 PP_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")

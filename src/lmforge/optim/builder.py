@@ -7,17 +7,18 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from lmforge.config.sections_components import OptimizerConfig
 from lmforge.errors import ConfigError
 from lmforge.optim.adamw import AdamW
 from lmforge.optim.lamb import LAMB
 from lmforge.optim.lion import Lion
-from lmforge.optim.matching import first_matching_glob
 from lmforge.optim.model_chunks import as_model
 from lmforge.optim.moment_dtype import MOMENT_DTYPES
 from lmforge.optim.muon import Muon, is_muon_shape
-from lmforge.optim.options import OptimizerOptions, parse_optimizer_section
+from lmforge.optim.options import OptimizerOptions
 from lmforge.optim.param_groups import build_param_groups
 from lmforge.optim.update_rule import UpdateRuleOptimizer
+from lmforge.utils.name_patterns import first_match
 
 
 def initial_lr(lr: Any) -> float:
@@ -28,26 +29,26 @@ def initial_lr(lr: Any) -> float:
 
 
 def build_optimizer(
-    section: Any,
+    section: OptimizerConfig | OptimizerOptions,
     model: nn.Module | list[nn.Module] | None,
     lr: Any,
     *,
     qk_clip_group: dist.ProcessGroup | None = None,
 ) -> UpdateRuleOptimizer:
-    """Build the optimizer the section describes over ``model``'s trainable parameters.
+    """Build the optimizer of the typed ``optimizer`` section over ``model``'s trainable parameters.
 
+    ``section`` is ``cfg.optimizer`` (or ``lmforge.config.validate_section("optimizer", mapping)``),
+    typed at load into :class:`OptimizerOptions`, or those options themselves (the run plan's).
     ``lr`` is a float or a schedule (``lr_at(step)``); each group's ``lr`` starts at
     ``initial lr * lr_scale``. ``qk_clip_group`` is the data x context parallel group over which
     Muon's QK-Clip max logits are reduced (default: the world group when distributed).
     """
-    # The run plan passes the options it already validated; a section (tests, tools) is parsed here.
-    typed = getattr(section, "typed", None)  # load_config typed the section (lmforge.optim.schema)
-    if isinstance(section, OptimizerOptions):
-        opts = section
-    elif isinstance(typed, OptimizerOptions):
-        opts = typed
-    else:
-        opts = parse_optimizer_section(section)
+    opts = section if isinstance(section, OptimizerOptions) else getattr(section, "typed", None)
+    if not isinstance(opts, OptimizerOptions):
+        raise TypeError(
+            "build_optimizer takes the typed optimizer section (load_config's cfg.optimizer, or "
+            f"lmforge.config.validate_section('optimizer', mapping)), got {type(section).__name__}"
+        )
     if model is None:
         key = "type"
         raise ConfigError(
@@ -59,14 +60,14 @@ def build_optimizer(
     model = as_model(model)
     lr0 = initial_lr(lr)
     h = opts.hyper
-    if h.get("offload_states"):
+    if h.offload_states:
         _check_states_in_host_memory(model)
 
     if opts.type == "Muon":
-        patterns = h["adamw_include"]
+        patterns = h.adamw_include
 
         def route(p, names):
-            if is_muon_shape(p) and first_matching_glob(names, patterns) is None:
+            if is_muon_shape(p) and first_match(names, patterns) is None:
                 return "muon"
             return "adamw"
 
@@ -82,19 +83,19 @@ def build_optimizer(
         return AdamW(
             groups,
             lr=lr0,
-            betas=h["betas"],
-            eps=h["eps"],
+            betas=h.betas,
+            eps=h.eps,
             weight_decay=opts.grouping.weight_decay,
-            amsgrad=h["amsgrad"],
-            maximize=h["maximize"],
+            amsgrad=h.amsgrad,
+            maximize=h.maximize,
             model=model,
-            moment_dtype=MOMENT_DTYPES[h["moment_dtype"]],
+            moment_dtype=MOMENT_DTYPES[h.moment_dtype],
         )
     if opts.type == "Lion":
         return Lion(
             groups,
             lr=lr0,
-            betas=h["betas"],
+            betas=h.betas,
             weight_decay=opts.grouping.weight_decay,
             model=model,
         )
@@ -102,8 +103,8 @@ def build_optimizer(
         return LAMB(
             groups,
             lr=lr0,
-            betas=h["betas"],
-            eps=h["eps"],
+            betas=h.betas,
+            eps=h.eps,
             weight_decay=opts.grouping.weight_decay,
             model=model,
         )
@@ -111,20 +112,20 @@ def build_optimizer(
         groups,
         lr=lr0,
         weight_decay=opts.grouping.weight_decay,
-        matched_adamw_rms=h["matched_adamw_rms"],
-        momentum=h["momentum"],
-        eps=h["eps"],
-        nesterov=h["nesterov"],
-        ns_schedule=h["ns_schedule"],
-        adamw_betas=h["adamw_betas"],
-        adamw_eps=h["adamw_eps"],
-        qk_clip_enabled=h["qk_clip_enabled"],
-        qk_clip_threshold=h["qk_clip_threshold"],
-        comm_strategy=h["comm_strategy"],
-        ns_dtype=h["ns_dtype"],
+        matched_adamw_rms=h.matched_adamw_rms,
+        momentum=h.momentum,
+        eps=h.eps,
+        nesterov=h.nesterov,
+        ns_schedule=h.ns_schedule,
+        adamw_betas=h.adamw_betas,
+        adamw_eps=h.adamw_eps,
+        qk_clip_enabled=h.qk_clip_enabled,
+        qk_clip_threshold=h.qk_clip_threshold,
+        comm_strategy=h.comm_strategy,
+        ns_dtype=h.ns_dtype,
         model=model,
         qk_clip_group=qk_clip_group,
-        moment_dtype=MOMENT_DTYPES[h["moment_dtype"]],
+        moment_dtype=MOMENT_DTYPES[h.moment_dtype],
     )
 
 

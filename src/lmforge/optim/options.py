@@ -86,11 +86,68 @@ class GroupingOptions:
     weight_decay_values: list[tuple[str, float]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class AdamWHyper:
+    betas: tuple[float, float]
+    eps: float
+    amsgrad: bool
+    maximize: bool
+    offload_states: bool
+    moment_dtype: str  # "float32" or "bfloat16" (lmforge.optim.moment_dtype)
+
+
+@dataclass(frozen=True)
+class LionHyper:
+    betas: tuple[float, float]
+    offload_states: bool
+    moment_dtype: str = "float32"  # compressed moments are AdamW's and Muon's only
+
+
+@dataclass(frozen=True)
+class LAMBHyper:
+    betas: tuple[float, float]
+    eps: float
+    offload_states: bool
+    moment_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class MuonHyper:
+    matched_adamw_rms: float
+    momentum: float
+    eps: float
+    nesterov: bool
+    ns_steps: int
+    ns_schedule: tuple[tuple[float, float, float], ...]  # one (a, b, c) per Newton-Schulz step
+    adamw_betas: tuple[float, float]
+    adamw_eps: float
+    qk_clip_enabled: bool
+    qk_clip_threshold: float
+    comm_strategy: str
+    use_fused_adamw: bool
+    adamw_include: list[str]
+    ns_dtype: str
+    moment_dtype: str
+    offload_states: bool = False  # refused for Muon when set
+
+
+Hyper = AdamWHyper | LionHyper | LAMBHyper | MuonHyper
+_HYPER_CLASSES: dict[str, type] = {
+    "AdamW": AdamWHyper,
+    "Lion": LionHyper,
+    "LAMB": LAMBHyper,
+    "Muon": MuonHyper,
+}
+
+
 @dataclass
 class OptimizerOptions:
+    """The typed ``optimizer`` section: the grouping every type shares and the hyper-parameters of
+    ``type`` (one class per type, so a builder reads attributes, never string keys)."""
+
     type: str
     grouping: GroupingOptions
-    hyper: dict[str, Any]  # validated type-specific hyper-parameters (see _DEFAULTS)
+    hyper: Hyper
     ignored_keys: list[str] = field(default_factory=list)
 
 
@@ -309,7 +366,7 @@ def parse_optimizer_section(section: Any) -> OptimizerOptions:
     # ``enable_cpu_offload`` is the original AdamW's spelling (rejected there); lmforge implements it.
     if "enable_cpu_offload" in given and kind != "Muon":
         raw["offload_states"] = raw.pop("enable_cpu_offload")
-    hyper: dict[str, Any] = {k: raw[k] for k in defaults if k not in ("weight_decay",)}
+    hyper: dict[str, Any] = {k: raw[k] for k in defaults if k not in ("weight_decay",)}  # checked below
     if kind == "Muon":
         for key in ("offload_states", "enable_cpu_offload"):
             if raw.get(key):
@@ -354,4 +411,13 @@ def parse_optimizer_section(section: Any) -> OptimizerOptions:
             " (Muon's AdamW branch uses adamw_betas / adamw_eps)" if kind == "Muon" and key == "betas" else ""
         )
         logger.warning("optimizer.%s is not used by the %s optimizer and has no effect%s.", key, kind, hint)
-    return OptimizerOptions(type=kind, grouping=grouping, hyper=hyper, ignored_keys=ignored)
+    return OptimizerOptions(
+        type=kind, grouping=grouping, hyper=_typed_hyper(kind, hyper), ignored_keys=ignored
+    )
+
+
+def _typed_hyper(kind: str, checked: dict[str, Any]) -> Hyper:
+    # Every value was checked above; Muon's coefficients became ``ns_schedule``.
+    cls = _HYPER_CLASSES[kind]
+    names = cls.__dataclass_fields__
+    return cls(**{k: v for k, v in checked.items() if k in names})

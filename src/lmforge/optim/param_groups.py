@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from lmforge.errors import ConfigError
-from lmforge.optim.matching import first_matching_rule
 from lmforge.optim.options import GroupingOptions
 from lmforge.utils.logging import get_logger
+from lmforge.utils.name_patterns import first_match
 
 logger = get_logger("lmforge.optim")
 
@@ -65,10 +65,10 @@ def model_no_decay_names(model: nn.Module) -> tuple[set[str], list[str]]:
 def _decay_decision(
     p: torch.Tensor, names: list[str], opts: GroupingOptions, no_decay: set[str], keywords: list[str]
 ) -> tuple[float, str]:
-    rule = first_matching_rule(names, opts.weight_decay_include)
+    rule = first_match(names, opts.weight_decay_include)
     if rule is not None:
         return opts.weight_decay, f"custom_include:{rule}"
-    rule = first_matching_rule(names, opts.weight_decay_exclude)
+    rule = first_match(names, opts.weight_decay_exclude)
     if rule is not None:
         return 0.0, f"custom_exclude:{rule}"
     if p.dim() == 1:
@@ -87,7 +87,7 @@ def _decay_value(names: list[str], opts: GroupingOptions, wd: float, reason: str
     decays = reason == "default" or reason.startswith("custom_include:")
     if not decays:
         return wd, reason
-    rule = first_matching_rule(names, [r for r, _ in opts.weight_decay_values])
+    rule = first_match(names, [r for r, _ in opts.weight_decay_values])
     if rule is None:
         return wd, reason
     return dict(opts.weight_decay_values)[rule], f"{reason}+value:{rule}"
@@ -100,7 +100,7 @@ def classify_parameters(
     infos = []
     for p, names in trainable_parameters(model):
         wd, reason = _decay_value(names, opts, *_decay_decision(p, names, opts, no_decay, keywords))
-        lr_rule = first_matching_rule(names, [r for r, _ in opts.lr_scale])
+        lr_rule = first_match(names, [r for r, _ in opts.lr_scale])
         lr_scale = dict(opts.lr_scale)[lr_rule] if lr_rule is not None else 1.0
         infos.append(ParamInfo(p, names, wd, reason, lr_scale, route(p, names) if route else "default"))
         logger.debug(

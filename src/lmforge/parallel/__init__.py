@@ -6,8 +6,8 @@ Entry points: :class:`ParallelDims` (degrees from the ``parallelism`` section an
 :func:`accumulation_steps`, and :func:`estimate_memory` for ``lmforge check --world-size N``.
 """
 
-from lmforge.parallel.api import ParallelInfo, parallelize, validate_options
-from lmforge.parallel.dims import ParallelDims, ParallelMesh, parallelism_options
+from lmforge.parallel.api import ParallelInfo, parallelize
+from lmforge.parallel.dims import ParallelDims, ParallelMesh
 from lmforge.parallel.memory import MemoryEstimate, describe_ranks, estimate_memory
 from lmforge.parallel.plan import BatchSchedule, RunPlan, accumulation_steps
 
@@ -21,7 +21,5 @@ __all__ = [
     "accumulation_steps",
     "describe_ranks",
     "estimate_memory",
-    "parallelism_options",
     "parallelize",
-    "validate_options",
 ]

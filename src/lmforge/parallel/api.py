@@ -3,8 +3,9 @@
 Order: pipeline split → expert parallel → tensor + sequence parallel → context parallel → activation
 recompute / swap (a hook from ``parallel/activation.py``) → FSDP2. Then the caller materialises the model (``to_empty`` + ``init_weights`` or a checkpoint load).
 
-Fields that are accepted without an effect (Ascend-specific overlap and fusion switches) warn once at
-run time when set to a non-default value; see docs/parallel.md.
+``section`` is the typed ``parallelism`` section: its values were checked when it was typed (and the
+fields accepted without an effect were named then, by ``lmforge.config.inert``); the degrees in
+``dims`` were derived from it once, by ``ParallelDims.from_section``. Nothing here re-validates it.
 """
 
 from __future__ import annotations
@@ -17,71 +18,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.errors import ConfigError, NotSupportedError
 from lmforge.models.common.transformer_config import TransformerConfig
-from lmforge.parallel.cp import DocumentMask, apply_cp, shard_batch, validate_cp_options
-from lmforge.parallel.dims import ParallelDims, ParallelMesh, parallelism_options
+from lmforge.parallel.cp import DocumentMask, apply_cp, shard_batch
+from lmforge.parallel.dims import ParallelDims, ParallelMesh
 from lmforge.parallel.ep import apply_ep
 from lmforge.parallel.fsdp import apply_fsdp
-from lmforge.parallel.pp import Pipeline, refuse_direct_calls, split_for_pipeline, validate_pp_options
+from lmforge.parallel.pp import Pipeline, refuse_direct_calls, split_for_pipeline
 from lmforge.parallel.tp import apply_tp
 
 logger = logging.getLogger(__name__)
-
-# Accepted, no effect here (Ascend/HyperParallel performance switches); a warning names each one set.
-INERT_FIELDS = {
-    "pipeline_parallel_overlap_p2p": "P2P/compute overlap is left to torch.distributed.pipelining",
-    "pipeline_parallel_overlap_b_f": "backward/forward overlap is left to torch.distributed.pipelining",
-    "pipeline_parallel_enable_dxdw_split": "the dx/dw split (zero-bubble) schedules are not wired to this switch",
-    "pipeline_parallel_p2p_transport": "P2P goes through the process group's send/recv",
-    "enable_mc2": "MC2 is an Ascend matmul+communication fusion",
-    "expert_parallel_async_d2h": "an Ascend host/device copy optimisation",
-    "expert_parallel_use_safe_tokens": "an Ascend dispatch safety switch; the all-to-all here is exact",
-    "enable_loss_parallel": "under tp the loss is vocabulary-parallel whenever model.loss_chunk_size > 0 (the default) and computed from gathered logits at 0, whatever this key says (same value)",
-    "npu_nums_per_device": "only read by the alltoall_deredundancy check",
-    "pipeline_parallel_microbatch_size": "overwritten by the number of accumulation steps, as in the original",
-}
-
-
-def warn_inert_fields(opts: dict[str, Any]) -> list[str]:
-    """Warn for every accepted-but-inert field set to a non-default value; return their names."""
-    from lmforge.parallel.dims import PARALLELISM_DEFAULTS
-
-    named = []
-    for key, why in INERT_FIELDS.items():
-        if key in opts and opts[key] != PARALLELISM_DEFAULTS[key]:
-            named.append(key)
-            logger.warning("parallelism.%s=%r has no effect in lmforge: %s.", key, opts[key], why)
-    if opts.get("sequence_parallel") is False and opts.get("tensor_parallel", 1) > 1:
-        logger.info("sequence parallel is always on with tensor parallel (the spec's behaviour).")
-    if opts.get("context_parallel_async") and opts.get("context_parallel", 1) == 1:
-        named.append("context_parallel_async")
-        logger.warning(
-            "parallelism.context_parallel_async: true has no effect with context_parallel 1 (there is no "
-            "context-parallel communication to overlap)."
-        )
-    if opts.get("disable_gradient_division") is False:
-        logger.warning(
-            "parallelism.disable_gradient_division: false has no numerical effect: lmforge always sums gradients "
-            "over data-parallel ranks and divides once, by the global token count, in the loss."
-        )
-    return named
-
-
-def validate_options(section: Any, dims: ParallelDims) -> dict[str, Any]:
-    """Every value check that needs no process group (also used by ``lmforge check``)."""
-    from lmforge.parallel.fsdp import _reshard_after_forward
-
-    opts = parallelism_options(section)
-    _reshard_after_forward(opts)
-    validate_cp_options(opts, dims.cp, dims.ulysses)
-    validate_pp_options(opts, dims.pp)
-    if opts["dense_fsdp_shard_size"] is not None:
-        raise ConfigError(
-            "parallelism.dense_fsdp_shard_size is not supported: the original declares it without documenting it; "
-            "use parallelism.data_parallel_shard (HSDP) and parallelism.expert_parallel, and leave it unset."
-        )
-    return opts
 
 
 @dataclass
@@ -220,7 +167,7 @@ def parallelize(
     model: nn.Module,
     dims: ParallelDims,
     mesh: ParallelMesh,
-    section: Any,
+    section: ParallelismConfig,
     *,
     compute_dtype: torch.dtype | None = None,
     num_microbatches: int = 1,
@@ -230,45 +177,42 @@ def parallelize(
     """Apply every configured parallelism to ``model`` (on meta) in place; return it and the trainer facts."""
     from torch.distributed.tensor import DTensor
 
-    opts = validate_options(section, dims)
-    warn_inert_fields(opts)
     compute_dtype = compute_dtype or getattr(model, "compute_dtype", torch.float32)
     device = device or torch.device(mesh.world.device_type)
     cfg = getattr(model, "config", None)
     if isinstance(cfg, TransformerConfig):
-        dims.check_transformer(cfg, opts)
+        dims.check_transformer(cfg, section)
     refuse_unsupported(model, dims)
     tied_output = getattr(model, "output_layer", "missing") is None  # before pipeline pruning clears it
     stage_specs = None
     if dims.pp > 1:
         pp_mesh = mesh["pp"]
-        stage_specs = split_for_pipeline(model, pp_rank=pp_mesh.get_local_rank(), pp=dims.pp, opts=opts)
+        stage_specs = split_for_pipeline(model, pp_rank=pp_mesh.get_local_rank(), pp=dims.pp, section=section)
     # Experts first: their weights become (ep, tp) DTensors, which tensor parallel then leaves alone.
     if dims.ep > 1:
-        apply_ep(model, mesh.expert["ep"], opts, tp_mesh=mesh["tp"] if dims.tp > 1 else None)
+        apply_ep(model, mesh.expert["ep"], section, tp_mesh=mesh["tp"] if dims.tp > 1 else None)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
         _install_tp_output(model, mesh["tp"])
     if dims.tp > 1 or dims.cp > 1:
         _check_sequence_length(model, dims)
     if dims.cp > 1:
-        method = validate_cp_options(opts, dims.cp, dims.ulysses)
         # Document masks: one micro-batch's forward and backward at a time, so not under pipeline parallel.
         doc_mask = DocumentMask() if dims.pp == 1 else None
-        apply_cp(model, mesh["cp"], method, split_mesh=mesh.cp_split, doc_mask=doc_mask)
+        apply_cp(model, mesh["cp"], dims.cp_method, split_mesh=mesh.cp_split, doc_mask=doc_mask)
         _install_cp_io(model, mesh["cp"], doc_mask)
     if apply_activation is not None:
         apply_activation(model)
     pipeline = None
     if dims.pp > 1:
-        n_stages = dims.pp * opts["pipeline_parallel_interleave_num"]
+        n_stages = dims.pp * section.pipeline_parallel_interleave_num
         pipeline = Pipeline(
             model,
             stage_specs,
             pp_mesh=mesh["pp"],
             cp_mesh=mesh["cp"],  # the pipeline shards each micro-batch over cp itself (no model call)
             n_stages=n_stages,
-            schedule=opts["pipeline_parallel_schedule"],
+            schedule=section.pipeline_parallel_schedule,
             num_microbatches=num_microbatches,
             device=device,
             compute_dtype=compute_dtype,
@@ -293,7 +237,7 @@ def parallelize(
         apply_fsdp(
             root,
             mesh.fsdp_mesh(),
-            opts,
+            section,
             compute_dtype=compute_dtype,
             expert_mesh=expert_mesh,
             layers=_layers_of(root, model),

@@ -32,35 +32,7 @@ from lmforge.errors import ConfigError, DataError
 from lmforge.models.common.attention import CoreAttention, segment_attention
 from lmforge.models.common.masks import DocumentSegments, attention_layout
 
-CP_METHODS = ("colossal", "ulysses", "hybrid")  # hybrid: Ulysses groups of ulysses_degree_in_cp
 SEQUENCE_KEYS = ("input_ids", "labels", "loss_mask", "position_ids")
-
-
-def validate_cp_options(opts: dict[str, Any], cp: int, ulysses: int) -> str:
-    """The CP method to use, or a ConfigError for a combination that is not implemented."""
-    method = opts["context_parallel_method"]
-    if method not in CP_METHODS:
-        raise ConfigError(
-            f"parallelism.context_parallel_method must be one of {list(CP_METHODS)} ('colossal': load-balanced "
-            f"all-gather-KV attention; 'ulysses': all-to-all over heads; 'hybrid': Ulysses in groups of "
-            f"ulysses_degree_in_cp, KV gathered across them), got {method!r}."
-        )
-    if opts["context_parallel_mask_type"] != "causal":
-        raise ConfigError(
-            "parallelism.context_parallel_mask_type supports only 'causal' (document boundaries come from the "
-            "data's attention_mask / actual_seq_len columns, which context parallel honours), got "
-            f"{opts['context_parallel_mask_type']!r}."
-        )
-    if cp > 1 and opts["context_parallel_async"]:
-        raise ConfigError(
-            "parallelism.context_parallel_async: true (the original's Hyper-Parallel asynchronous CP hook on "
-            "Ascend) is not supported; set it to false."
-        )
-    if cp > 1 and 1 < ulysses < cp:
-        return "hybrid"
-    if method == "ulysses" or (cp > 1 and ulysses == cp):
-        return "ulysses"
-    return "colossal"
 
 
 def chunk_order(cp: int) -> list[int]:

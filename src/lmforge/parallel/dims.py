@@ -15,35 +15,50 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lmforge.models.common.transformer_config import TransformerConfig
 
 logger = logging.getLogger(__name__)
 
 # Outermost to innermost; TP innermost keeps its (most frequent) collectives between neighbours.
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
-# The typed section's defaults (config/sections_parallel.py): one place, not a copy.
-PARALLELISM_DEFAULTS: dict[str, Any] = {
-    name: field.default for name, field in ParallelismConfig.model_fields.items()
-}
 
+def refuse_unimplemented(section: ParallelismConfig) -> None:
+    """Values the spec allows that lmforge does not implement: refused, never ignored.
 
-def parallelism_options(section: Any) -> dict[str, Any]:
-    """The ``parallelism`` section as a plain dict with every default filled in."""
-    opts = dict(PARALLELISM_DEFAULTS)
-    plain = section.to_dict() if hasattr(section, "to_dict") else dict(section or {})
-    opts.update({k: v for k, v in plain.items() if v is not None or k in opts})
-    return opts
-
-
-def _positive_int(opts: dict[str, Any], key: str) -> int:
-    value = opts[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"parallelism.{key} must be a positive integer (1 disables it), got {value!r}.")
-    return value
+    A file that sets them is valid (it loads, as the original's does); it cannot run here, so the
+    run plan refuses it before anything is built. ``from_section`` calls this, so every path from the
+    section to the degrees (train, check, tools) refuses them once.
+    """
+    p = "parallelism"
+    if section.context_parallel_mask_type != "causal":
+        raise ConfigError(
+            f"{p}.context_parallel_mask_type supports only 'causal' (document boundaries come from the "
+            "data's attention_mask / actual_seq_len columns, which context parallel honours), got "
+            f"{section.context_parallel_mask_type!r}."
+        )
+    if section.context_parallel > 1 and section.context_parallel_async:
+        raise ConfigError(
+            f"{p}.context_parallel_async: true (the original's Hyper-Parallel asynchronous CP hook on "
+            "Ascend) is not supported; set it to false."
+        )
+    interleave, schedule = section.pipeline_parallel_interleave_num, section.pipeline_parallel_schedule
+    if section.pipeline_parallel > 1 and interleave > 1 and schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"{p}.pipeline_parallel_interleave_num={interleave} needs "
+            f"{p}.pipeline_parallel_schedule: interleaved_1f1b (got {schedule!r})."
+        )
+    if section.dense_fsdp_shard_size is not None:
+        raise ConfigError(
+            f"{p}.dense_fsdp_shard_size is not supported: the original declares it without documenting "
+            f"it; use {p}.data_parallel_shard (HSDP) and {p}.expert_parallel, and leave it unset."
+        )
 
 
 @dataclass(frozen=True)
@@ -69,19 +84,25 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_section(cls, section: Any, world_size: int) -> ParallelDims:
-        """Derive the degrees from the ``parallelism`` section for ``world_size`` processes.
+    def from_section(cls, section: ParallelismConfig, world_size: int) -> ParallelDims:
+        """Derive the degrees from the typed ``parallelism`` section for ``world_size`` processes.
 
-        ``data_parallel_shard: -1`` gives every remaining rank to FSDP (pure FSDP); a smaller value
-        gives HSDP with ``dp_replicate = dp / data_parallel_shard`` replicas of the sharded group.
+        The section's own values (positive degrees, known names) were checked when it was typed; what
+        is checked here needs the world size, or is valid but not implemented (:func:`refuse_unimplemented`). ``data_parallel_shard: -1`` gives every remaining rank
+        to FSDP (pure FSDP); a smaller value gives HSDP with ``dp_replicate = dp / data_parallel_shard``
+        replicas of the sharded group.
         """
+        if not isinstance(section, ParallelismConfig):
+            raise TypeError(
+                "ParallelDims.from_section takes the typed parallelism section (load_config's "
+                f"cfg.parallelism, or lmforge.config.validate_section('parallelism', mapping)), got "
+                f"{type(section).__name__}"
+            )
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"the world size must be a positive integer, got {world_size!r}.")
-        opts = parallelism_options(section)
-        tp = _positive_int(opts, "tensor_parallel")
-        pp = _positive_int(opts, "pipeline_parallel")
-        cp = _positive_int(opts, "context_parallel")
-        ep = _positive_int(opts, "expert_parallel")
+        refuse_unimplemented(section)
+        tp, pp = section.tensor_parallel, section.pipeline_parallel
+        cp, ep = section.context_parallel, section.expert_parallel
         non_dp = tp * pp * cp
         if non_dp > world_size:
             # The original's message (mindformers.md §4.1), kept verbatim.
@@ -97,12 +118,7 @@ class ParallelDims:
                 f"data-parallel degree would not be whole. Use a world size that is a multiple of {non_dp}."
             )
         dp = world_size // non_dp
-        shard = opts["data_parallel_shard"]
-        if isinstance(shard, bool) or not isinstance(shard, int) or shard == 0 or shard < -1:
-            raise ConfigError(
-                f"parallelism.data_parallel_shard must be -1 (shard over all data-parallel ranks) or a "
-                f"positive integer, got {shard!r}."
-            )
+        shard = section.data_parallel_shard
         if shard == -1:
             dp_shard, dp_replicate = dp, 1
         else:
@@ -119,16 +135,13 @@ class ParallelDims:
                 f"{dp_shard} × {cp} = {dp_shard * cp}: expert parallelism borrows those ranks for the expert "
                 f"layers. Valid values: {[d for d in range(1, dp_shard * cp + 1) if (dp_shard * cp) % d == 0]}."
             )
-        ulysses = opts.get("ulysses_degree_in_cp")
-        method = opts["context_parallel_method"]
-        if method == "ulysses" and ulysses is None:
-            ulysses = cp
+        ulysses = section.ulysses_degree_in_cp
         if ulysses is None:
-            ulysses = 1
-        if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or cp % ulysses:
+            ulysses = cp if section.context_parallel_method == "ulysses" else 1
+        if cp % ulysses:
             raise ConfigError(
                 f"parallelism.ulysses_degree_in_cp must be a positive divisor of parallelism.context_parallel "
-                f"({cp}), got {opts.get('ulysses_degree_in_cp')!r}."
+                f"({cp}), got {section.ulysses_degree_in_cp!r}."
             )
         return cls(
             world_size=world_size,
@@ -165,6 +178,17 @@ class ParallelDims:
     def is_parallel(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def cp_method(self) -> str:
+        """How attention is split over the cp ranks: ``"hybrid"`` (Ulysses groups of ``ulysses`` ranks,
+        K/V gathered across them), ``"ulysses"`` (all-to-all over heads) or ``"colossal"`` (load-balanced
+        all-gather of K/V). ``from_section`` folded ``context_parallel_method`` into ``ulysses``."""
+        if 1 < self.ulysses < self.cp:
+            return "hybrid"
+        if self.cp > 1 and self.ulysses == self.cp:
+            return "ulysses"
+        return "colossal"
+
     def describe(self) -> str:
         parts = [f"world={self.world_size}"]
         for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"):
@@ -174,7 +198,9 @@ class ParallelDims:
         return " ".join(parts)
 
     # ------------------------------------------------------------------ model checks
-    def check_transformer(self, cfg: Any, opts: dict[str, Any], *, seq_length: int | None = None) -> None:
+    def check_transformer(
+        self, cfg: TransformerConfig, section: ParallelismConfig, *, seq_length: int | None = None
+    ) -> None:
         """:meth:`check_model` with the facts of a ``TransformerConfig`` (train, check and plan read them here).
 
         Multi-latent attention has no key/value heads to split (its latent K/V are replicated over tp).
@@ -185,8 +211,8 @@ class ParallelDims:
             num_kv_heads=None if cfg.multi_latent_attention else cfg.num_key_value_heads,
             num_experts=cfg.num_experts or None,
             seq_length=seq_length,
-            interleave=opts["pipeline_parallel_interleave_num"],
-            layers_per_stage=opts["pipeline_parallel_layers_per_stage"],
+            interleave=section.pipeline_parallel_interleave_num,
+            layers_per_stage=section.pipeline_parallel_layers_per_stage,
             vocab_size=cfg.vocab_size,
         )
 

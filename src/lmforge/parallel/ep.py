@@ -23,12 +23,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.errors import ConfigError
 from lmforge.models.common.moe import moe_layers
 
 logger = logging.getLogger(__name__)
-
-DISPATCHERS = ("alltoall", "alltoall_deredundancy")
 
 
 @dataclass
@@ -80,15 +79,11 @@ class AllToAllDispatcher:
         return out.to(y.dtype)
 
 
-def apply_ep(model: nn.Module, ep_mesh: Any, opts: dict[str, Any], tp_mesh: Any = None) -> None:
+def apply_ep(model: nn.Module, ep_mesh: Any, section: ParallelismConfig, tp_mesh: Any = None) -> None:
     """Shard routed experts over ``ep_mesh`` and swap in the all-to-all dispatcher (in place)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    kind = opts["moe_token_dispatcher_type"]
-    if kind not in DISPATCHERS:
-        raise ConfigError(
-            f"parallelism.moe_token_dispatcher_type must be one of {list(DISPATCHERS)}, got {kind!r}."
-        )
+    kind = section.moe_token_dispatcher_type
     if kind == "alltoall_deredundancy":
         logger.warning(
             "parallelism.moe_token_dispatcher_type: alltoall_deredundancy runs as alltoall (same results; the "

@@ -40,11 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.errors import ConfigError
+from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.parallel.fsdp_one_rank import use_one_rank_comms
-
-SHARD_STRATEGIES = ("optim_grads_params", "optim_grads", "optim")
-RESHARD_POLICIES = ("default", "always", "never")
 
 # The most parameters one FSDP unit groups at one rank (see the module docstring): 2**25 (~34M)
 # parameters, whose bf16 gradients are 64 MiB. On a CPU a unit's hooks cost ~2-3 ms per step, under 1%
@@ -53,19 +50,10 @@ ONE_RANK_UNIT_PARAMS = 1 << 25
 
 
 def _reshard_after_forward(
-    opts: dict[str, Any], shard_size: int = 2, low_precision: bool = False
+    section: ParallelismConfig, shard_size: int = 2, low_precision: bool = False
 ) -> bool | None:
-    policy = opts["reshard_after_forward_policy"]
-    strategy = opts["data_parallel_shard_strategy"]
-    if policy not in RESHARD_POLICIES:
-        raise ConfigError(
-            f"parallelism.reshard_after_forward_policy must be one of {list(RESHARD_POLICIES)}, got {policy!r}."
-        )
-    if strategy not in SHARD_STRATEGIES:
-        raise ConfigError(
-            f"parallelism.data_parallel_shard_strategy must be one of {list(SHARD_STRATEGIES)} "
-            f"(ZeRO-3, ZeRO-2, ZeRO-1), got {strategy!r}."
-        )
+    policy = section.reshard_after_forward_policy
+    strategy = section.data_parallel_shard_strategy
     if policy == "always":
         return True
     if policy == "never":
@@ -91,7 +79,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def apply_fsdp(
     model: nn.Module,
     mesh: Any,
-    opts: dict[str, Any],
+    section: ParallelismConfig,
     *,
     compute_dtype: torch.dtype,
     expert_mesh: Any = None,
@@ -106,7 +94,7 @@ def apply_fsdp(
         fully_shard,
     )
 
-    reshard = _reshard_after_forward(opts, _shard_size(mesh), compute_dtype != torch.float32)
+    reshard = _reshard_after_forward(section, _shard_size(mesh), compute_dtype != torch.float32)
     # Storage in fp32 (the masters); compute in compute_dtype; reductions in fp32.
     model.to(torch.float32)
     # No input casting: the hidden states are already in compute_dtype (the embedding runs in it), and
@@ -117,7 +105,7 @@ def apply_fsdp(
         cast_forward_inputs=False,
     )
     offload = (
-        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if opts["cpu_offload"] else OffloadPolicy()
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if section.cpu_offload else OffloadPolicy()
     )
     common = {"mp_policy": mp, "offload_policy": offload}
     fp32_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, cast_forward_inputs=False)

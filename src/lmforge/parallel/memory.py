@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.config.sections_parallel import RecomputeConfig
 from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.parallel import fsdp
 from lmforge.parallel.dims import ParallelDims
@@ -113,7 +114,7 @@ def layer_activation_parts_per_token(config: Any, hidden_size: int, cbytes: int)
 
 
 def selected_recompute_parts(
-    model: nn.Module, recompute_section: Any, num_layers: int
+    model: nn.Module, recompute_section: RecomputeConfig | None, num_layers: int
 ) -> dict[int, set[str]]:
     """Which whole modules ``recompute.mode: select`` recomputes, per layer id: ``{"attention", "mlp"}``.
 
@@ -122,10 +123,9 @@ def selected_recompute_parts(
     smaller than the whole attention or MLP frees an unknown part and counts as nothing (the
     estimate stays on the high side).
     """
-    from lmforge.config.load import as_section
     from lmforge.parallel.activation import plan_activation_memory
 
-    if as_section("recompute", recompute_section).mode != "select":
+    if recompute_section is None or recompute_section.mode != "select":
         return {}
     plan = plan_activation_memory(model, recompute_section, None, None, num_layers)
     out: dict[int, set[str]] = {i: {"attention", "mlp"} for i in plan.full_layers}

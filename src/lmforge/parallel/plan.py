@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import warnings as py_warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,8 +25,6 @@ from typing import Any
 from lmforge.config.load import collected_log_warnings
 from lmforge.errors import ConfigError, LmforgeError
 from lmforge.parallel.dims import ParallelDims
-
-_LEADING_KEY = re.compile(r"^([A-Za-z_][\w.]*)\s*(=|:)")
 
 
 @dataclass(frozen=True)
@@ -121,7 +118,6 @@ class RunPlan:
 
     world_size: int
     dims: ParallelDims
-    parallel_options: dict[str, Any]
     model_config: Any  # lmforge.models.TransformerConfig
     model_class: type
     optimizer: Any  # lmforge.optim.OptimizerOptions
@@ -178,10 +174,10 @@ class RunPlan:
         return _replace(plan, warnings=tuple(ordered))
 
     def warnings_beyond(self, earlier: tuple[str, ...] | list[str]) -> list[str]:
-        """The plan's warnings without those about a key an ``earlier`` warning (``cfg.warnings``)
-        already names first: one warning per key when both layers know a setting is inert."""
-        seen = {m.group(1) for m in map(_LEADING_KEY.match, earlier) if m}
-        return [n for n in self.warnings if not ((m := _LEADING_KEY.match(n)) and m.group(1) in seen)]
+        """The plan's warnings that ``earlier`` (``cfg.warnings``, logged by ``load_config``) does not
+        already hold. The inert fields have one table (``lmforge.config.inert``), read at load only."""
+        seen = set(earlier)
+        return [n for n in self.warnings if n not in seen]
 
     # ------------------------------------------------------------------ printing
     def describe(self, cfg: Any) -> list[str]:
@@ -246,30 +242,14 @@ def collected_warnings(notes: list[str]) -> Iterator[None]:
 
 
 def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
-    from lmforge.lr import build_scheduler
-    from lmforge.models.registry import resolve
-    from lmforge.optim import parse_optimizer_section
-    from lmforge.parallel.api import validate_options, warn_inert_fields
 
     training = cfg.training
-    # load_config typed the model, optimizer and lr_scheduler sections (lmforge.config.registry); a
-    # section no registered schema typed (a plugin's schema that returns nothing) runs the same schema here.
-    typed_model = getattr(cfg.model, "typed", None)
-    resolved = typed_model or _attempt(problems, lambda: resolve(cfg.model.to_dict()))
-    model_config, model_class = resolved if resolved is not None else (None, None)
-    optimizer = getattr(cfg.optimizer, "typed", None) or _attempt(
-        problems, lambda: parse_optimizer_section(cfg.optimizer)
-    )
-    typed_schedule = getattr(cfg.lr_scheduler, "typed", None)
-    schedule = typed_schedule or _attempt(
-        problems, lambda: build_scheduler(cfg.lr_scheduler, int(training.steps))
-    )
+    # load_config typed the model, optimizer and lr_scheduler sections (lmforge.config.registry): the
+    # plan reads those typed forms and validates nothing again.
+    model_config, model_class = _typed(cfg.model, "model", problems) or (None, None)
+    optimizer = _typed(cfg.optimizer, "optimizer", problems)
+    schedule = _typed(cfg.lr_scheduler, "lr_scheduler", problems)
     dims = _attempt(problems, lambda: ParallelDims.from_section(cfg.parallelism, world_size))
-    opts = None
-    if dims is not None:
-        opts = _attempt(problems, lambda: validate_options(cfg.parallelism, dims))
-        if opts is not None:
-            warn_inert_fields(opts)
     rampup = tuple(training.rampup_batch_size) if training.rampup_batch_size else None
     batches = None
     if dims is not None:
@@ -293,14 +273,13 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
             "parallelism.pipeline_parallel: 1."
         )
     summary = None
-    if dims is not None and opts is not None and model_config is not None:
-        summary = _check_model_structure(cfg, dims, opts, model_config, model_class, optimizer, problems)
+    if dims is not None and model_config is not None:
+        summary = _check_model_structure(cfg, dims, model_config, model_class, optimizer, problems)
     if problems or batches is None:
         return None
     return RunPlan(
         world_size=world_size,
         dims=dims,
-        parallel_options=opts,
         model_config=model_config,
         model_class=model_class,
         optimizer=optimizer,
@@ -312,6 +291,13 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
     )
 
 
+def _typed(section: Any, path: str, problems: list[str]) -> Any:
+    typed = section.typed
+    if typed is None:  # a registered schema returned nothing (a plugin's bug): nothing can be built
+        problems.append(f"{path}: no registered schema typed this section (type {section.get('type')!r}).")
+    return typed
+
+
 def activation_wanted(cfg: Any) -> bool:
     """Whether recompute, recompute_comm or swap asks for anything."""
     mode = cfg.recompute.mode
@@ -321,7 +307,6 @@ def activation_wanted(cfg: Any) -> bool:
 def _check_model_structure(
     cfg: Any,
     dims: ParallelDims,
-    opts: dict[str, Any],
     model_config: Any,
     model_class: type,
     optimizer: Any,
@@ -337,7 +322,7 @@ def _check_model_structure(
     mc = model_config
     _attempt(
         problems,
-        lambda: dims.check_transformer(mc, opts, seq_length=mc.seq_length),
+        lambda: dims.check_transformer(mc, cfg.parallelism, seq_length=mc.seq_length),
     )
     patterns = _parameter_patterns(cfg, optimizer)
     lora = getattr(cfg, "lora_config", None)
@@ -348,11 +333,11 @@ def _check_model_structure(
         from lmforge.models.lora import select_lora_targets
 
         _attempt(problems, lambda: select_lora_targets(model, lora))
-        hyper = getattr(optimizer, "hyper", {}) or {}
         clip_layers = getattr(model, "qk_clip_layers", None)
         if (
-            getattr(optimizer, "type", None) == "Muon"
-            and hyper.get("qk_clip_enabled")
+            optimizer is not None
+            and optimizer.type == "Muon"
+            and optimizer.hyper.qk_clip_enabled
             and callable(clip_layers)
             and any(layer.targets for layer in clip_layers())
         ):
@@ -414,5 +399,5 @@ def _parameter_patterns(cfg: Any, optimizer: Any) -> list[tuple[str, str]]:
     found += [(f"optimizer.lr_scale[{p!r}]", p) for p, _ in g.lr_scale]
     found += [(f"optimizer.weight_decay_values[{p!r}]", p) for p, _ in g.weight_decay_values]
     if optimizer.type == "Muon" and cfg.optimizer.get("adamw_include") is not None:
-        found += [("optimizer.adamw_include", p) for p in optimizer.hyper["adamw_include"]]
+        found += [("optimizer.adamw_include", p) for p in optimizer.hyper.adamw_include]
     return found

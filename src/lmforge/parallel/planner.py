@@ -327,7 +327,7 @@ def plan(
             num_layers=mc.num_layers,
             vocab_size=mc.vocab_size,
             accumulation_steps=micro,
-            moment_bytes=2 if getattr(cfg.optimizer, "moment_dtype", None) == "bfloat16" else 4,
+            moment_bytes=2 if cfg.optimizer.typed.hyper.moment_dtype == "bfloat16" else 4,
         )
         mem = est.total(recompute=layout.recompute == "full")
         seconds, detail = step_time(layout, facts, hw, global_batch_size=gbs)

@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.errors import ConfigError, NotSupportedError
 from lmforge.parallel.pp_layout import stage_layers, stages_of_rank
 
 logger = logging.getLogger(__name__)
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 IGNORE_INDEX = -100
 # Side inputs every stage receives as keyword arguments of ``schedule.step`` (split per micro-batch).
 STAGE_KWARGS = ("position_ids", "attention_mask", "actual_seq_len")
@@ -194,30 +194,11 @@ def _schedule_class(name: str):
     return {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}[name]
 
 
-def validate_pp_options(opts: dict[str, Any], pp: int) -> tuple[str, int]:
-    schedule = opts["pipeline_parallel_schedule"]
-    if schedule not in SCHEDULES:
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_schedule must be one of {list(SCHEDULES)}, got {schedule!r}."
-        )
-    interleave = opts["pipeline_parallel_interleave_num"]
-    if isinstance(interleave, bool) or not isinstance(interleave, int) or interleave < 1:
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_interleave_num must be a positive integer, got {interleave!r}."
-        )
-    if pp > 1 and interleave > 1 and schedule != "interleaved_1f1b":
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_interleave_num={interleave} needs "
-            f"parallelism.pipeline_parallel_schedule: interleaved_1f1b (got {schedule!r})."
-        )
-    return schedule, interleave
-
-
 def split_for_pipeline(
-    model: nn.Module, *, pp_rank: int, pp: int, opts: dict[str, Any]
+    model: nn.Module, *, pp_rank: int, pp: int, section: ParallelismConfig
 ) -> list[tuple[int, list[int]]]:
     """Prune ``model`` in place to this rank's layers; return ``(stage_id, layer_ids)`` of its stages."""
-    schedule, interleave = validate_pp_options(opts, pp)
+    interleave = section.pipeline_parallel_interleave_num
     if getattr(model, "mtp", None) is not None:
         raise NotSupportedError(
             "parallelism.pipeline_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
@@ -225,7 +206,7 @@ def split_for_pipeline(
         )
     num_layers = len(model.decoder.layers)
     stages = stage_layers(
-        opts["pipeline_parallel_layers_per_stage"], num_layers=num_layers, pp=pp, interleave=interleave
+        section.pipeline_parallel_layers_per_stage, num_layers=num_layers, pp=pp, interleave=interleave
     )
     n_stages = pp * interleave
     mine = stages_of_rank(pp_rank, pp, interleave)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmforge.config.load import as_section
+from lmforge.config.sections_components import OptimizerConfig
+from lmforge.config.sections_parallel import ParallelismConfig, RecomputeConfig
+from lmforge.config.sections_run import TrainingConfig
 from lmforge.errors import NotSupportedError
 from lmforge.parallel.dims import ParallelDims
 from lmforge.parallel.memory import describe_ranks, estimate_memory, format_bytes, selected_recompute_parts
@@ -18,18 +20,24 @@ MAX_RANK_LINES = 16
 
 
 def parallel_plan(
-    parallelism: Any, model: Any, training: Any, optimizer: Any, world_size: int, recompute: Any = None
+    parallelism: ParallelismConfig,
+    model: Any,
+    training: TrainingConfig,
+    optimizer: OptimizerConfig,
+    world_size: int,
+    recompute: RecomputeConfig | None = None,
 ) -> list[str]:
-    """Lines describing the parallel plan; raises ConfigError for anything that would fail at start-up."""
+    """Lines describing the parallel plan of the typed sections (``model``: the model section, typed or a
+    mapping ``build_model`` resolves); raises ConfigError for anything that would fail at start-up."""
     import torch
 
+    from lmforge.config.inert import inert_keys
     from lmforge.models import build_model
-    from lmforge.parallel.api import refuse_unsupported, validate_options, warn_inert_fields
+    from lmforge.parallel.api import refuse_unsupported
     from lmforge.parallel.plan import accumulation_steps
 
     dims = ParallelDims.from_section(parallelism, world_size)
-    opts = validate_options(parallelism, dims)
-    inert = warn_inert_fields(opts)
+    inert = inert_keys("parallelism", parallelism)
     net = build_model(model, device="meta")
     try:
         refuse_unsupported(net, dims)
@@ -38,10 +46,9 @@ def parallel_plan(
     else:
         unsupported = None
     cfg = net.config
-    dims.check_transformer(cfg, opts, seq_length=cfg.seq_length)
-    train = as_section("training", training)
-    lbs = int(train.local_batch_size)
-    accum = accumulation_steps(int(train.global_batch_size), lbs, dims.dp)
+    dims.check_transformer(cfg, parallelism, seq_length=cfg.seq_length)
+    lbs = int(training.local_batch_size)
+    accum = accumulation_steps(int(training.global_batch_size), lbs, dims.dp)
     lines = [
         f"Parallel mesh (world size {world_size}): pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard "
         f"{dims.dp_shard} x cp {dims.cp} x tp {dims.tp}"
@@ -59,10 +66,10 @@ def parallel_plan(
         from lmforge.parallel.pp_layout import stage_layers
 
         stages = stage_layers(
-            opts["pipeline_parallel_layers_per_stage"],
+            parallelism.pipeline_parallel_layers_per_stage,
             num_layers=cfg.num_layers,
             pp=dims.pp,
-            interleave=opts["pipeline_parallel_interleave_num"],
+            interleave=parallelism.pipeline_parallel_interleave_num,
         )
         for s, layers in enumerate(stages):
             lines.append(f"  pipeline stage {s} (pp rank {s % dims.pp}): layers {layers[0]}-{layers[-1]}")
@@ -70,14 +77,14 @@ def parallel_plan(
     lines += ["  " + r for r in ranks[:MAX_RANK_LINES]]
     if len(ranks) > MAX_RANK_LINES:
         lines.append(f"  ... ({len(ranks) - MAX_RANK_LINES} more ranks)")
-    opt = as_section("optimizer", optimizer)
+    opt = optimizer.typed  # lmforge.optim.OptimizerOptions
     est = estimate_memory(
         net,
         dims,
         compute_dtype=getattr(net, "compute_dtype", torch.float32),
         optimizer_type=str(opt.type),
-        moment_bytes=2 if opt.get("moment_dtype") == "bfloat16" else 4,
-        offload_states=bool(opt.get("offload_states", False)),
+        moment_bytes=2 if opt.hyper.moment_dtype == "bfloat16" else 4,
+        offload_states=opt.hyper.offload_states,
         seq_length=cfg.seq_length,
         local_batch_size=lbs,
         hidden_size=cfg.hidden_size,

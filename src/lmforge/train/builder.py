@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.errors import ConfigError, DataError
 from lmforge.train.callbacks.monitor import ActivationPlanCallback
 from lmforge.train.parallel_seam import ParallelContext, distributed_env
@@ -77,22 +78,18 @@ def _with_compile(hook: Any, cfg: Any):
     return apply
 
 
-def _with_offload(section: Any, optimizer: Any, device: torch.device) -> Any:
+def _with_offload(section: ParallelismConfig, optimizer: Any, device: torch.device) -> ParallelismConfig:
     """``optimizer.offload_states`` on an accelerator is FSDP2's CPU offload: the optimizer states live
     next to the fp32 parameters, so both go to host memory and the update runs there (on a CPU they
     already are)."""
-    if device.type == "cpu" or not optimizer.hyper.get("offload_states"):
+    if device.type == "cpu" or not optimizer.hyper.offload_states:
         return section
-    from lmforge.parallel.dims import parallelism_options
-
-    return {**parallelism_options(section), "cpu_offload": True}
+    return section.model_copy(update={"cpu_offload": True})
 
 
-def _storage_device(section: Any, device: torch.device) -> torch.device:
+def _storage_device(section: ParallelismConfig, device: torch.device) -> torch.device:
     """Where the sharded parameters are materialised: host memory under FSDP2's CPU offload."""
-    from lmforge.parallel.dims import parallelism_options
-
-    return torch.device("cpu") if parallelism_options(section)["cpu_offload"] else device
+    return torch.device("cpu") if section.cpu_offload else device
 
 
 def find_tokenizer(cfg: Any) -> Path | None:
@@ -155,7 +152,7 @@ def build_training_model(
     *,
     seed: int,
     device: str | None = None,
-    parallelism: Any = None,
+    parallelism: ParallelismConfig | None = None,
     before_fsdp: Any = None,
 ) -> tuple[torch.nn.Module, ParallelContext]:
     """A model built as the trainer builds it, for tools and benchmarks (``build_trainer`` adds recompute,
@@ -167,7 +164,7 @@ def build_training_model(
     from lmforge.parallel import parallelize
     from lmforge.parallel.dims import ParallelDims
 
-    parallelism = parallelism if parallelism is not None else {}
+    parallelism = parallelism if parallelism is not None else ParallelismConfig()
     ctx = distributed_env(device)
     dims = ParallelDims.from_section(parallelism, ctx.world_size)
     model = build_model(section, device="meta")
@@ -245,13 +242,7 @@ def build_trainer(
         from lmforge.parallel.float8 import check_float8_supported
 
         check_float8_supported(float8, ctx.device, dims.tp)
-    lora = getattr(cfg, "lora_config", None)
-    if lora is not None and dims.pp > 1:
-        raise ConfigError(
-            f"lora_config cannot be combined with parallelism.pipeline_parallel ({dims.pp}) > 1 yet: LoRA "
-            "composes with data parallel (FSDP2/HSDP) and tensor parallel only. Remove lora_config or set "
-            "parallelism.pipeline_parallel: 1."
-        )
+    lora = cfg.lora_config  # the run plan refused it with pipeline parallel
     from lmforge.parallel import parallelize
 
     model = build_from_config(model_cfg, plan.model_class, device="meta")
