@@ -10,17 +10,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
+from lmforge.config import validate_section
 from lmforge.errors import ConfigError
-from lmforge.parallel.activation import (
-    Recomputed,
-    Swapped,
-    _comm_recompute_policy,
-    apply_activation_memory,
-    count_saved_activation_bytes,
-    find_decoder_layers,
-    is_recomputed,
-    plan_activation_memory,
-)
+from lmforge.parallel.activation import apply_activation_memory, plan_activation_memory
+from lmforge.parallel.activation_layers import find_decoder_layers
+from lmforge.parallel.activation_swap import Swapped, count_saved_activation_bytes
+from lmforge.parallel.activation_wrappers import Recomputed, _comm_recompute_policy, is_recomputed
 
 from .tiny_decoder import TinyDecoder
 
@@ -70,7 +65,11 @@ def test_full_recompute_identical_gradients_less_saved_memory():
     base, other = _pair()
     reference = _run(base)
     summary = apply_activation_memory(
-        other, {"mode": "full", "full_recompute_layer": ["0-2"]}, None, None, NUM_LAYERS
+        other,
+        validate_section("recompute", {"mode": "full", "full_recompute_layer": ["0-2"]}),
+        None,
+        None,
+        NUM_LAYERS,
     ).summary()
     assert "recompute full: layers 0-2" in summary
     names_before = [n for n, _ in base.named_parameters()]
@@ -85,7 +84,9 @@ def test_select_recompute_with_graph_mode_alias_and_decoder_relative_pattern():
     reference = _run(base)
     plan = plan_activation_memory(
         other,
-        {"mode": "select", "select_module": {"attention": ["0-1"], "layers.*\\.mlp": ["2"]}},
+        validate_section(
+            "recompute", {"mode": "select", "select_module": {"attention": ["0-1"], "layers.*\\.mlp": ["2"]}}
+        ),
         None,
         None,
         NUM_LAYERS,
@@ -104,11 +105,14 @@ def test_select_skips_children_of_recomputed_modules_and_full_layers():
     _, model = _pair()
     plan = plan_activation_memory(
         model,
-        {
-            "mode": "select",
-            "full_recompute_layer": ["0"],
-            "select_module": {"self_attention": ["0-1"], "self_attention\\.linear_.*": ["1"]},
-        },
+        validate_section(
+            "recompute",
+            {
+                "mode": "select",
+                "full_recompute_layer": ["0"],
+                "select_module": {"self_attention": ["0-1"], "self_attention\\.linear_.*": ["1"]},
+            },
+        ),
         None,
         None,
         NUM_LAYERS,
@@ -121,7 +125,11 @@ def test_select_pattern_matching_nothing_lists_available_paths():
     _, model = _pair()
     with pytest.raises(ConfigError) as err:
         apply_activation_memory(
-            model, {"mode": "select", "select_module": {"attn": ["0"]}}, None, None, NUM_LAYERS
+            model,
+            validate_section("recompute", {"mode": "select", "select_module": {"attn": ["0"]}}),
+            None,
+            None,
+            NUM_LAYERS,
         )
     msg = str(err.value)
     assert "recompute.select_module['attn']" in msg
@@ -153,9 +161,21 @@ def test_exclude_op_saves_matching_ops_instead_of_recomputing():
     base, full = _pair()
     sac = copy.deepcopy(base)
     reference = _run(base)
-    apply_activation_memory(full, {"mode": "full", "full_recompute_layer": ["0-3"]}, None, None, NUM_LAYERS)
     apply_activation_memory(
-        sac, {"mode": "full", "full_recompute_layer": ["0-3"], "exclude_op": ["mm"]}, None, None, NUM_LAYERS
+        full,
+        validate_section("recompute", {"mode": "full", "full_recompute_layer": ["0-3"]}),
+        None,
+        None,
+        NUM_LAYERS,
+    )
+    apply_activation_memory(
+        sac,
+        validate_section(
+            "recompute", {"mode": "full", "full_recompute_layer": ["0-3"], "exclude_op": ["mm"]}
+        ),
+        None,
+        None,
+        NUM_LAYERS,
     )
     _assert_bitwise(reference, _run(sac))
     for m in (base, full, sac):
@@ -175,7 +195,9 @@ def test_layer_swap_identical_gradients_less_device_memory_and_prefetch_order(pr
         other,
         None,
         None,
-        {"enable": True, "default_prefetch": prefetch, "layer_swap": [{"layers": ["0-1"]}]},
+        validate_section(
+            "swap", {"enable": True, "default_prefetch": prefetch, "layer_swap": [{"layers": ["0-1"]}]}
+        ),
         4,
     )
     result = _run(other)
@@ -193,10 +215,13 @@ def test_op_swap_identical_gradients():
         other,
         None,
         None,
-        {
-            "enable": True,
-            "op_swap": [{"op_name": "attention", "layers": ["0"]}, {"op_name": "mlp", "layers": ["1"]}],
-        },
+        validate_section(
+            "swap",
+            {
+                "enable": True,
+                "op_swap": [{"op_name": "attention", "layers": ["0"]}, {"op_name": "mlp", "layers": ["1"]}],
+            },
+        ),
         NUM_LAYERS,
     )
     assert plan.swapped_paths == ["decoder.layers.0.self_attention", "decoder.layers.1.mlp"]
@@ -226,7 +251,7 @@ def test_op_swap_identical_gradients():
 def test_swap_validation(swap, needle):
     _, model = _pair()
     with pytest.raises(ConfigError) as err:
-        apply_activation_memory(model, None, None, swap, NUM_LAYERS)
+        apply_activation_memory(model, None, None, validate_section("swap", swap), NUM_LAYERS)
     assert needle in str(err.value)
 
 
@@ -237,7 +262,7 @@ def test_swap_with_pipeline_parallel_is_rejected():
             model,
             None,
             None,
-            {"enable": True, "layer_swap": [{"layers": ["0"]}]},
+            validate_section("swap", {"enable": True, "layer_swap": [{"layers": ["0"]}]}),
             NUM_LAYERS,
             pipeline_parallel=2,
         )
@@ -258,7 +283,7 @@ def test_swap_with_pipeline_parallel_is_rejected():
 def test_recompute_validation(recompute, needle):
     _, model = _pair()
     with pytest.raises(ConfigError) as err:
-        apply_activation_memory(model, recompute, None, None, NUM_LAYERS)
+        apply_activation_memory(model, validate_section("recompute", recompute), None, None, NUM_LAYERS)
     assert needle in str(err.value)
 
 
@@ -266,25 +291,35 @@ def test_recompute_comm_without_collectives_warns_and_changes_nothing():
     base, other = _pair()
     with pytest.warns(UserWarning, match="no communication ops"):
         summary = apply_activation_memory(
-            other, None, {"enable": True, "select_module": {"self_attention": ["0-3"]}}, None, NUM_LAYERS
+            other,
+            None,
+            validate_section(
+                "recompute_comm", {"enable": True, "select_module": {"self_attention": ["0-3"]}}
+            ),
+            None,
+            NUM_LAYERS,
         ).summary()
     assert "no effect" in summary
     assert not any(is_recomputed(m) for m in other.modules())
     with pytest.raises(ConfigError, match="recompute_comm.select_module is required"):
-        apply_activation_memory(other, None, {"enable": True}, None, NUM_LAYERS)
+        apply_activation_memory(
+            other, None, validate_section("recompute_comm", {"enable": True}), None, NUM_LAYERS
+        )
     # The spec's example 'attention.qkv' names self_attention.linear_qkv (name patterns: parts with the
     # original's aliases), so it applies where there are collectives.
     spec_example = {"enable": True, "select_module": {"attention.qkv": ["0-3"]}}
     summary = apply_activation_memory(
-        other, None, spec_example, None, NUM_LAYERS, has_comm_ops=True
+        other, None, validate_section("recompute_comm", spec_example), None, NUM_LAYERS, has_comm_ops=True
     ).summary()
     assert "collectives re-run in backward in" in summary and " 0 module" not in summary
     # A pattern naming nothing: a warning here, an error where it would apply.
     missing = {"enable": True, "select_module": {"attention.nothing": ["0-3"]}}
     with pytest.warns(UserWarning, match="matches no submodule"):
-        apply_activation_memory(base, None, missing, None, NUM_LAYERS)
+        apply_activation_memory(base, None, validate_section("recompute_comm", missing), None, NUM_LAYERS)
     with pytest.raises(ConfigError, match="matches no submodule"):
-        apply_activation_memory(base, None, missing, None, NUM_LAYERS, has_comm_ops=True)
+        apply_activation_memory(
+            base, None, validate_section("recompute_comm", missing), None, NUM_LAYERS, has_comm_ops=True
+        )
 
 
 def test_comm_recompute_policy_recomputes_collectives_and_no_arithmetic():
@@ -307,7 +342,11 @@ def test_disabled_sections_change_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         summary = apply_activation_memory(
-            other, {"mode": "None"}, {"enable": False}, {"enable": False}, NUM_LAYERS
+            other,
+            validate_section("recompute", {"mode": "None"}),
+            validate_section("recompute_comm", {"enable": False}),
+            validate_section("swap", {"enable": False}),
+            NUM_LAYERS,
         ).summary()
     assert summary.startswith("activation memory: no recompute")
     assert not any(is_recomputed(m) for m in other.modules())
@@ -357,7 +396,7 @@ def test_recompute_comm_re_runs_collectives_in_backward_only(tmp_path):
         plan = plan_activation_memory(
             comm,
             None,
-            {"enable": True, "select_module": {"self_attention": ["0"]}},
+            validate_section("recompute_comm", {"enable": True, "select_module": {"self_attention": ["0"]}}),
             None,
             2,
             has_comm_ops=True,
@@ -409,13 +448,16 @@ def test_lmforge_model_with_mtp_spec_examples_identical_gradients():
     assert [d.name for d in find_decoder_layers(base, 3)][-1] == "mtp.layers.0.transformer_layer"
     plan = plan_activation_memory(
         other,
-        {
-            "mode": "select",
-            "full_recompute_layer": ["3"],
-            "select_module": {"attention": ["0-1"], "mlp": ["2"]},
-        },
+        validate_section(
+            "recompute",
+            {
+                "mode": "select",
+                "full_recompute_layer": ["3"],
+                "select_module": {"attention": ["0-1"], "mlp": ["2"]},
+            },
+        ),
         None,
-        {"enable": True, "layer_swap": [{"layers": ["1"]}], "default_prefetch": 2},
+        validate_section("swap", {"enable": True, "layer_swap": [{"layers": ["1"]}], "default_prefetch": 2}),
         3,
     )
     assert plan.selected_paths == [
@@ -447,7 +489,9 @@ def test_mtp_layer_recompute_alone_saves_memory():
     torch.manual_seed(0)
     base = build_model(DEEPSEEK)
     other = copy.deepcopy(base)
-    apply_activation_memory(other, {"mode": "full", "full_recompute_layer": ["3"]}, None, None, 3)
+    apply_activation_memory(
+        other, validate_section("recompute", {"mode": "full", "full_recompute_layer": ["3"]}), None, None, 3
+    )
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
     sizes = []
     for model in (base, other):
@@ -468,9 +512,12 @@ def test_recompute_and_swap_under_fsdp2(tmp_path):
         reference = _run(base)
         apply_activation_memory(
             other,
-            {"mode": "select", "full_recompute_layer": ["0"], "select_module": {"mlp": ["1-2"]}},
+            validate_section(
+                "recompute",
+                {"mode": "select", "full_recompute_layer": ["0"], "select_module": {"mlp": ["1-2"]}},
+            ),
             None,
-            {"enable": True, "layer_swap": [{"layers": ["2"]}]},
+            validate_section("swap", {"enable": True, "layer_swap": [{"layers": ["2"]}]}),
             NUM_LAYERS,
         )
         for layer in other.decoder.layers:
@@ -488,7 +535,9 @@ def test_plan_reports_wrapped_modules_whose_forward_never_runs():
     _, model = _pair()
     plan = plan_activation_memory(
         model,
-        {"mode": "select", "select_module": {"self_attention": ["0"], "mlp": ["1"]}},
+        validate_section(
+            "recompute", {"mode": "select", "select_module": {"self_attention": ["0"], "mlp": ["1"]}}
+        ),
         None,
         None,
         NUM_LAYERS,
@@ -508,7 +557,11 @@ def test_the_trainer_gets_the_plan_from_the_builder_not_from_the_model(caplog):
     _, model = _pair()
     attributes = set(vars(model))
     plan = apply_activation_memory(
-        model, {"mode": "select", "select_module": {"mlp": ["0-1"]}}, None, None, NUM_LAYERS
+        model,
+        validate_section("recompute", {"mode": "select", "select_module": {"mlp": ["0-1"]}}),
+        None,
+        None,
+        NUM_LAYERS,
     )
     assert set(vars(model)) == attributes
     callback = ActivationPlanCallback(plan)
@@ -528,7 +581,9 @@ def test_pipeline_stage_keeps_global_layer_ids():
     model.decoder.layers = KeyedLayers({"2": layers[2], "3": layers[3]})
     plan = plan_activation_memory(
         model,
-        {"mode": "select", "full_recompute_layer": ["0-2"], "select_module": {"mlp": ["3"]}},
+        validate_section(
+            "recompute", {"mode": "select", "full_recompute_layer": ["0-2"], "select_module": {"mlp": ["3"]}}
+        ),
         None,
         None,
         4,
@@ -540,7 +595,9 @@ def test_pipeline_stage_keeps_global_layer_ids():
 def test_swap_survives_a_retained_graph():
     """Backward twice through one graph (retain_graph): the swapped activations are fetched again."""
     base, other = _pair()
-    plan = plan_activation_memory(other, None, None, {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}, 4)
+    plan = plan_activation_memory(
+        other, None, None, validate_section("swap", {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}), 4
+    )
     ids, labels = _batch()
     for model in (base, other):
         model.eval()  # no dropout: both backward passes see the same graph values
@@ -557,9 +614,11 @@ def test_wrappers_show_in_the_module_tree_and_keep_every_name():
     base, other = _pair()
     apply_activation_memory(
         other,
-        {"mode": "select", "full_recompute_layer": ["0"], "select_module": {"mlp": ["1"]}},
+        validate_section(
+            "recompute", {"mode": "select", "full_recompute_layer": ["0"], "select_module": {"mlp": ["1"]}}
+        ),
         None,
-        {"enable": True, "layer_swap": [{"layers": ["2"]}]},
+        validate_section("swap", {"enable": True, "layer_swap": [{"layers": ["2"]}]}),
         NUM_LAYERS,
     )
     layers = other.decoder.layers
@@ -576,14 +635,20 @@ def test_wrappers_show_in_the_module_tree_and_keep_every_name():
     assert list(other.state_dict()) == list(base.state_dict())
     other.load_state_dict(base.state_dict(), strict=True)
     # Wrapping twice changes nothing; each (wrapper, class) pair is one class.
-    apply_activation_memory(other, {"mode": "full", "full_recompute_layer": ["0-1"]}, None, None, NUM_LAYERS)
+    apply_activation_memory(
+        other,
+        validate_section("recompute", {"mode": "full", "full_recompute_layer": ["0-1"]}),
+        None,
+        None,
+        NUM_LAYERS,
+    )
     assert type(layers[0]) is type(layers[1]) and type(layers[0]).__mro__.count(Recomputed) == 1
 
 
 _UNWAITED_SCRIPT = """
 import sys, tempfile, torch, torch.distributed as dist
 from torch import nn
-from lmforge.parallel.activation import _comm_recompute_policy, recompute_module
+from lmforge.parallel.activation_wrappers import _comm_recompute_policy, recompute_module
 from lmforge.parallel.cp import _all_to_all
 
 class Exchange(nn.Module):  # Ulysses' all-to-all (unbind + cat of a pending result), then a product

@@ -39,11 +39,14 @@ def test_muon_updates_with_layer_and_op_swap_equal_the_run_without_swap():
         swapped,
         None,
         None,
-        {
-            "enable": True,
-            "layer_swap": [{"layers": ["0-1"]}],
-            "op_swap": [{"op_name": "mlp", "layers": ["2"]}],
-        },
+        validate_section(
+            "swap",
+            {
+                "enable": True,
+                "layer_swap": [{"layers": ["0-1"]}],
+                "op_swap": [{"op_name": "mlp", "layers": ["2"]}],
+            },
+        ),
         NUM_LAYERS,
     )
     initial = {n: p.detach().clone() for n, p in plain.named_parameters()}

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from lmforge.config import validate_section
 from lmforge.errors import ConfigError
 from lmforge.models import build_model
 from lmforge.parallel.activation import apply_activation_memory
@@ -46,7 +47,13 @@ def _model():
 def test_tokens_per_expert_sum_to_tokens_times_top_k(tmp_path, recompute):
     model = _model()
     if recompute:  # a recomputed forward must not count its tokens twice
-        apply_activation_memory(model, {"mode": "full", "full_recompute_layer": ["0-2"]}, None, None, 3)
+        apply_activation_memory(
+            model,
+            validate_section("recompute", {"mode": "full", "full_recompute_layer": ["0-2"]}),
+            None,
+            None,
+            3,
+        )
     cb = MoeMonitorCallback(
         {"save_tokens_per_expert_interval": 1, "target_layers": [0, 2]}, tmp_path, num_layers=3
     )

@@ -251,9 +251,9 @@ def _activation(spec: dict[str, Any], dims: Any, model: Any):
 
     return lambda m: apply_activation_memory(
         m,
-        sections.get("recompute"),
-        sections.get("recompute_comm"),
-        sections.get("swap"),
+        validate_section("recompute", sections.get("recompute") or {}),
+        validate_section("recompute_comm", sections.get("recompute_comm") or {}),
+        validate_section("swap", sections.get("swap") or {}),
         model.config.num_layers,
         pipeline_parallel=dims.pp,
         has_comm_ops=dims.tp * dims.cp * dims.ep > 1,

@@ -35,7 +35,7 @@ def test_bad_mode_is_refused():
 
 @pytest.mark.slow
 def test_compiled_blocks_with_recompute_match_eager_and_recompile_once_for_new_lengths():
-    from lmforge.parallel.activation import recompute_module
+    from lmforge.parallel.activation_wrappers import recompute_module
 
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)

@@ -272,8 +272,8 @@ def _sum_expert_counts(model: nn.Module, group: Any) -> None:
 
 
 def _layers_of(root: nn.Module, model: nn.Module) -> list[nn.Module]:
-    from lmforge.parallel.fsdp import decoder_layers
+    from lmforge.models.common.layers import layer_modules
 
     if root is model:
-        return decoder_layers(model)
+        return layer_modules(model)
     return list(root.layers)

@@ -19,14 +19,14 @@ from typing import Any
 
 from torch import nn
 
-from lmforge.parallel.fsdp import decoder_layers
+from lmforge.models.common.layers import layer_modules
 
 logger = logging.getLogger(__name__)
 
 
 def compile_blocks(model: nn.Module, section: Any) -> int:
     """Compile every transformer block of ``model`` in place; returns how many were compiled."""
-    blocks = decoder_layers(model)
+    blocks = layer_modules(model)
     options = {
         "backend": section.backend,
         "fullgraph": bool(section.fullgraph),

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from lmforge.config.sections_parallel import ParallelismConfig
+from lmforge.models.common.layers import layer_modules
 from lmforge.parallel.fsdp_one_rank import use_one_rank_comms
 
 # The most parameters one FSDP unit groups at one rank (see the module docstring): 2**25 (~34M)
@@ -62,18 +63,6 @@ def _reshard_after_forward(
     # and so does a shard group of one rank computing in 16 bits (see the module docstring).
     keep = strategy != "optim_grads_params" or (shard_size == 1 and low_precision)
     return False if keep else None
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers (and MTP layers) of an lmforge model, in order: FSDP's unit of sharding."""
-    layers: list[nn.Module] = []
-    for owner in (getattr(model, "decoder", None), getattr(model, "mtp", None)):
-        children = getattr(owner, "layers", None)
-        if isinstance(children, nn.ModuleDict):
-            layers.extend(children.values())
-        elif children is not None:
-            layers.extend(children)
-    return layers
 
 
 def apply_fsdp(
@@ -110,7 +99,7 @@ def apply_fsdp(
     common = {"mp_policy": mp, "offload_policy": offload}
     fp32_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, cast_forward_inputs=False)
     expert_modules: list[nn.Module] = []
-    layers = decoder_layers(model) if layers is None else layers
+    layers = layer_modules(model) if layers is None else layers
     for layer in layers:
         for sub in layer.modules():
             if getattr(sub, "keep_fp32", False) and compute_dtype != torch.float32:

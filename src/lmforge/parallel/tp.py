@@ -43,6 +43,7 @@ from typing import Any
 from torch import nn
 
 from lmforge.errors import ConfigError
+from lmforge.models.common.layers import layer_modules
 from lmforge.models.common.tp_plan import (
     ColwiseShard,
     LocalHeads,
@@ -53,7 +54,6 @@ from lmforge.models.common.tp_plan import (
     SequenceAuxLoss,
     SharedToLocal,
 )
-from lmforge.parallel.fsdp import decoder_layers
 
 
 def _distribute(module: nn.Module, name: str, mesh: Any, placement: Any) -> None:
@@ -269,7 +269,7 @@ def _sequence_parallel_norms(model: nn.Module, tp_mesh: Any) -> None:
     norms and ``eh_proj``) as torch's ``SequenceParallel``: replicated DTensor weights on this rank's
     sequence shard, their gradients summed over tp by DTensor."""
     modules = [getattr(getattr(model, "decoder", None), "final_layernorm", None)]
-    for layer in decoder_layers(model):
+    for layer in layer_modules(model):
         inner = getattr(layer, "transformer_layer", layer)  # an MTP depth wraps a transformer layer
         modules += [getattr(inner, "input_layernorm", None), getattr(inner, "pre_mlp_layernorm", None)]
         if inner is not layer:
@@ -299,7 +299,7 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
     tied = emb is not None and out is not None and out.weight is emb.weight
     if emb is not None:
         _vocab_parallel_embedding(emb, tp_mesh)
-    for layer in decoder_layers(model):
+    for layer in layer_modules(model):
         layer = getattr(layer, "transformer_layer", layer)  # an MTP depth wraps a transformer layer
         _apply_layer_plan(layer, family.tp_plan(cfg, layer.layer_id), tp_mesh)
     if out is not None and not tied:
