@@ -1,4 +1,4 @@
-"""Step time and page faults under glibc's default allocator behaviour and under lmforge's (``cli/malloc.py``).
+"""Step time and page faults under glibc's default allocator behaviour and under lmforge's (``utils/malloc.py``).
 
     PYTHONPATH=src .venv/bin/python bench/allocator.py [--models 100m] [--steps 3] [--rounds 2] [--no-write]
 
@@ -29,7 +29,7 @@ CHILD = r"""
 import json, resource, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, {bench!r})
-from lmforge.cli import malloc
+from lmforge.utils import malloc
 malloc.apply_malloc_defaults()
 import torch
 import train as B
@@ -111,7 +111,7 @@ def main() -> int:
             "lmforge's trainer step and the HF loop (fused AdamW) alternately: median over "
             f"{args.rounds} x {args.steps} steps after a warm-up step; minor page faults per step from "
             "`getrusage`. `default`: `LMFORGE_MALLOC=default` (glibc unmaps large freed blocks and trims "
-            "the heap); `lmforge`: what the `lmforge` command sets (`cli/malloc.py`: `M_MMAP_MAX=0`, "
+            "the heap); `lmforge`: what the `lmforge` command sets (`utils/malloc.py`: `M_MMAP_MAX=0`, "
             "`M_TRIM_THRESHOLD` max).",
             "",
             "| allocator | model | loop | ms/step | tokens/s | minor faults/step |",

@@ -28,7 +28,7 @@ Reported per model: the median step of each contestant, and the speed ratios ``n
 ``before / hf`` and ``now / hf`` as the median over rounds of the per-round ratio (each round's steps ran
 back to back) with its interquartile range, per worker and pooled; pooled also by CPU time (the process's
 CPU seconds per step, which time stolen by other work on the machine does not inflate). Both loops run under lmforge's
-allocator defaults (``cli/malloc.py``) and ``OMP_WAIT_POLICY=PASSIVE``, as ``lmforge train`` runs.
+allocator defaults (``utils/malloc.py``) and ``OMP_WAIT_POLICY=PASSIVE``, as ``lmforge train`` runs.
 
 Each tree trains with its own default loss unless ``--loss-chunk N`` sets ``model.loss_chunk_size`` for both
 (the old tree's default was the plain loss, 0; this tree's is chunks of 512, a memory feature that came with
@@ -113,7 +113,7 @@ def before_runner(model, batch: dict, hf_dir: Path):
 def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, args.before_path)
     sys.path.insert(0, str(REPO / "bench"))
-    from lmforge.cli import malloc
+    from lmforge.utils import malloc
 
     malloc.apply_malloc_defaults()
     import torch

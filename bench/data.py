@@ -37,7 +37,7 @@ from benchdoc import write_section
 from lmforge.data import build_dataloader
 from lmforge.data.demo import build_demo, kjv_chapters, kjv_path
 from lmforge.data.preprocess import preprocess
-from lmforge.data.tokenizer import load_tokenizer
+from lmforge.utils.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "benchmarks.md"

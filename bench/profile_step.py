@@ -137,7 +137,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--only", choices=["lmforge", "hf"], default=None)
     args = p.parse_args()
-    from lmforge.cli import malloc
+    from lmforge.utils import malloc
 
     malloc.apply_malloc_defaults()  # as bench/train.py and the lmforge command
     section = bench.MODELS[args.model]

@@ -13,7 +13,7 @@ hyper-parameters run in
   mixed-precision recipe, fp32 master weights like ours), ``torch.optim.AdamW``,
   ``clip_grad_norm_(1.0)``, ``loss.backward()``.
 
-Both loops run in one process under lmforge's allocator defaults (``cli/malloc.py``: freed memory kept
+Both loops run in one process under lmforge's allocator defaults (``utils/malloc.py``: freed memory kept
 in the process, as ``lmforge train`` runs); ``LMFORGE_MALLOC=default`` measures both under glibc's own.
 Rounds alternate between the two (background load hits both alike); tokens/s is the median over the
 timed steps of all rounds. MFU = FLOPs/token (the model's ``flops_per_token``, forward + backward)
@@ -53,7 +53,6 @@ from pathlib import Path
 import torch
 
 from benchdoc import replace_section
-from lmforge.cli import malloc
 from lmforge.config import validate_section
 from lmforge.models import save_hf_pretrained
 from lmforge.optim import build_optimizer
@@ -61,6 +60,7 @@ from lmforge.train.builder import build_training_model
 from lmforge.train.checkpoint import Checkpointable, CheckpointManager, load_checkpoint, resolve_checkpoint
 from lmforge.train.perf import matmul_peak_flops
 from lmforge.train.step import TrainStep
+from lmforge.utils import malloc
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "benchmarks.md"

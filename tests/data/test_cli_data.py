@@ -12,7 +12,7 @@ import yaml
 from lmforge.cli import main
 from lmforge.data import IndexedDataset, build_dataloader
 from lmforge.data.demo import FILES, build_demo, kjv_chapters, kjv_path
-from lmforge.data.tokenizer import load_tokenizer
+from lmforge.utils.tokenizer import load_tokenizer
 
 from .paths import REPO_ROOT
 

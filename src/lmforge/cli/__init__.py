@@ -15,10 +15,10 @@ import sys
 import traceback
 
 from lmforge import __version__
-from lmforge.cli.malloc import apply_malloc_defaults
 from lmforge.cli.threads import apply_thread_defaults
 from lmforge.errors import LmforgeError
 from lmforge.utils.launcher_death import end_with_launcher
+from lmforge.utils.malloc import apply_malloc_defaults
 
 # Order is the order shown in ``lmforge --help``.
 SUBCOMMANDS: list[str] = [
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # Before any subcommand module can import torch: OpenMP reads these once, at load.
     apply_thread_defaults()
-    # Freed memory stays in the process instead of being faulted in again every step (cli/malloc.py).
+    # Freed memory stays in the process instead of being faulted in again every step (utils/malloc.py).
     apply_malloc_defaults()
     try:  # a torchrun worker ends with its launcher (utils/launcher_death.py)
         end_with_launcher()

@@ -69,7 +69,7 @@ def rank_view() -> dict[str, Any]:
     import torch
 
     import lmforge
-    from lmforge.cli import malloc
+    from lmforge.utils import malloc
 
     cuda = torch.cuda.is_available()
     devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []

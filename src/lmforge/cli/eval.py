@@ -121,7 +121,6 @@ RESULTS_FILE = "lm_eval_results.json"
 
 def _run_tasks(args: argparse.Namespace) -> int:
     from lmforge.config import load_config
-    from lmforge.data.tokenizer import find_eod_id, load_tokenizer
     from lmforge.errors import CheckpointError, ConfigError, DataError
     from lmforge.models import build_model, load_hf_pretrained
     from lmforge.train.builder import find_tokenizer
@@ -132,6 +131,7 @@ def _run_tasks(args: argparse.Namespace) -> int:
         split_tasks,
     )
     from lmforge.train.checkpoint import CONFIG_FILE, load_model_weights, resolve_checkpoint
+    from lmforge.utils.tokenizer import find_eod_id, load_tokenizer
 
     require_lm_eval()
     split_tasks(args.tasks)

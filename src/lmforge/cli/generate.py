@@ -48,13 +48,13 @@ def _positive(value: int, flag: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lmforge.config import load_config
-    from lmforge.data.tokenizer import find_eod_id, load_tokenizer
     from lmforge.errors import CheckpointError, ConfigError, DataError
     from lmforge.models import build_model, load_hf_pretrained
     from lmforge.train.builder import find_tokenizer
     from lmforge.train.checkpoint import CONFIG_FILE, load_model_weights, resolve_checkpoint
     from lmforge.train.generation import sample_tokens
     from lmforge.utils.device import parse_device
+    from lmforge.utils.tokenizer import find_eod_id, load_tokenizer
 
     _positive(args.max_new_tokens, "--max-new-tokens")
     if not (0 <= args.temperature < float("inf")):  # also refuses nan

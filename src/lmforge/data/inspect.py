@@ -46,7 +46,7 @@ def describe(prefix: str, tokenizer_path: str | None = None, sample_tokens: int 
             bar = "#" * max(1 if count else 0, round(width * count / peak))
             lines.append(f"  {low:>8,} - {high - 1:<8,} {count:>8,}  {bar}")
     if tokenizer_path is not None and ds.num_documents:
-        from .tokenizer import load_tokenizer
+        from lmforge.utils.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_path)
         ids = ds.document(0)[:sample_tokens].tolist()

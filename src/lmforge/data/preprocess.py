@@ -16,9 +16,9 @@ import numpy as np
 
 from lmforge.errors import DataError
 from lmforge.utils.atomic import check_output_file
+from lmforge.utils.tokenizer import find_eod_id, load_tokenizer
 
 from .indexed import IndexedDatasetWriter, optimal_token_dtype
-from .tokenizer import find_eod_id, load_tokenizer
 
 BATCH_DOCUMENTS = 256  # documents per encode_batch call / per task sent to a worker
 

@@ -190,7 +190,7 @@ _worker: RowFormatter | None = None
 
 def init_worker(tokenizer_path: str, settings: FormatSettings) -> None:
     global _worker
-    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.utils.tokenizer import load_tokenizer
 
     _worker = RowFormatter(load_tokenizer(tokenizer_path), settings)
 

@@ -186,7 +186,7 @@ def parse_text_loader(
     pack, template, pad_length = parsed["pack"], parsed["template"], parsed["eod_pad_length"]
     if not read_files:
         return None
-    from .tokenizer import find_eod_id, load_tokenizer
+    from lmforge.utils.tokenizer import find_eod_id, load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     eod = loader.get("eod")
@@ -327,7 +327,7 @@ class TextDataLoader:
                 ctx.set_forkserver_preload(["lmforge.data.text_format"])
             self._pool = ctx.Pool(self.num_workers, init_worker, (self.s.tokenizer, self.s.format))
         else:
-            from .tokenizer import load_tokenizer
+            from lmforge.utils.tokenizer import load_tokenizer
 
             local = RowFormatter(load_tokenizer(self.s.tokenizer), self.s.format)
         ahead = max(2 * self.num_workers, 2)

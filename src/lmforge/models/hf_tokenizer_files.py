@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from lmforge.data.tokenizer import find_eod_id, load_tokenizer, tokenizer_file
 from lmforge.errors import DataError
+from lmforge.utils.tokenizer import find_eod_id, load_tokenizer, tokenizer_file
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"

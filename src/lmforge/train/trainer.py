@@ -232,9 +232,9 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         self._resume_or_start()
         if self.ctx.rank == 0 and self.ctx.device.type == "cpu":
-            from lmforge.cli import malloc
+            from lmforge.utils import malloc
 
-            logger.info("CPU allocator: %s", malloc.status)  # cli/malloc.py; "not applied" outside the CLI
+            logger.info("CPU allocator: %s", malloc.status)  # utils/malloc.py; "not applied" outside the CLI
         kw = self._hook_kwargs
         self.callbacks.call("on_begin", self.config, self.state, **kw())
         self.callbacks.call("on_train_begin", self.config, self.state, **kw())

@@ -65,7 +65,7 @@ class DownstreamEvalCallback(TrainerCallback):
         self.history: list[tuple[int, dict[str, float]]] = []
 
     def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
-        from lmforge.data.tokenizer import find_eod_id, load_tokenizer
+        from lmforge.utils.tokenizer import find_eod_id, load_tokenizer
 
         parallelism = getattr(args, "parallelism", None)
         if int(getattr(parallelism, "pipeline_parallel", 1) or 1) > 1:

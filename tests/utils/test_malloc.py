@@ -1,4 +1,4 @@
-"""glibc allocator defaults (cli/malloc.py): freed memory stays in the process, unless the user chose."""
+"""glibc allocator defaults (utils/malloc.py): freed memory stays in the process, unless the user chose."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lmforge.cli.malloc import is_glibc, user_choice
+from lmforge.utils.malloc import is_glibc, user_choice
 
 
 def test_the_users_settings_win():
@@ -27,7 +27,7 @@ def test_the_users_settings_win():
 # there is nothing to fault in again.
 _PROBE = (
     "import resource\n"
-    "from lmforge.cli import main, malloc\n"
+    "from lmforge.cli import main\nfrom lmforge.utils import malloc\n"
     "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
     "import torch\n"
     "faults = []\n"
