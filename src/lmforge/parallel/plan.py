@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmforge.config.load import collected_log_warnings
+from lmforge.config.sections_run import TrainingConfig
 from lmforge.errors import ConfigError, LmforgeError
 from lmforge.parallel.dims import ParallelDims
 
@@ -41,6 +42,18 @@ class BatchSchedule:
     local_batch_size: int
     data_parallel: int
     rampup: tuple[int, int, int] | None = None
+
+    @classmethod
+    def of(cls, training: TrainingConfig, data_parallel: int) -> BatchSchedule:
+        """The schedule of the typed ``training`` section for ``data_parallel`` ranks (the one way to make
+        one: the run plan, the trainer, the planner and ``lmforge check`` all ask it)."""
+        rampup = training.rampup_batch_size
+        return cls(
+            global_batch_size=int(training.global_batch_size),
+            local_batch_size=int(training.local_batch_size),
+            data_parallel=data_parallel,
+            rampup=tuple(rampup) if rampup else None,  # type: ignore[arg-type]
+        )
 
     @property
     def samples_per_micro_step(self) -> int:
@@ -250,17 +263,11 @@ def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
     optimizer = _typed(cfg.optimizer, "optimizer", problems)
     schedule = _typed(cfg.lr_scheduler, "lr_scheduler", problems)
     dims = _attempt(problems, lambda: ParallelDims.from_section(cfg.parallelism, world_size))
-    rampup = tuple(training.rampup_batch_size) if training.rampup_batch_size else None
     batches = None
     if dims is not None:
-        batches = BatchSchedule(
-            global_batch_size=int(training.global_batch_size),
-            local_batch_size=int(training.local_batch_size),
-            data_parallel=dims.dp,
-            rampup=rampup,  # type: ignore[arg-type]
-        )
+        batches = BatchSchedule.of(training, dims.dp)
         problems += batches.problems()
-        if dims.pp > 1 and rampup is not None:
+        if dims.pp > 1 and batches.rampup is not None:
             problems.append(
                 "training.rampup_batch_size cannot be combined with parallelism.pipeline_parallel > 1: the "
                 "pipeline schedule runs a fixed number of micro-batches per step."

@@ -34,6 +34,7 @@ import torch
 from lmforge.errors import ConfigError
 from lmforge.parallel.dims import ParallelDims
 from lmforge.parallel.memory import estimate_memory
+from lmforge.parallel.plan import BatchSchedule
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -100,6 +101,10 @@ class Layout:
             ep=self.ep,
         )
 
+    def accumulation_steps(self, global_batch_size: int) -> int:
+        """Micro-batches per rank and step: the run's own BatchSchedule for this layout."""
+        return BatchSchedule(global_batch_size, self.local_batch_size, self.dp).accumulation_steps_at(0)
+
     def yaml(self, num_layers: int) -> str:
         lines = [
             "parallelism:",
@@ -140,7 +145,7 @@ def communication_volume(
     all-reduce twice that; all-to-all moves ``(n-1)/n`` of the local data.
     """
     c = model.compute_bytes
-    micro = max(1, global_batch_size // (layout.dp * layout.local_batch_size))
+    micro = layout.accumulation_steps(global_batch_size)
     tokens_mb = layout.local_batch_size * model.seq_length / layout.cp  # tokens per micro-batch per rank
     layers = model.num_layers / layout.pp
     # Unsharded parameters of this rank's stage and tensor shard; routed experts are further split over
@@ -191,7 +196,7 @@ def step_time(
     tokens = global_batch_size * model.seq_length
     flops = model.flops_per_token * tokens * (4 / 3 if layout.recompute == "full" else 1.0)
     compute = flops / (world * hw.gpu_tflops * 1e12 * hw.efficiency)
-    micro = max(1, global_batch_size // (layout.dp * layout.local_batch_size))
+    micro = layout.accumulation_steps(global_batch_size)
     bubble = compute * (layout.pp - 1) / micro if layout.pp > 1 else 0.0  # (pp-1)/(m+pp-1) of the total
     # Mesh order (outer to inner): pp, dp_replicate, dp_shard, cp, tp -> strides of each group.
     gb = 1e9
@@ -315,7 +320,7 @@ def plan(
                 pp=layout.pp,
                 ep=layout.ep,
             )
-        micro = max(1, gbs // (layout.dp * layout.local_batch_size))
+        micro = layout.accumulation_steps(gbs)
         est = estimate_memory(
             net,
             dims,

@@ -12,7 +12,7 @@ from typing import Any
 from lmforge.config.sections_components import OptimizerConfig
 from lmforge.config.sections_parallel import ParallelismConfig, RecomputeConfig
 from lmforge.config.sections_run import TrainingConfig
-from lmforge.errors import NotSupportedError
+from lmforge.errors import ConfigError, NotSupportedError
 from lmforge.parallel.dims import ParallelDims
 from lmforge.parallel.memory import describe_ranks, estimate_memory, format_bytes, selected_recompute_parts
 
@@ -34,7 +34,7 @@ def parallel_plan(
     from lmforge.config.inert import inert_keys
     from lmforge.models import build_model
     from lmforge.parallel.api import refuse_unsupported
-    from lmforge.parallel.plan import accumulation_steps
+    from lmforge.parallel.plan import BatchSchedule
 
     dims = ParallelDims.from_section(parallelism, world_size)
     inert = inert_keys("parallelism", parallelism)
@@ -48,7 +48,10 @@ def parallel_plan(
     cfg = net.config
     dims.check_transformer(cfg, parallelism, seq_length=cfg.seq_length)
     lbs = int(training.local_batch_size)
-    accum = accumulation_steps(int(training.global_batch_size), lbs, dims.dp)
+    batches = BatchSchedule.of(training, dims.dp)
+    if batches.problems():
+        raise ConfigError(batches.problems()[0])
+    accum = batches.accumulation_steps_at(0)
     lines = [
         f"Parallel mesh (world size {world_size}): pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard "
         f"{dims.dp_shard} x cp {dims.cp} x tp {dims.tp}"

@@ -104,13 +104,7 @@ class Trainer:
         self.max_norm = float(training.max_norm)
         if batches is None:
             # Without a run plan (a Trainer built by hand): the plan's schedule for this process's dp size.
-            rampup = training.rampup_batch_size
-            batches = BatchSchedule(
-                global_batch_size=int(training.global_batch_size),
-                local_batch_size=int(training.local_batch_size),
-                data_parallel=self.ctx.dp_size,
-                rampup=tuple(rampup) if rampup else None,
-            )
+            batches = BatchSchedule.of(training, self.ctx.dp_size)
             problems = batches.problems()
             if problems:
                 raise ConfigError(problems[0])

@@ -668,7 +668,7 @@ def _memory_options(ev: RunEvidence) -> list[tuple[dict[str, Any], int, int]] | 
     try:
         from lmforge.config import load_config
         from lmforge.models import build_model, build_model_config
-        from lmforge.parallel import ParallelDims
+        from lmforge.parallel import BatchSchedule, ParallelDims
         from lmforge.parallel.memory import estimate_memory
 
         cfg = load_config(ev.config)
@@ -699,7 +699,7 @@ def _memory_options(ev: RunEvidence) -> list[tuple[dict[str, Any], int, int]] | 
             hidden_size=mc.hidden_size,
             num_layers=mc.num_layers,
             vocab_size=mc.vocab_size,
-            accumulation_steps=max(1, gbs // max(1, lbs_ * dims.dp)),
+            accumulation_steps=BatchSchedule(gbs, max(1, lbs_), dims.dp).accumulation_steps_at(0),
             moment_bytes=moment_bytes,
             offload_states=offload,
         )
