@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lmforge.config import validate_section
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks.base import CallbackHandler, TrainerCallback
 from lmforge.train.callbacks.evaluation import EvaluationCallback
@@ -92,13 +93,13 @@ def test_builtin_order_metrics_producers_before_tensorboard(tmp_path):
     """Producers of step metrics (memory, validation, max logits) run before TensorBoard writes them;
     the profiler runs first so that its window brackets the whole step."""
     callbacks = [
-        TensorBoardCallback({}, tmp_path),
+        TensorBoardCallback(validate_section("monitor.tensorboard", {}), tmp_path),
         MaxLogitsMonitor(),
         EvaluationCallback(1),
-        TrainStateMonitorCallback({}, tmp_path),
-        MoeMonitorCallback({}, tmp_path),
+        TrainStateMonitorCallback(validate_section("monitor.train_state", {}), tmp_path),
+        MoeMonitorCallback(validate_section("monitor.moe_monitor", {}), tmp_path),
         MemoryCallback("cpu"),
-        ProfilerCallback({}, tmp_path),
+        ProfilerCallback(validate_section("profiler", {}), tmp_path),
     ]
     handler = CallbackHandler(callbacks)
     names = [type(c).__name__ for c in handler.callbacks]

@@ -55,7 +55,11 @@ def test_tokens_per_expert_sum_to_tokens_times_top_k(tmp_path, recompute):
             3,
         )
     cb = MoeMonitorCallback(
-        {"save_tokens_per_expert_interval": 1, "target_layers": [0, 2]}, tmp_path, num_layers=3
+        validate_section(
+            "monitor.moe_monitor", {"save_tokens_per_expert_interval": 1, "target_layers": [0, 2]}
+        ),
+        tmp_path,
+        num_layers=3,
     )
     drive([cb], model, steps=2, micro=2)
     records = [json.loads(line) for line in cb.path.read_text().splitlines()]
@@ -71,7 +75,9 @@ def test_tokens_per_expert_sum_to_tokens_times_top_k(tmp_path, recompute):
 
 def test_moe_monitor_interval_counts_micro_batches(tmp_path):
     cb = MoeMonitorCallback(
-        {"save_tokens_per_expert_interval": 3, "target_layers": 1}, tmp_path, num_layers=3
+        validate_section("monitor.moe_monitor", {"save_tokens_per_expert_interval": 3, "target_layers": 1}),
+        tmp_path,
+        num_layers=3,
     )
     drive([cb], _model(), steps=3, micro=2)
     records = [json.loads(line) for line in cb.path.read_text().splitlines()]
@@ -87,7 +93,12 @@ def test_moe_monitor_dense_target_layers_are_skipped(tmp_path):
     logger = logging.getLogger("lmforge.train.callbacks.monitor_hooks")
     logger.addHandler(handler)
     try:
-        cb = MoeMonitorCallback({"save_tokens_per_expert_interval": 1, "target_layers": [1, 7]}, tmp_path)
+        cb = MoeMonitorCallback(
+            validate_section(
+                "monitor.moe_monitor", {"save_tokens_per_expert_interval": 1, "target_layers": [1, 7]}
+            ),
+            tmp_path,
+        )
         drive([cb], _model(), steps=1, micro=1)
     finally:
         logger.removeHandler(handler)
@@ -99,14 +110,16 @@ def test_moe_monitor_dense_target_layers_are_skipped(tmp_path):
 def test_moe_monitor_needs_an_moe_model(tmp_path):
     from .helpers import TinyLM
 
-    cb = MoeMonitorCallback({"save_tokens_per_expert_interval": 1}, tmp_path)
+    cb = MoeMonitorCallback(
+        validate_section("monitor.moe_monitor", {"save_tokens_per_expert_interval": 1}), tmp_path
+    )
     with pytest.raises(ConfigError, match="the model has no experts"):
         drive([cb], TinyLM(), steps=1, micro=1)
 
 
 def test_max_logits_monitor_logs_per_layer_values_every_interval():
     model = _model()
-    cb = build_callback({"type": "MaxLogitsMonitor", "step_interval": 2}, 0)
+    cb = build_callback(validate_section("callbacks", {"type": "MaxLogitsMonitor", "step_interval": 2}), 0)
     assert isinstance(cb, MaxLogitsMonitor)
     captured: list[logging.LogRecord] = []
     handler = logging.Handler(logging.INFO)
@@ -144,7 +157,7 @@ def test_max_logits_monitor_keeps_its_values_when_the_optimizer_resets_the_model
         def on_step_end(self, args, state, **kwargs):
             model.reset_max_logits()
 
-    cb = build_callback({"type": "MaxLogitsMonitor", "step_interval": 1}, 0)
+    cb = build_callback(validate_section("callbacks", {"type": "MaxLogitsMonitor", "step_interval": 1}), 0)
     drive([ResetLikeMuon(), cb], model, steps=1, micro=1)
     assert cb.last and all(v > 0 for values in cb.last.values() for v in values)
 
@@ -153,4 +166,4 @@ def test_max_logits_monitor_validation():
     with pytest.raises(ConfigError, match="step_interval must be a positive int, got 0"):
         MaxLogitsMonitor(step_interval=0)
     with pytest.raises(ConfigError, match="registered callbacks: .*MaxLogitsMonitor"):
-        build_callback({"type": "NoSuchCallback"}, 3)
+        build_callback(validate_section("callbacks", {"type": "NoSuchCallback"}), 3)

@@ -8,6 +8,7 @@ from importlib import metadata
 
 import pytest
 
+from lmforge.config import validate_section
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks import plugins
 from lmforge.train.callbacks.registry import build_callback
@@ -41,7 +42,9 @@ def user_module(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("sep", [":", "."])
 def test_import_path_builds_user_callback_with_its_keys(user_module, sep):
-    cb = build_callback({"type": f"{user_module}{sep}CountSteps", "log_interval": 10}, 0)
+    cb = build_callback(
+        validate_section("callbacks", {"type": f"{user_module}{sep}CountSteps", "log_interval": 10}), 0
+    )
     assert type(cb).__name__ == "CountSteps" and cb.log_interval == 10
 
 
@@ -55,11 +58,14 @@ def test_entry_point(user_module, monkeypatch):
         "entry_points",
         lambda **kw: [ep] if kw.get("group") == plugins.ENTRY_POINT_GROUP else real(**kw),
     )
-    assert type(build_callback({"type": "EntryPointOnlyCallback"}, 0)).__name__ == "CountSteps"
+    assert (
+        type(build_callback(validate_section("callbacks", {"type": "EntryPointOnlyCallback"}), 0)).__name__
+        == "CountSteps"
+    )
 
 
 def test_builtin_max_logits_is_known_without_importing_it_first():
-    cb = build_callback({"type": "MaxLogitsMonitor", "step_interval": 3}, 0)
+    cb = build_callback(validate_section("callbacks", {"type": "MaxLogitsMonitor", "step_interval": 3}), 0)
     assert cb.step_interval == 3
 
 
@@ -79,13 +85,13 @@ def test_builtin_max_logits_is_known_without_importing_it_first():
 )
 def test_registry_errors(user_module, item, needle):
     with pytest.raises(ConfigError) as err:
-        build_callback(item, 2)
+        build_callback(validate_section("callbacks", item), 2)
     assert needle in str(err.value)
 
 
 def test_unknown_type_lists_the_registered_ones():
     with pytest.raises(ConfigError) as err:
-        build_callback({"type": "callbackA", "param": 1}, 0)
+        build_callback(validate_section("callbacks", {"type": "callbackA", "param": 1}), 0)
     assert "MaxLogitsMonitor" in str(err.value) and "LossCallback" in str(err.value)
 
 
@@ -95,6 +101,6 @@ def test_import_path_needs_the_opt_in(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv(plugins.ALLOW_IMPORTS_ENV, raising=False)
     with pytest.raises(ConfigError) as err:
-        build_callback({"type": "hostile_cb_mod:CountSteps"}, 0)
+        build_callback(validate_section("callbacks", {"type": "hostile_cb_mod:CountSteps"}), 0)
     assert "--allow-imports" in str(err.value) and not marker.exists()
     assert "hostile_cb_mod" not in sys.modules

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmforge.config import validate_section
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks.monitor import MemoryCallback
 from lmforge.train.callbacks.monitor_hooks import PeakMemory
@@ -29,7 +30,9 @@ def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_events_have_expected_tags_vs_step_and_samples(tmp_path):
-    cb = TensorBoardCallback({"log_interval": 2, "queue_size": 5}, tmp_path)
+    cb = TensorBoardCallback(
+        validate_section("monitor.tensorboard", {"log_interval": 2, "queue_size": 5}), tmp_path
+    )
     drive([cb], TinyLM(), steps=4, micro=1)
     assert cb.log_dir == tmp_path / "tensorboard"
     scalars = _scalars(cb.log_dir)
@@ -43,7 +46,9 @@ def test_tensorboard_events_have_expected_tags_vs_step_and_samples(tmp_path):
 
 
 def test_tensorboard_output_dir_and_extra_metrics(tmp_path):
-    cb = TensorBoardCallback({"output_dir": str(tmp_path / "tb")}, tmp_path)
+    cb = TensorBoardCallback(
+        validate_section("monitor.tensorboard", {"output_dir": str(tmp_path / "tb")}), tmp_path
+    )
     mem = MemoryCallback("cpu")
     drive([mem, cb], TinyLM(), steps=2, micro=1)
     scalars = _scalars(tmp_path / "tb")
@@ -77,7 +82,7 @@ def test_profiler_traces_only_the_configured_window(tmp_path):
         "profiler_level": 1,
         "with_stack": False,
     }
-    cb = ProfilerCallback(section, tmp_path, rank=0)
+    cb = ProfilerCallback(validate_section("profiler", section), tmp_path, rank=0)
     drive([cb], TinyLM(), steps=5, micro=1, work=_matmuls)
     trace_dir = tmp_path / "profile" / "rank_0"
     assert len(cb.profiler.trace_files()) == 1
@@ -92,14 +97,24 @@ def test_profiler_other_rank_and_disabled_write_nothing(tmp_path):
         "profiler_rank": [1],
         "output_path": str(tmp_path / "p"),
     }
-    drive([ProfilerCallback(section, tmp_path, rank=0)], TinyLM(), steps=2, micro=1)
-    drive([ProfilerCallback({"enable_profiling": False}, tmp_path, rank=0)], TinyLM(), steps=2, micro=1)
+    drive(
+        [ProfilerCallback(validate_section("profiler", section), tmp_path, rank=0)],
+        TinyLM(),
+        steps=2,
+        micro=1,
+    )
+    drive(
+        [ProfilerCallback(validate_section("profiler", {"enable_profiling": False}), tmp_path, rank=0)],
+        TinyLM(),
+        steps=2,
+        micro=1,
+    )
     assert not (tmp_path / "p").exists() and not (tmp_path / "profile").exists()
 
 
 def test_profiler_run_shorter_than_window_still_writes(tmp_path):
     section = {"enable_profiling": True, "start_step": 2, "end_step": 9, "with_stack": False}
-    cb = ProfilerCallback(section, tmp_path, rank=0)
+    cb = ProfilerCallback(validate_section("profiler", section), tmp_path, rank=0)
     drive([cb], TinyLM(), steps=3, micro=1)
     assert _trace_step_names(tmp_path / "profile" / "rank_0") == {"ProfilerStep#2", "ProfilerStep#3"}
 
@@ -115,7 +130,7 @@ def test_profiler_run_shorter_than_window_still_writes(tmp_path):
 )
 def test_profiler_validation(section, needle, tmp_path):
     with pytest.raises(ConfigError, match=needle):
-        ProfilerCallback({"enable_profiling": True, **section}, tmp_path)
+        ProfilerCallback(validate_section("profiler", {"enable_profiling": True, **section}), tmp_path)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="per-step RSS peak needs Linux")
@@ -151,7 +166,7 @@ class _FakeEval:
 
 
 def test_tensorboard_writes_validation_between_logged_steps(tmp_path):
-    cb = TensorBoardCallback({"log_interval": 2}, tmp_path)
+    cb = TensorBoardCallback(validate_section("monitor.tensorboard", {"log_interval": 2}), tmp_path)
     drive([_FakeEval(), cb], TinyLM(), steps=4, micro=1)
     scalars = _scalars(cb.log_dir)
     assert scalars["val-loss"] == [(3, 2.5)]

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from lmforge.config import validate_section
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks.monitor import TrainStateMonitorCallback
 from lmforge.train.callbacks.monitor_hooks import norm_filters
@@ -39,7 +40,7 @@ def test_local_and_device_norms_and_losses(tmp_path):
         "local_loss": True,
         "device_loss": True,
     }
-    cb = TrainStateMonitorCallback(section, tmp_path)
+    cb = TrainStateMonitorCallback(validate_section("monitor.train_state", section), tmp_path)
     expected = [_expected(model, s, 3) for s in range(2)]  # weights never change in drive()
     drive([cb], model, steps=2, micro=3)
     records = _records(cb.path)
@@ -65,12 +66,16 @@ def test_local_and_device_norms_and_losses(tmp_path):
 
 def test_substring_selector_and_off(tmp_path):
     model = TinyLM()
-    cb = TrainStateMonitorCallback({"local_norm": "decoder.layers.1"}, tmp_path)
+    cb = TrainStateMonitorCallback(
+        validate_section("monitor.train_state", {"local_norm": "decoder.layers.1"}), tmp_path
+    )
     drive([cb], model, steps=1, micro=1)
     (rec,) = _records(cb.path)
     assert set(rec["local_norm"]) == {"decoder.layers.1.weight", "decoder.layers.1.bias"}
 
-    off = TrainStateMonitorCallback({"local_norm": "", "device_norm": []}, tmp_path / "off")
+    off = TrainStateMonitorCallback(
+        validate_section("monitor.train_state", {"local_norm": "", "device_norm": []}), tmp_path / "off"
+    )
     drive([off], TinyLM(), steps=1, micro=1)
     assert not off.path.exists()
 
@@ -104,7 +109,10 @@ def test_local_norms_under_fsdp2(tmp_path):
             fully_shard(layer)
         fully_shard(sharded)
         cb = TrainStateMonitorCallback(
-            {"local_norm": "decoder.layers", "device_norm": "decoder.layers.0"}, tmp_path
+            validate_section(
+                "monitor.train_state", {"local_norm": "decoder.layers", "device_norm": "decoder.layers.0"}
+            ),
+            tmp_path,
         )
         drive([cb], sharded, steps=1, micro=2)
         records = _records(cb.path)

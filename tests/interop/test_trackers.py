@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from lmforge.config import validate_section
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks import read_metrics
 from lmforge.train.callbacks.trackers import RUNS_FILE, MlflowCallback, WandbCallback, step_scalars
@@ -110,7 +111,9 @@ def test_wandb_online_without_a_login_is_a_clear_error(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a W&B key
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
-    cb = WandbCallback({"enable": True, "project": "tests"}, tmp_path / "run")
+    cb = WandbCallback(
+        validate_section("monitor.wandb", {"enable": True, "project": "tests"}), tmp_path / "run"
+    )
     with pytest.raises(ConfigError, match=r"monitor.wandb: W&B could not start a run: .*offline: true"):
         cb.start(None, {"a": 1}, 0)
 

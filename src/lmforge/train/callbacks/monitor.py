@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lmforge.config.load import as_section
+from lmforge.config.sections_run import MoeMonitorConfig, TrainStateConfig
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.callbacks.monitor_hooks import MoeTokenMonitor, PeakMemory, TrainStateMonitor, format_bytes
 from lmforge.utils.logging import get_logger
@@ -33,8 +33,8 @@ class TrainStateMonitorCallback(TrainerCallback):
 
     order = 15
 
-    def __init__(self, section: Any, output_dir: str | os.PathLike) -> None:
-        self.section = as_section("monitor.train_state", section)
+    def __init__(self, section: TrainStateConfig, output_dir: str | os.PathLike) -> None:
+        self.section = section
         self.path = Path(output_dir) / "monitor" / f"train_state_rank{_rank()}.jsonl"
         self.monitor: TrainStateMonitor | None = None
 
@@ -68,8 +68,10 @@ class MoeMonitorCallback(TrainerCallback):
 
     order = 15
 
-    def __init__(self, section: Any, output_dir: str | os.PathLike, num_layers: int | None = None) -> None:
-        self.section = as_section("monitor.moe_monitor", section)
+    def __init__(
+        self, section: MoeMonitorConfig, output_dir: str | os.PathLike, num_layers: int | None = None
+    ) -> None:
+        self.section = section
         self.path = Path(output_dir) / "monitor" / f"tokens_per_expert_rank{_rank()}.jsonl"
         self.num_layers = num_layers
         self.monitor: MoeTokenMonitor | None = None

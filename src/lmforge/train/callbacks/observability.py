@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lmforge.config.load import as_section
+from lmforge.config.schema import TrainConfig
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.callbacks.doctor.live import doctor_callback
 from lmforge.train.callbacks.evaluation import EvaluationCallback
@@ -24,19 +24,15 @@ from lmforge.train.callbacks.tensorboard import TensorBoardCallback
 from lmforge.train.callbacks.trackers import tracker_callbacks
 
 
-def _get(config: Any, key: str) -> Any:
-    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
-
-
 def observability_callbacks(
-    config: Any,
+    config: TrainConfig,
     output_dir: str | os.PathLike,
     *,
     model: Any = None,
     device: Any = None,
     rank: int | None = None,
 ) -> list[TrainerCallback]:
-    monitor = as_section("monitor", _get(config, "monitor"))
+    monitor = config.monitor
     callbacks: list[TrainerCallback] = [
         MemoryCallback(device),
         TensorBoardCallback(monitor.tensorboard, output_dir),
@@ -53,14 +49,14 @@ def observability_callbacks(
     if moe.save_tokens_per_expert_interval is not None:
         num_layers = getattr(getattr(model, "config", None), "num_layers", None)
         callbacks.append(MoeMonitorCallback(moe, output_dir, num_layers=num_layers))
-    profiler = as_section("profiler", _get(config, "profiler"))
+    profiler = config.profiler
     if profiler.enable_profiling:
         callbacks.append(ProfilerCallback(profiler, output_dir, rank))
     evaluation = EvaluationCallback.from_config(config)
     if evaluation is not None:
         callbacks.append(evaluation)
     callbacks.extend(tracker_callbacks(monitor, output_dir))
-    listed = [as_section("callbacks", c).type for c in (_get(config, "callbacks") or [])]
+    listed = [c.type for c in config.callbacks]
     if getattr(model, "track_max_logits", False) and "MaxLogitsMonitor" not in listed:
         callbacks.append(MaxLogitsMonitor())
     doctor = doctor_callback(config, output_dir)  # on unless monitor.doctor.enable is false

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lmforge.config.sections_run import ProfilerConfig
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.callbacks.torch_profiler import StepProfiler
 
@@ -14,7 +15,9 @@ class ProfilerCallback(TrainerCallback):
     # itself, not the other callbacks' end-of-step work such as checkpoint saving.
     order = 0
 
-    def __init__(self, section: Any, output_dir: str | os.PathLike = ".", rank: int | None = None) -> None:
+    def __init__(
+        self, section: ProfilerConfig, output_dir: str | os.PathLike = ".", rank: int | None = None
+    ) -> None:
         self.profiler = StepProfiler(section, output_dir, rank)
 
     def on_step_begin(self, args: Any, state: Any, **kwargs: Any) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lmforge.config.load import as_section
+from lmforge.config.sections_run import CallbackConfig
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks.base import TrainerCallback
 
@@ -43,11 +43,10 @@ def callback_class(name: Any, index: int) -> type[TrainerCallback]:
     return _REGISTRY[name]
 
 
-def check_callback(item: Any, index: int) -> None:
-    """Refuse ``callbacks[index]`` the way :func:`build_callback` would, without constructing it."""
+def check_callback(item: CallbackConfig, index: int) -> None:
+    """Refuse ``callbacks[index]`` (typed) the way :func:`build_callback` would, without constructing it."""
     import inspect
 
-    item = as_section("callbacks", item)
     name, kwargs = item.type, item.extras()
     cls = callback_class(name, index)
     try:
@@ -58,9 +57,8 @@ def check_callback(item: Any, index: int) -> None:
         pass  # no introspectable signature: the constructor decides
 
 
-def build_callback(item: Any, index: int) -> TrainerCallback:
-    """Build ``callbacks[index]`` of the config (a section or a mapping with ``type``)."""
-    item = as_section("callbacks", item)
+def build_callback(item: CallbackConfig, index: int) -> TrainerCallback:
+    """Build ``callbacks[index]`` of the config (the typed item: ``type`` and the callback's arguments)."""
     name, kwargs = item.type, item.extras()
     cls = callback_class(name, index)
     try:

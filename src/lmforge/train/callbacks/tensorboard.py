@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lmforge.config.load import as_section
+from lmforge.config.sections_run import TensorboardConfig
 from lmforge.train.callbacks.base import TrainerCallback
 
 # metrics keys the trainer computes, and their tags (the original's names where it has one)
@@ -55,8 +55,8 @@ def _is_last_rank() -> bool:
 class TensorBoardCallback(TrainerCallback):
     order = 40  # after memory, evaluation and max-logit callbacks have added their metrics
 
-    def __init__(self, section: Any = None, output_dir: str | os.PathLike = ".") -> None:
-        cfg = as_section("monitor.tensorboard", section)
+    def __init__(self, section: TensorboardConfig | None = None, output_dir: str | os.PathLike = ".") -> None:
+        cfg = section if section is not None else TensorboardConfig()
         self.log_dir = Path(cfg.output_dir or Path(output_dir) / "tensorboard")
         self.log_interval = int(cfg.log_interval or 1)
         self.queue_size = int(cfg.queue_size or 1000)

@@ -21,12 +21,11 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, tensorboard_trace_handler
 
-from lmforge.config.load import as_section
+from lmforge.config.sections_run import ProfilerConfig
 from lmforge.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -46,9 +45,10 @@ def profiler_options(level: int) -> dict[str, bool]:
 class StepProfiler:
     """Profiles the configured window of training steps on the configured ranks."""
 
-    def __init__(self, section: Any, output_dir: str | os.PathLike = ".", rank: int | None = None) -> None:
-        # Typed (its start/end/level checks are the section's, at load), or a mapping typed the same way.
-        cfg = as_section("profiler", section)
+    def __init__(
+        self, section: ProfilerConfig, output_dir: str | os.PathLike = ".", rank: int | None = None
+    ) -> None:
+        cfg = section  # typed: its start/end/level checks are the section's, at load
         self.enabled = cfg.enable_profiling
         self.start_step = cfg.start_step
         self.end_step = cfg.end_step

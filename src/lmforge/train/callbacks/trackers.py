@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmforge.config.load import as_section
+from lmforge.config.schema import TrainConfig
+from lmforge.config.sections_run import MonitorConfig
+from lmforge.config.sections_trackers import MlflowConfig, WandbConfig
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks.base import TrainerCallback, logger
 
@@ -65,8 +67,8 @@ class TrackerCallback(TrainerCallback):
     name = ""  # the key under monitor and in tracker_runs.json
     module = ""  # the package to import
 
-    def __init__(self, section: Any, output_dir: str | os.PathLike) -> None:
-        self.cfg = as_section(f"monitor.{self.name}", section)  # typed; .get reads it like a mapping
+    def __init__(self, section: WandbConfig | MlflowConfig, output_dir: str | os.PathLike) -> None:
+        self.cfg = section
         require_package(self.module, self.name, f"monitor.{self.name}.enable")
         self.output_dir = Path(output_dir)
         self.log_interval = int(self.cfg.get("log_interval") or 1)
@@ -235,19 +237,17 @@ def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 def log_to_run_trackers(
-    config: Any, output_dir: str | os.PathLike, scalars: dict[str, float], step: int
+    config: TrainConfig, output_dir: str | os.PathLike, scalars: dict[str, float], step: int
 ) -> list[str]:
     """Log ``scalars`` at ``step`` into the tracker runs of a finished (or running) training run, as
     ``lmforge eval --tasks`` does: the run ids of ``<output_dir>/tracker_runs.json``, else new runs.
     Returns the names of the trackers logged to."""
-    monitor = as_section(
-        "monitor", config.get("monitor") if isinstance(config, dict) else getattr(config, "monitor", None)
-    )
+    monitor = config.monitor
     done = []
     for cb in tracker_callbacks(monitor, output_dir):
         runs_file = Path(output_dir) / RUNS_FILE
         runs = json.loads(runs_file.read_text()) if runs_file.is_file() else {}
-        plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        plain = config.to_dict()
         cb.run_id = cb.start(runs.get(cb.name), _jsonable(plain), step)
         if cb.name not in runs:
             runs[cb.name] = cb.run_id
@@ -259,11 +259,9 @@ def log_to_run_trackers(
     return done
 
 
-def tracker_callbacks(monitor: Any, output_dir: str | os.PathLike) -> list[TrackerCallback]:
-    """The enabled trackers of ``monitor`` (the typed section, or a mapping typed the same way; a
-    ConfigError here if a package is missing)."""
+def tracker_callbacks(monitor: MonitorConfig, output_dir: str | os.PathLike) -> list[TrackerCallback]:
+    """The enabled trackers of the typed ``monitor`` section (a ConfigError here if a package is missing)."""
     out: list[TrackerCallback] = []
-    monitor = as_section("monitor", monitor)
     for cls in (WandbCallback, MlflowCallback):
         section = getattr(monitor, cls.name)
         if section.enable:

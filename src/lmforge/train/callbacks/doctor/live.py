@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lmforge.config.load import as_section
+from lmforge.config.schema import TrainConfig
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.callbacks.doctor.evidence import CONFIG_FILE, FACTS_FILE, RunEvidence
 from lmforge.train.callbacks.doctor.rules import Finding, diagnose
@@ -236,11 +236,9 @@ def _show(value: Any) -> str:
     return json.dumps(value)
 
 
-def doctor_callback(config: Any, output_dir: str | Path) -> DoctorCallback | None:
+def doctor_callback(config: TrainConfig, output_dir: str | Path) -> DoctorCallback | None:
     """The live doctor of a run, or None when ``monitor.doctor.enable`` is false."""
-    monitor = as_section(
-        "monitor", config.get("monitor") if isinstance(config, dict) else getattr(config, "monitor", None)
-    )
+    monitor = config.monitor
     if not monitor.doctor.enable:
         return None
     return DoctorCallback(int(monitor.doctor.check_interval), output_dir)
