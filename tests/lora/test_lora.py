@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmforge.cli import main
-from lmforge.config import load_config
+from lmforge.config import load_config, validate_section
 from lmforge.errors import ConfigError
 from lmforge.models import build_model
 from lmforge.models.lora import LoRALinear, apply_lora, init_lora_weights, lora_modules, merge_lora
@@ -57,7 +57,11 @@ def test_adapters_replace_selected_linears_and_freeze_the_rest():
     ids = torch.randint(0, 64, (2, 16))
     before = model(ids).logits
     names = apply_lora(
-        model, {"target_modules": TARGETS, "exclude_layers": r"decoder\.layers\.1\.mlp", "lora_rank": 4}
+        model,
+        validate_section(
+            "lora_config",
+            {"target_modules": TARGETS, "exclude_layers": r"decoder\.layers\.1\.mlp", "lora_rank": 4},
+        ),
     )
     init_lora_weights(model, seed=1)
     assert names == [
@@ -91,13 +95,15 @@ def test_adapters_replace_selected_linears_and_freeze_the_rest():
 )
 def test_bad_selection_is_a_clear_error(section, match):
     with pytest.raises(ConfigError, match=match):
-        apply_lora(_tiny_model(), section)
+        apply_lora(_tiny_model(), validate_section("lora_config", section))
 
 
 def test_merged_model_gives_the_adapter_model_logits():
     torch.manual_seed(0)
     model = _tiny_model()
-    apply_lora(model, {"target_modules": TARGETS, "lora_rank": 4, "lora_alpha": 16})
+    apply_lora(
+        model, validate_section("lora_config", {"target_modules": TARGETS, "lora_rank": 4, "lora_alpha": 16})
+    )
     init_lora_weights(model, seed=1)
     _randomise_adapters(model)
     ids = torch.randint(0, 64, (2, 16))
@@ -349,7 +355,7 @@ def test_lora_model_loads_a_base_checkpoint_without_adapters(tmp_path):
     assert manager.save(Checkpointable(model=base), step=0)
     manager.close()
     model = _tiny_model()
-    apply_lora(model, {"target_modules": ".*linear_qkv"})
+    apply_lora(model, validate_section("lora_config", {"target_modules": ".*linear_qkv"}))
     init_lora_weights(model, seed=0)
     load_model_weights(tmp_path / "ckpt", model)
     ours = dict(model.named_parameters())
@@ -379,7 +385,7 @@ def test_lora_checkpoint_rebuilds_its_lmforge_base_checkpoint_and_refuses_a_chan
     def fresh():
         torch.manual_seed(99)  # other base weights than the checkpoint's
         m = _tiny_model()
-        apply_lora(m, {"target_modules": ".*linear_qkv"})
+        apply_lora(m, validate_section("lora_config", {"target_modules": ".*linear_qkv"}))
         init_lora_weights(m, seed=0)
         return m
 
@@ -409,7 +415,7 @@ def test_a_lora_checkpoint_is_not_loaded_into_a_model_without_adapters(tmp_path)
 
     torch.manual_seed(4)
     model = _tiny_model()
-    apply_lora(model, {"target_modules": ".*linear_proj"})
+    apply_lora(model, validate_section("lora_config", {"target_modules": ".*linear_proj"}))
     init_lora_weights(model, seed=0)
     _randomise_adapters(model)
     manager = CheckpointManager(tmp_path / "ckpt", no_save_optim=True, save_max=0)
@@ -418,7 +424,7 @@ def test_a_lora_checkpoint_is_not_loaded_into_a_model_without_adapters(tmp_path)
     with pytest.raises(CheckpointError, match="holds LoRA adapters"):
         load_model_weights(tmp_path / "ckpt", _tiny_model())  # would silently drop the adapters
     again = _tiny_model()
-    apply_lora(again, {"target_modules": ".*linear_proj"})
+    apply_lora(again, validate_section("lora_config", {"target_modules": ".*linear_proj"}))
     load_model_weights(tmp_path / "ckpt", again)
     ids = torch.randint(0, 64, (1, 16))
     with torch.no_grad():

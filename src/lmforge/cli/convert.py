@@ -229,9 +229,12 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
         model = build_model(_model_section_for(src, args.config), device="meta")
         lora = _model_section_for(src, args.config, "lora_config")
         if lora is not None:
+            from lmforge.config import validate_section
             from lmforge.models.lora import apply_lora
 
-            apply_lora(model, lora)  # so that the checkpoint's adapters are read, not dropped
+            apply_lora(
+                model, validate_section("lora_config", lora)
+            )  # so that the checkpoint's adapters are read, not dropped
         model.to_empty(device="cpu")
         model.init_weights()
         load_model_weights(src, model)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.config.load import as_section
+from lmforge.config.sections_run import LoraConfig
 from lmforge.errors import ConfigError
 
 LORA_PARAM_PARTS = (".lora_A.", ".lora_B.")
@@ -78,8 +78,8 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, lora_rank={self.rank}, lora_alpha={self.alpha:g}"
 
 
-def _settings(section: Any) -> dict[str, Any]:
-    s = as_section("lora_config", section)  # typed by load_config, or a mapping typed the same way
+def _settings(section: LoraConfig) -> dict[str, Any]:
+    s = section  # typed by load_config (or lmforge.config.validate_section("lora_config", mapping))
     return {
         "target_modules": s.target_modules or "",
         "exclude_layers": s.exclude_layers or None,
@@ -91,7 +91,7 @@ def _settings(section: Any) -> dict[str, Any]:
     }
 
 
-def select_lora_targets(model: nn.Module, section: Any) -> list[str]:
+def select_lora_targets(model: nn.Module, section: LoraConfig) -> list[str]:
     """Names of the ``nn.Linear`` modules that ``section`` puts adapters on (ConfigError if none)."""
     s = _settings(section)
     linears = [
@@ -115,7 +115,7 @@ def select_lora_targets(model: nn.Module, section: Any) -> list[str]:
     return chosen
 
 
-def apply_lora(model: nn.Module, section: Any) -> list[str]:
+def apply_lora(model: nn.Module, section: LoraConfig) -> list[str]:
     """Put adapters on the selected modules and freeze everything else. Returns the adapted names.
 
     Call it before ``parallelize`` (FSDP2 then shards adapters and frozen weights alike) and follow
