@@ -9,7 +9,6 @@ errors and logging.
 from lmforge.config.layer_spec import expand_layer_specs, parse_layer_spec, parse_layer_specs
 from lmforge.config.load import (
     apply_overrides,
-    as_section,
     config_warnings,
     dump_yaml,
     load_config,
@@ -68,7 +67,6 @@ __all__ = [
     "TrainStateConfig",
     "TrainingConfig",
     "apply_overrides",
-    "as_section",
     "config_warnings",
     "dump_yaml",
     "expand_layer_specs",

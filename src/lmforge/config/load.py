@@ -116,24 +116,6 @@ def validate_section(path: str, data: Mapping[str, Any]) -> Any:
         raise ConfigError(_format_errors(exc, f"the {path} section", prefix=loc)) from None
 
 
-def as_section(path: str, section: Any) -> Any:
-    """The typed section at ``path`` for a builder: ``section`` itself when ``load_config`` made it, or a
-    plain mapping (None: all defaults) validated by the same schema. Builders read typed attributes
-    and never validate a section themselves."""
-    cls = _class_at(tuple(path.split(".")))
-    if cls is not None and isinstance(section, cls):
-        return section
-    if section is None:
-        section = {}
-    elif isinstance(section, BaseModel):
-        section = section.model_dump()
-    if not isinstance(section, Mapping):
-        raise ConfigError(
-            f"{path} must be a mapping (a section of key: value lines), got {_describe(section)}"
-        )
-    return validate_section(path, section)
-
-
 @contextlib.contextmanager
 def collected_log_warnings(notes: list[str]) -> Iterator[None]:
     """The warnings the building blocks log under ``lmforge`` (keys that change nothing, a warm-up
