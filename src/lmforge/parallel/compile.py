@@ -15,16 +15,16 @@ starts dynamic, ``false`` specialises on every shape (a recompile per new shape,
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from torch import nn
 
+from lmforge.config.sections_speed import CompileConfig
 from lmforge.models.common.layers import layer_modules
 
 logger = logging.getLogger(__name__)
 
 
-def compile_blocks(model: nn.Module, section: Any) -> int:
+def compile_blocks(model: nn.Module, section: CompileConfig) -> int:
     """Compile every transformer block of ``model`` in place; returns how many were compiled."""
     blocks = layer_modules(model)
     options = {

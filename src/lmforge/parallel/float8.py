@@ -17,11 +17,11 @@ stay in bf16.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch import nn
 
+from lmforge.config.sections_speed import Float8Config
 from lmforge.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have float8 tensor cores
 
 
-def check_float8_supported(section: Any, device: torch.device, tensor_parallel: int = 1) -> None:
+def check_float8_supported(section: Float8Config, device: torch.device, tensor_parallel: int = 1) -> None:
     """Refuse, before anything is built, a float8 setting this run cannot honour."""
     if not section.enable:
         return
@@ -71,7 +71,7 @@ def _selected(skip: list[str]):
     return select
 
 
-def apply_float8(model: nn.Module, section: Any) -> int:
+def apply_float8(model: nn.Module, section: Float8Config) -> int:
     """Swap the selected Linear layers for torchao Float8Linear in place; returns how many."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmforge.config.load import collected_log_warnings
+from lmforge.config.schema import TrainConfig
 from lmforge.config.sections_run import TrainingConfig
 from lmforge.errors import ConfigError, LmforgeError
 from lmforge.parallel.dims import ParallelDims
@@ -158,7 +159,7 @@ class RunPlan:
     @classmethod
     def from_config(
         cls,
-        cfg: Any,
+        cfg: TrainConfig,
         world_size: int,
         *,
         extra_checks: tuple[Callable[[Any], None], ...] = (),
@@ -193,7 +194,7 @@ class RunPlan:
         return [n for n in self.warnings if n not in seen]
 
     # ------------------------------------------------------------------ printing
-    def describe(self, cfg: Any) -> list[str]:
+    def describe(self, cfg: TrainConfig) -> list[str]:
         """The lines ``lmforge check`` prints under "Run plan"."""
         d, b, par = self.dims, self.batches, cfg.parallelism
         lines = [
@@ -254,7 +255,7 @@ def collected_warnings(notes: list[str]) -> Iterator[None]:
     notes.extend(str(w.message) for w in caught)
 
 
-def _plan(cfg: Any, world_size: int, problems: list[str]) -> RunPlan | None:
+def _plan(cfg: TrainConfig, world_size: int, problems: list[str]) -> RunPlan | None:
 
     training = cfg.training
     # load_config typed the model, optimizer and lr_scheduler sections (lmforge.config.registry): the
@@ -305,14 +306,14 @@ def _typed(section: Any, path: str, problems: list[str]) -> Any:
     return typed
 
 
-def activation_wanted(cfg: Any) -> bool:
+def activation_wanted(cfg: TrainConfig) -> bool:
     """Whether recompute, recompute_comm or swap asks for anything."""
     mode = cfg.recompute.mode
     return (mode not in (None, "None")) or bool(cfg.recompute_comm.enable) or bool(cfg.swap.enable)
 
 
 def _check_model_structure(
-    cfg: Any,
+    cfg: TrainConfig,
     dims: ParallelDims,
     model_config: Any,
     model_class: type,
@@ -396,7 +397,7 @@ def _check_model_structure(
     return None if plan is None else plan.summary()
 
 
-def _parameter_patterns(cfg: Any, optimizer: Any) -> list[tuple[str, str]]:
+def _parameter_patterns(cfg: TrainConfig, optimizer: Any) -> list[tuple[str, str]]:
     """(dotted key, pattern) of every parameter-name pattern the file writes in ``optimizer``."""
     if optimizer is None:
         return []

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from lmforge.config.schema import TrainConfig
 from lmforge.errors import ConfigError
 from lmforge.parallel.dims import ParallelDims
 from lmforge.parallel.memory import estimate_memory
@@ -232,7 +233,7 @@ def step_time(
     return sum(parts.values()), {"parts": parts, "comm": comm}
 
 
-def model_facts(cfg: Any) -> tuple[ModelFacts, Any]:
+def model_facts(cfg: TrainConfig) -> tuple[ModelFacts, Any]:
     from lmforge.models import build_model, build_model_config
 
     mc = build_model_config(cfg.model)
@@ -290,7 +291,7 @@ def candidate_layouts(model: ModelFacts, hw: Hardware, global_batch_size: int) -
 
 
 def plan(
-    cfg: Any, hw: Hardware, *, global_batch_size: int | None = None
+    cfg: TrainConfig, hw: Hardware, *, global_batch_size: int | None = None
 ) -> tuple[list[Plan], list[Plan], ModelFacts]:
     """(layouts that fit, fastest first; the closest misses, smallest memory first; the model's facts)."""
     facts, (net, mc) = model_facts(cfg)

@@ -17,7 +17,10 @@ from typing import Any
 
 import torch
 
+from lmforge.config.schema import TrainConfig
 from lmforge.config.sections_parallel import ParallelismConfig
+from lmforge.config.sections_run import LoraConfig
+from lmforge.config.sections_speed import Float8Config
 from lmforge.errors import ConfigError, DataError
 from lmforge.train.callbacks.monitor import ActivationPlanCallback
 from lmforge.train.parallel_seam import ParallelContext, distributed_env
@@ -29,7 +32,7 @@ from lmforge.utils.logging import get_logger, setup_logging
 logger = get_logger("lmforge.train")
 
 
-def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int, plans: list[Any]):
+def _activation_hook(cfg: TrainConfig, num_layers: int, has_comm_ops: bool, pp: int, plans: list[Any]):
     """Recompute / swap, applied on one device too (the original only applies them when parallel); the
     plan applied is appended to ``plans`` (for the trainer's ``ActivationPlanCallback``)."""
     from lmforge.parallel.plan import activation_wanted
@@ -55,7 +58,7 @@ def _activation_hook(cfg: Any, num_layers: int, has_comm_ops: bool, pp: int, pla
     return apply
 
 
-def _maybe_float8(model: torch.nn.Module, section: Any) -> None:
+def _maybe_float8(model: torch.nn.Module, section: Float8Config | None) -> None:
     """Float8 Linear layers first: before tensor parallel, recompute, compile and FSDP2 wrap the blocks."""
     if section is not None and section.enable:
         from lmforge.parallel.float8 import apply_float8
@@ -63,7 +66,7 @@ def _maybe_float8(model: torch.nn.Module, section: Any) -> None:
         apply_float8(model, section)
 
 
-def _with_compile(hook: Any, cfg: Any):
+def _with_compile(hook: Any, cfg: TrainConfig):
     """Regional compile after recompute/swap wrapped the blocks and before FSDP2 shards them."""
     section = getattr(cfg, "compile", None)
     if section is None or not section.enable:
@@ -92,7 +95,7 @@ def _storage_device(section: ParallelismConfig, device: torch.device) -> torch.d
     return torch.device("cpu") if section.cpu_offload else device
 
 
-def find_tokenizer(cfg: Any) -> Path | None:
+def find_tokenizer(cfg: TrainConfig) -> Path | None:
     """The tokenizer.json of the run's data: ``train_dataset.dataloader.tokenizer`` if it is a local
     path, else a tokenizer.json next to the first training data prefix (as ``lmforge data demo`` lays out)."""
     loader = cfg.train_dataset.dataloader.to_dict()
@@ -117,7 +120,7 @@ def find_tokenizer(cfg: Any) -> Path | None:
     return None
 
 
-def _apply_lora(model: torch.nn.Module, section: Any) -> None:
+def _apply_lora(model: torch.nn.Module, section: LoraConfig) -> None:
     """Adapters from ``lora_config`` on the model built on meta (before any parallel wrapping; they are
     initialised with the rest, after materialising)."""
     from lmforge.models.lora import apply_lora, lora_summary
@@ -134,7 +137,7 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def _refuse_absurd_model(cfg: Any, device: str | None, world_size: int) -> None:
+def _refuse_absurd_model(cfg: TrainConfig, device: str | None, world_size: int) -> None:
     """Model dimensions whose weights cannot fit are refused before any model is built (also on meta)."""
     from lmforge.errors import LmforgeError
     from lmforge.models import build_model_config
@@ -184,7 +187,7 @@ def build_training_model(
 
 
 def build_trainer(
-    cfg: Any, *, output_dir: str | os.PathLike | None = None, device: str | None = None
+    cfg: TrainConfig, *, output_dir: str | os.PathLike | None = None, device: str | None = None
 ) -> Trainer:
     """Build everything a run needs from ``cfg`` (one process or under torchrun)."""
     from lmforge.config.outputs import with_output_dir

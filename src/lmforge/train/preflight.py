@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from lmforge.config.schema import TrainConfig
+from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.parallel.plan import RunPlan
 
 
-def check_callbacks(cfg: Any) -> None:
+def check_callbacks(cfg: TrainConfig) -> None:
     """Every ``callbacks[i].type`` names a callback and its other keys are that callback's arguments."""
     from lmforge.train.callbacks.registry import check_callback
 
@@ -20,7 +22,7 @@ def check_callbacks(cfg: Any) -> None:
         check_callback(item, i)
 
 
-def check_cpu_offload_on_one_process(section: Any, device_type: str) -> str | None:
+def check_cpu_offload_on_one_process(section: ParallelismConfig, device_type: str) -> str | None:
     """``parallelism.cpu_offload`` is FSDP2's CPUOffloadPolicy, applied on every world size (one process
     is wrapped by FSDP2 too, lmforge.train.builder), so on one accelerator it offloads. On one CPU process
     the parameters, gradients and optimizer states already live in host memory: a no-op, and the warning
@@ -60,7 +62,7 @@ def compute_dtype_report(model_config: Any, device_type: str) -> tuple[str, str 
     return line, emulation_warning(dtype, device_type)
 
 
-def preflight(cfg: Any, world_size: int, device: str | None = None) -> RunPlan:
+def preflight(cfg: TrainConfig, world_size: int, device: str | None = None) -> RunPlan:
     """The run plan of ``cfg`` for ``world_size`` processes on ``device`` (``--device``; None: CUDA when
     available); one ConfigError naming every problem."""
     from lmforge.utils.device import run_device_type
