@@ -169,7 +169,7 @@ class Checks:
         from lmforge.config.sections_parallel import ParallelismConfig
         from lmforge.models import build_model
         from lmforge.parallel import ParallelDims
-        from lmforge.parallel.memory import estimate_memory
+        from lmforge.tools.memory import estimate_memory
 
         sec = self.model_section
         meta = build_model(sec, device="meta")

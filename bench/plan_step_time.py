@@ -7,7 +7,7 @@ What it does: (1) one process times the training step of a tiny Qwen3 (2 layers,
 ``flops_per_token`` (that is ``--gpu-tflops`` with ``--efficiency 1``); (2) two spawned gloo ranks
 time an all-gather of 16 MiB (the bandwidth) and of 4 bytes (the per-collective latency); (3) the same
 ranks time the step of FSDP 2, TP 2 (+ sequence parallel) and PP 2 (1F1B, 2 micro-batches); (4)
-``lmforge.parallel.planner.step_time`` is evaluated for each layout with those calibrated figures,
+``lmforge.tools.planner.step_time`` is evaluated for each layout with those calibrated figures,
 and the predicted / measured ratio is written to docs/benchmarks.md ("Plan step-time model").
 
 What it shows: whether the model's structure (compute split over ranks, communication volume over
@@ -168,7 +168,7 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     from lmforge.config import load_config
-    from lmforge.parallel.planner import Hardware, Layout, model_facts, step_time
+    from lmforge.tools.planner import Hardware, Layout, model_facts, step_time
 
     load = os.getloadavg()[0]
     facts, _ = model_facts(load_config(_raw({})))
@@ -207,7 +207,7 @@ def main() -> None:
     lines = [
         "## Plan step-time model",
         "",
-        "`lmforge plan`'s step-time model (`lmforge.parallel.planner.step_time`) against measured step times",
+        "`lmforge plan`'s step-time model (`lmforge.tools.planner.step_time`) against measured step times",
         f"of tiny layouts on 2 gloo ranks (`bench/plan_step_time.py`; {platform.processor() or 'CPU'}, torch "
         f"{torch.__version__}, load average {load:.1f} at the start). Model: Qwen3, 2 layers, hidden 256,",
         f"seq 256, vocab 2048, fp32, AdamW, global batch {GBS}, micro-batch {LBS}; fastest of {ROUNDS} x {args.steps} steps",

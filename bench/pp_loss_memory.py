@@ -3,7 +3,7 @@
     PYTHONPATH=src python bench/pp_loss_memory.py [--vocab 32768]
 
 Two gloo ranks, PP 2 (1F1B), a 2-layer Qwen3-shaped model (hidden 256, seq 256, fp32), global batch 4
-in 2 micro-batches of 2 × 256 tokens, measured by tests/planner/measure_parallel.py (the bytes of all
+in 2 micro-batches of 2 × 256 tokens, measured by tests/tools/measure_parallel.py (the bytes of all
 live tensor storages at every operator of one training step, on each rank; the planner tests'
 accounting) with ``model.loss_chunk_size`` 0 (plain: the whole ``[512, vocab]`` fp32 logits), 512 (one
 chunk of the whole micro-batch) and 128, beside ``lmforge check``'s estimate. Run it with

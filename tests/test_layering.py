@@ -1,4 +1,4 @@
-"""Imports point downward only (DESIGN.md §3): cli → train → parallel → models | data | optim | lr →
+"""Imports point downward only (DESIGN.md §3): cli → train → tools → parallel → models | data | optim | lr →
 config → utils, and the four building blocks never import each other. Read from the source, so an
 import inside a function counts too."""
 

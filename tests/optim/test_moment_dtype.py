@@ -139,7 +139,7 @@ def test_moment_dtype_validation(section, needle):
 def test_memory_estimate_counts_compressed_moments():
     from lmforge.models import build_model
     from lmforge.parallel.dims import ParallelDims
-    from lmforge.parallel.memory import estimate_memory
+    from lmforge.tools.memory import estimate_memory
 
     section = {
         "model_type": "llama",

@@ -8,9 +8,10 @@ import torch
 from lmforge.config import validate_section
 from lmforge.errors import ConfigError, NotSupportedError
 from lmforge.models import build_model
-from lmforge.parallel import ParallelDims, accumulation_steps, describe_ranks, estimate_memory
+from lmforge.parallel import ParallelDims, accumulation_steps
 from lmforge.parallel.api import refuse_unsupported
 from lmforge.parallel.pp_layout import stage_layers, stages_of_rank
+from lmforge.tools.memory import describe_ranks, estimate_memory
 
 
 def _par(mapping):
@@ -210,7 +211,7 @@ def test_memory_estimate_scales_with_sharding():
 
 
 def test_parallel_plan_for_check():
-    from lmforge.parallel.report import parallel_plan
+    from lmforge.tools.report import parallel_plan
 
     model = {
         "model_type": "qwen3_moe",
@@ -241,7 +242,7 @@ def test_parallel_plan_for_check():
 
 
 def test_unsupported_combinations_are_reported_by_check_and_refused_at_start():
-    from lmforge.parallel.report import parallel_plan
+    from lmforge.tools.report import parallel_plan
 
     model = {
         "model_type": "llama",

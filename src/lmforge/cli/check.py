@@ -156,9 +156,9 @@ def _source_of(key: str, value: Any, file_raw: Mapping[str, Any], set_keys: list
 
 
 def _parallel_plan_lines(cfg: Any, world: int) -> list[str]:
-    """The mesh, each rank's share and a per-rank memory estimate (lmforge.parallel.report)."""
+    """The mesh, each rank's share and a per-rank memory estimate (lmforge.tools.report)."""
     from lmforge.parallel.plan import collected_warnings
-    from lmforge.parallel.report import parallel_plan
+    from lmforge.tools.report import parallel_plan
 
     # The run plan has already collected these sections' warnings; do not print them twice.
     with collected_warnings([]):

@@ -3,7 +3,7 @@
 Prints the layouts (dp replicate/shard, tp, pp, cp, ep, recompute, micro-batch) whose estimated
 per-GPU memory (the same code as ``lmforge check``) fits, ranked by an estimated step time (FLOPs,
 communication volume over documented bandwidths, pipeline bubbles; see
-:mod:`lmforge.parallel.planner`), then the YAML ``parallelism`` / ``recompute`` blocks of the best few.
+:mod:`lmforge.tools.planner`), then the YAML ``parallelism`` / ``recompute`` blocks of the best few.
 When nothing fits it says so and shows the layouts that come closest.
 """
 
@@ -54,8 +54,8 @@ def _count(n: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from lmforge.config import load_config
     from lmforge.errors import ConfigError
-    from lmforge.parallel.memory import format_bytes
-    from lmforge.parallel.planner import Hardware, parse_memory, plan
+    from lmforge.tools.memory import format_bytes
+    from lmforge.tools.planner import Hardware, parse_memory, plan
 
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be a positive integer, got {args.gpus}.")

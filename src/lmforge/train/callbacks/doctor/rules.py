@@ -669,7 +669,7 @@ def _memory_options(ev: RunEvidence) -> list[tuple[dict[str, Any], int, int]] | 
         from lmforge.config import load_config
         from lmforge.models import build_model, build_model_config
         from lmforge.parallel import BatchSchedule, ParallelDims
-        from lmforge.parallel.memory import estimate_memory
+        from lmforge.tools.memory import estimate_memory
 
         cfg = load_config(ev.config)
         mc = build_model_config(cfg.model)
@@ -741,7 +741,7 @@ def out_of_memory(ev: RunEvidence) -> RuleResult:
     )
     if hit is None:
         return "train.log reports no out-of-memory error"
-    from lmforge.parallel.memory import format_bytes
+    from lmforge.tools.memory import format_bytes
 
     options = _memory_options(ev) if ev.config else None
     capacity = ev.facts.get("device_memory_bytes")

@@ -1,6 +1,6 @@
 """``lmforge plan``: the layouts that fit a number of GPUs, ranked by an estimated step time.
 
-Memory per GPU comes from :func:`lmforge.parallel.memory.estimate_memory` (the code ``lmforge check``
+Memory per GPU comes from :func:`lmforge.tools.memory.estimate_memory` (the code ``lmforge check``
 prints). The step time is a model, not a measurement:
 
 * compute: the model's training FLOPs per token (``flops_per_token``, active experts only) times the
@@ -34,8 +34,8 @@ import torch
 from lmforge.config.schema import TrainConfig
 from lmforge.errors import ConfigError
 from lmforge.parallel.dims import ParallelDims
-from lmforge.parallel.memory import estimate_memory
 from lmforge.parallel.plan import BatchSchedule
+from lmforge.tools.memory import estimate_memory
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 

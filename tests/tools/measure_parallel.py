@@ -21,11 +21,11 @@ import torch.multiprocessing as mp
 
 
 def estimate_parallel(raw: dict[str, Any], world: int) -> Any:
-    """``lmforge check --world-size WORLD``'s estimate for ``raw`` (the code of lmforge.parallel.report)."""
+    """``lmforge check --world-size WORLD``'s estimate for ``raw`` (the code of lmforge.tools.report)."""
     from lmforge.config import load_config
     from lmforge.models import build_model, build_model_config
     from lmforge.parallel import ParallelDims, accumulation_steps
-    from lmforge.parallel.memory import estimate_memory, selected_recompute_parts
+    from lmforge.tools.memory import estimate_memory, selected_recompute_parts
 
     cfg = load_config(raw)
     mc = build_model_config(cfg.model)

@@ -12,8 +12,8 @@ from lmforge.cli import main
 from lmforge.config import load_config, validate_section
 from lmforge.models import build_model, build_model_config
 from lmforge.parallel import ParallelDims
-from lmforge.parallel.memory import estimate_memory
-from lmforge.parallel.planner import Hardware, Layout, communication_volume, model_facts, plan
+from lmforge.tools.memory import estimate_memory
+from lmforge.tools.planner import Hardware, Layout, communication_volume, model_facts, plan
 
 RECIPE = "configs/muon_deepseek_v3.yaml"
 

@@ -9,7 +9,7 @@ the start of backward (every saved activation plus the logits' gradient), the ML
 stage's last layer (every saved activation plus that MLP's gradients and what the loss left), with
 recompute a layer's backward (the gradients plus the kept layer inputs and one recomputed layer's
 activations) and the optimizer step (all gradients).
-tests/planner compares the result with the measured peak of real CPU steps (docs/guide.md).
+tests/tools compares the result with the measured peak of real CPU steps (docs/guide.md).
 
 Storage follows what :func:`lmforge.parallel.parallelize` does on every world size, one process
 included: FSDP2 keeps the sharded parameters in fp32 (they are the master weights) and gathers the
@@ -392,7 +392,7 @@ def estimate_memory(
             # its backward runs the MLP's forward again first: its activations are back
             recomputed_last_mlp = part["mlp"] * tokens / dims.tp
     # The MLP backward of the stage's last layer, the first layer backward reaches (the peak of the 2-rank
-    # FSDP steps with the chunked loss in tests/planner, where one chunk's logits are smaller than the
+    # FSDP steps with the chunked loss in tests/tools, where one chunk's logits are smaller than the
     # MLP's gradients). Alive then, besides every saved activation: the MLP's gradients
     # (:func:`mlp_backward_bytes`; its input rows are the whole local sequence, gathered under sequence
     # parallel) and what the loss left: the output weight's unsharded gradient in the compute dtype (FSDP

@@ -1,7 +1,7 @@
 """``lmforge check --world-size 2``'s per-rank memory estimate against the peaks measured on 2 gloo ranks.
 
 One spawn of 2 ranks runs one training step of every layout in turn (FSDP, TP with sequence parallel,
-PP 1F1B, with bf16, Muon, full and select recompute) and reports each rank's peak (tests/planner/
+PP 1F1B, with bf16, Muon, full and select recompute) and reports each rank's peak (tests/tools/
 measure_parallel.py: the same storage accounting as the single-process cases). The estimate describes
 the most loaded rank, so it is compared with the larger of the two peaks: within 15% on every case and
 10% on most (the issue's bar). Every layout runs twice: with the chunked loss (``model.loss_chunk_size``,

@@ -1,7 +1,7 @@
 """``lmforge check``'s memory estimate against the measured peak of real CPU training steps.
 
 Each case builds the model, optimizer and training step the trainer uses, runs one full step
-(forward, backward, clipping, optimizer) under a storage-counting dispatch mode (tests/planner/
+(forward, backward, clipping, optimizer) under a storage-counting dispatch mode (tests/tools/
 measure.py) and compares the peak with ``estimate_memory`` (the code ``check`` prints): within 15% on
 every case and 10% on most (the issue's bar). The figures are recorded in docs/guide.md.
 """
@@ -98,7 +98,7 @@ def test_state_compression_is_counted():
     from lmforge.config import load_config
     from lmforge.models import build_model, build_model_config
     from lmforge.parallel import ParallelDims
-    from lmforge.parallel.memory import estimate_memory
+    from lmforge.tools.memory import estimate_memory
 
     cfg = load_config(raw)
     mc = build_model_config(cfg.model)
@@ -128,7 +128,7 @@ def test_a_missing_model_fact_is_an_error_not_a_guess():
 
     from lmforge.config import load_config
     from lmforge.models import build_model_config
-    from lmforge.parallel.memory import layer_activation_bytes_per_token
+    from lmforge.tools.memory import layer_activation_bytes_per_token
 
     mc = build_model_config(load_config(config()).model)
     assert layer_activation_bytes_per_token(mc, mc.hidden_size, 4) > 0

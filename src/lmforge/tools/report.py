@@ -1,7 +1,7 @@
 """What ``lmforge check --world-size N`` shows about parallelism: the mesh, each rank's share, memory.
 
 Everything here runs in one process without a process group: the model is built on the meta device,
-the degrees are checked against it, and the memory estimate of :mod:`lmforge.parallel.memory` is
+the degrees are checked against it, and the memory estimate of :mod:`lmforge.tools.memory` is
 printed per rank.
 """
 
@@ -14,7 +14,7 @@ from lmforge.config.sections_parallel import ParallelismConfig, RecomputeConfig
 from lmforge.config.sections_run import TrainingConfig
 from lmforge.errors import ConfigError, NotSupportedError
 from lmforge.parallel.dims import ParallelDims
-from lmforge.parallel.memory import describe_ranks, estimate_memory, format_bytes, selected_recompute_parts
+from lmforge.tools.memory import describe_ranks, estimate_memory, format_bytes, selected_recompute_parts
 
 MAX_RANK_LINES = 16
 

@@ -27,7 +27,7 @@ from lmforge.lr import ScheduleLR, build_scheduler
 from lmforge.models import build_model, build_model_config
 from lmforge.optim import build_optimizer
 from lmforge.parallel import ParallelDims
-from lmforge.parallel.memory import estimate_memory, selected_recompute_parts
+from lmforge.tools.memory import estimate_memory, selected_recompute_parts
 from lmforge.train.builder import build_training_model
 from lmforge.train.step import TrainStep
 
