@@ -191,18 +191,42 @@ def build_trainer(
 ) -> Trainer:
     """Build everything a run needs from ``cfg`` (one process or under torchrun)."""
     from lmforge.config.outputs import with_output_dir
-    from lmforge.data import build_dataloader
-    from lmforge.data.files import TRAINING_KEYS, missing_data_files
     from lmforge.lr import ScheduleLR
     from lmforge.models import load_hf_weights
-    from lmforge.models.build import build_from_config
     from lmforge.optim import build_optimizer
-    from lmforge.train.preflight import compute_dtype_report, preflight
 
     if output_dir is not None:
         # --output-dir moves every output, including the paths the file puts under its own output_dir.
         cfg = with_output_dir(cfg, output_dir)
-    # Every configuration error is raised here, before a process group, model or dataset exists.
+    plan = _checked_plan(cfg, device)  # every configuration error, before anything exists
+    ctx = distributed_env(device, float(cfg.parallelism.process_group_timeout))
+    run_dir = _open_run_dir(cfg, plan, ctx)
+    seed_everything(int(cfg.training.seed), bool(cfg.training.deterministic))
+    model, info, activation_plans = _build_model(cfg, plan, ctx)
+    ctx = ctx.placed(info)
+    # QK-Clip reduces max logits over the ranks holding the same layers (not across pipeline stages).
+    optimizer = build_optimizer(plan.optimizer, model, plan.schedule, qk_clip_group=info.qk_clip_group)
+    tokenizer = find_tokenizer(cfg)
+    return Trainer(
+        cfg,
+        model=model,
+        optimizer=optimizer,
+        scheduler=ScheduleLR(optimizer, plan.schedule),
+        dataloader_factory=_dataloader_factory(cfg, plan, ctx),
+        ctx=ctx,
+        output_dir=run_dir,
+        hf_loader=load_hf_weights,
+        files_to_copy=[tokenizer] if tokenizer else None,
+        batches=plan.batches,
+        callbacks=hang_watchdog(float(cfg.parallelism.process_group_timeout), ctx.rank, ctx.world_size)
+        + [ActivationPlanCallback(plan) for plan in activation_plans],
+    )
+
+
+def _checked_plan(cfg: TrainConfig, device: str | None) -> Any:
+    """The run plan, or the ConfigError / DataError naming every problem; nothing is built yet."""
+    from lmforge.data.files import TRAINING_KEYS, missing_data_files
+    from lmforge.train.preflight import preflight
     from lmforge.utils.device import env_int
 
     world_size = env_int("WORLD_SIZE", 1, minimum=1)
@@ -214,14 +238,19 @@ def build_trainer(
             "; ".join(missing) + ". Nothing was built; create the data (e.g. 'lmforge data preprocess') or "
             "point the path at it."
         )
-    ctx = distributed_env(device, float(cfg.parallelism.process_group_timeout))
+    return plan
+
+
+def _open_run_dir(cfg: TrainConfig, plan: Any, ctx: ParallelContext) -> Path:
+    """The run directory, checked and locked-free on rank 0, with logging into it set up."""
+    from lmforge.train.preflight import compute_dtype_report
+
     run_dir = Path(cfg.output_dir or "./output")
     if ctx.rank == 0:
         from lmforge.utils.atomic import check_output_dir
-
-        check_output_dir(run_dir, "output_dir")
         from lmforge.utils.run_lock import lock_dirs, run_dirs
 
+        check_output_dir(run_dir, "output_dir")
         # Refuse now, before anything is written, if another run uses these directories (the
         # trainer holds the locks while it runs).
         for lock in lock_dirs(run_dirs(run_dir, cfg.checkpoint)):
@@ -232,33 +261,36 @@ def build_trainer(
     for note in plan.warnings_beyond(getattr(cfg, "warnings", ())):  # load_config logged those
         logger.warning("%s", note)
     logger.info("%s", compute_dtype_report(plan.model_config, ctx.device.type)[0])
-    training = cfg.training
-    seed_everything(int(training.seed), bool(training.deterministic))
-    model_cfg = plan.model_config
-    dims = plan.dims
+    return run_dir
+
+
+def _build_model(cfg: TrainConfig, plan: Any, ctx: ParallelContext) -> tuple[torch.nn.Module, Any, list[Any]]:
+    """Meta build, float8 / LoRA, ``parallelize`` (recompute, swap and compile in its hook), materialise,
+    layout-invariant init; returns the model, the ``ParallelInfo`` and the activation plans applied."""
+    from lmforge.models.build import build_from_config
+    from lmforge.parallel import parallelize
+
+    model_cfg, dims, seed = plan.model_config, plan.dims, int(cfg.training.seed)
     activation_plans: list[Any] = []
     hook = _activation_hook(
         cfg, model_cfg.num_layers, dims.tp * dims.cp * dims.ep > 1, dims.pp, activation_plans
     )
     hook = _with_compile(hook, cfg)
-    float8 = getattr(cfg, "float8", None)
-    if float8 is not None and float8.enable:
+    float8 = cfg.float8
+    if float8.enable:
         from lmforge.parallel.float8 import check_float8_supported
 
         check_float8_supported(float8, ctx.device, dims.tp)
     lora = cfg.lora_config  # the run plan refused it with pipeline parallel
-    from lmforge.parallel import parallelize
-
     model = build_from_config(model_cfg, plan.model_class, device="meta")
     _maybe_float8(model, float8)
     if lora is not None:
         _apply_lora(model, lora)
-    mesh = dims.build_mesh(ctx.device.type)
     parallelism = _with_offload(cfg.parallelism, plan.optimizer, ctx.device)
     model, info = parallelize(
         model,
         dims,
-        mesh,
+        dims.build_mesh(ctx.device.type),
         parallelism,
         num_microbatches=plan.accumulation_steps,
         apply_activation=hook,
@@ -266,12 +298,11 @@ def build_trainer(
     )
     model.to_empty(device=_storage_device(parallelism, ctx.device))
     with torch.no_grad():
-        model.init_weights(int(training.seed))  # layout-invariant: the same weights on every layout
+        model.init_weights(seed)  # layout-invariant: the same weights on every layout
     if lora is not None:
         from lmforge.models.lora import init_lora_weights
 
-        init_lora_weights(model, int(training.seed))
-    ctx = ctx.placed(info)
+        init_lora_weights(model, seed)
     logger.info(
         "Model %s: %.2fM parameters, %s; parallel: %s",
         getattr(cfg.model, "architectures", "?"),
@@ -279,12 +310,16 @@ def build_trainer(
         getattr(model, "compute_dtype", next(model.parameters()).dtype),
         dims.describe(),
     )
-    schedule = plan.schedule
-    # QK-Clip reduces max logits over the ranks holding the same layers (not across pipeline stages).
-    optimizer = build_optimizer(plan.optimizer, model, schedule, qk_clip_group=info.qk_clip_group)
-    scheduler = ScheduleLR(optimizer, schedule)
+    return model, info, activation_plans
 
-    def dataloader_factory(consumed_samples: int) -> Any:
+
+def _dataloader_factory(cfg: TrainConfig, plan: Any, ctx: ParallelContext):
+    """``consumed_samples -> loader``: the trainer builds the loader at the position it resumes from."""
+    from lmforge.data import build_dataloader
+
+    training, model_cfg = cfg.training, plan.model_config
+
+    def factory(consumed_samples: int) -> Any:
         loader = build_dataloader(
             cfg.train_dataset,
             local_batch_size=int(training.local_batch_size),
@@ -302,18 +337,4 @@ def build_trainer(
             )
         return loader
 
-    tokenizer = find_tokenizer(cfg)
-    return Trainer(
-        cfg,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        dataloader_factory=dataloader_factory,
-        ctx=ctx,
-        output_dir=run_dir,
-        hf_loader=load_hf_weights,
-        files_to_copy=[tokenizer] if tokenizer else None,
-        batches=plan.batches,
-        callbacks=hang_watchdog(float(cfg.parallelism.process_group_timeout), ctx.rank, ctx.world_size)
-        + [ActivationPlanCallback(plan) for plan in activation_plans],
-    )
+    return factory
