@@ -196,7 +196,12 @@ def hf_config_json(cfg: TransformerConfig, dtype: torch.dtype | None = None) -> 
     given (the dtype the weights are written in), else the compute dtype.
     """
     carried = cfg.section.get(HF_CONFIG_KEY)
-    hf_cfg = {**(carried if isinstance(carried, dict) else {}), **_adapter(cfg).hf_config(cfg)}
+    carried = dict(carried) if isinstance(carried, dict) else {}
+    # Hugging Face keys the section holds that the adapter does not write (sliding_window, layer_types)
+    # go back as given; what the adapter writes comes from the validated structure.
+    family_keys = family_for(cfg.model_type).keys.hf
+    carried.update({k: v for k, v in cfg.section.items() if k in family_keys})
+    hf_cfg = {**carried, **_adapter(cfg).hf_config(cfg)}
     params = dict(hf_cfg.get("rope_parameters") or {})
     hf_cfg["rope_theta"] = float(params.pop("rope_theta", cfg.rope_theta))
     hf_cfg["rope_scaling"] = params if params.get("rope_type", "default") != "default" else None

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import ConfigError
-from lmforge.models.common.config_keys import ALIASES
+from lmforge.models.common.config_keys import ALIASES, rope_settings
 from lmforge.models.common.transformer_config import TransformerConfig
 
 # TransformerConfig fields that say how a run trains or computes, not what the model is: a YAML may
@@ -42,6 +42,9 @@ TRAINING_FIELDS = frozenset(
         "section",
     }
 )
+
+
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "rotary_base", "position_embedding_type")
 
 
 def numerics_differences(theirs: TransformerConfig, ours: TransformerConfig) -> list[tuple[str, Any, Any]]:
@@ -89,6 +92,10 @@ def expand_from_pretrained(data: Any) -> Any:
             )
     valid = family_for(base["model_type"]).keys.valid_keys()
     merged = dict(base)
+    if any(k in given for k in _ROPE_KEYS):  # config.json's rope settings in the keys the YAML uses
+        theta, scaling = rope_settings(base)
+        merged.pop("rope_parameters", None)
+        merged.update(rope_theta=theta, rope_scaling=scaling)
     for key in given:
         merged.pop(_canonical(key, valid), None)  # the YAML's alias replaces config.json's key
     merged.update(given)

@@ -95,6 +95,9 @@ HF_BOOKKEEPING_KEYS = (
 # lmforge's keys naming where a model section came from (lmforge.models.pretrained): the Hugging Face
 # directory whose config.json it was taken from, and that file's keys lmforge does not model.
 SOURCE_KEYS = ("from_pretrained", "hf_config")
+# lmforge's keys naming where a model section came from (lmforge.models.pretrained): the Hugging Face
+# directory whose config.json it was taken from, and that file's keys lmforge does not model.
+SOURCE_KEYS = ("from_pretrained", "hf_config")
 INERT_KEYS = {
     "use_attn_mask_compression",
     "use_eod_attn_mask_compression",
