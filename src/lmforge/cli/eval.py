@@ -1,8 +1,11 @@
 """``lmforge eval``: the validation loss and perplexity of a checkpoint, once.
 
-The model comes from ``model`` of the config, its weights from ``--checkpoint`` (an lmforge
-checkpoint: a save_path with its tracker file or one ``iteration_XXXXXXXX`` directory; or a Hugging
-Face model directory); the data is the ``valid`` split of ``eval_dataset`` (or of ``train_dataset``),
+The config is ``--config`` (the run's train.yaml), else the ``config.yaml`` saved inside the
+checkpoint, so ``lmforge eval --checkpoint DIR`` works on its own for a pretraining, SFT or LoRA
+checkpoint; ``--set`` overrides either. The model comes from its ``model`` (and ``lora_config``)
+section, its weights from ``--checkpoint`` (an lmforge checkpoint: a save_path with its tracker file
+or one ``iteration_XXXXXXXX`` directory; or a Hugging Face model directory, with ``--config``); the
+data is the ``valid`` split of ``eval_dataset`` (or of ``train_dataset``),
 ``training.local_batch_size`` samples per batch, ``eval_steps`` batches (``--eval-steps``; default:
 the whole split). One process.
 
@@ -39,7 +42,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--config",
         metavar="FILE",
-        help="the run's train.yaml (optional with --tasks: the checkpoint's config.yaml is used)",
+        help="train.yaml for the model and the validation data (default: the config.yaml saved with the "
+        "checkpoint)",
     )
     add_set_option(parser, "eval_steps=50")
     parser.add_argument("--eval-steps", type=int, default=None, metavar="N", help="batches to evaluate")
@@ -83,16 +87,13 @@ def _load_model(
 
 
 def run(args: argparse.Namespace) -> int:
-    from lmforge.config import load_config
     from lmforge.errors import ConfigError
 
     if args.tasks:
         return _run_tasks(args)
-    if not args.config:
-        raise ConfigError("lmforge eval needs --config FILE (the run's train.yaml) for the validation loss.")
     from lmforge.train.callbacks.validation import build_eval_loader, eval_settings, evaluate
 
-    config = load_config(args.config, args.overrides)
+    config = _run_config(Path(args.checkpoint), args.config, args.overrides)
     settings = eval_settings(config)
     steps = args.eval_steps if args.eval_steps is not None else settings.steps
     if steps is not None and steps <= 0:
@@ -100,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
     from lmforge.utils.device import parse_device
 
     device = torch.device(parse_device(args.device) or ("cuda" if torch.cuda.is_available() else "cpu"))
+    loader = build_eval_loader(config)  # data problems are found before the model is built
     model = _load_model(Path(args.checkpoint), config.model, device, getattr(config, "lora_config", None))
-    loader = build_eval_loader(config)
     result = evaluate(model, loader, max_batches=steps, device=device)
     if args.json:
         print(
@@ -114,6 +115,36 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stdout,
         )
     return 0
+
+
+def _run_config(checkpoint: Path, config: str | None, overrides: Any) -> Any:
+    """``--config`` when given, else the ``config.yaml`` the run saved with the checkpoint (the whole
+    train.yaml: model, LoRA, data); ``--set`` applies to either."""
+    from lmforge.config import load_config
+    from lmforge.errors import CheckpointError, ConfigError
+    from lmforge.train.checkpoint import CONFIG_FILE, resolve_checkpoint
+
+    if config:
+        return load_config(config, overrides)
+    from lmforge.utils.atomic import recover_dir
+
+    recover_dir(checkpoint)
+    header = resolve_checkpoint(checkpoint)
+    if header is None:
+        raise CheckpointError(f"No checkpoint found at {checkpoint}: the directory is missing or empty.")
+    saved = header.path / CONFIG_FILE
+    if header.kind == "hf" or not saved.is_file():
+        raise ConfigError(
+            f"{header.path} has no {CONFIG_FILE} (the training config lmforge saves with each checkpoint); give "
+            "the run's train.yaml with --config FILE for the model and the validation data."
+        )
+    try:
+        return load_config(saved, overrides)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{saved} (the checkpoint's own config) cannot be used for the validation loss: {exc} Give the "
+            "run's train.yaml with --config FILE, or fix it with --set."
+        ) from None
 
 
 RESULTS_FILE = "lm_eval_results.json"
