@@ -70,7 +70,10 @@ def register(subparsers: Any) -> None:
     )
     export.add_argument("--no-tokenizer", action="store_true", help="export the weights without a tokenizer")
     export.add_argument(
-        "--chat-template", metavar="FILE", help="Jinja chat template written into tokenizer_config.json"
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template written into tokenizer_config.json and chat_template.jinja (default: the "
+        "run's train_dataset.dataloader.chat_template, else the tokenizer's own)",
     )
     export.add_argument(
         "--peft",
@@ -265,6 +268,8 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
         except OSError as exc:
             raise ConfigError(f"--chat-template {args.chat_template}: cannot read it ({exc}).") from None
     tokenizer = None if args.no_tokenizer else _tokenizer_for(src, args)  # found before any loading
+    if chat_template is None and tokenizer is not None:
+        chat_template = _run_chat_template(src, args.config)  # the template the run trained with
     lora = None
     # The weights are read in float32 (a training checkpoint holds the fp32 masters) and cast once,
     # on writing, to --dtype, else to the run's compute dtype.
@@ -319,6 +324,28 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
     if args.peft:
         print(f"PEFT LoRA adapter -> {args.peft}")
     return 0
+
+
+def _run_chat_template(src: Path, config: str | None) -> str | None:
+    """``train_dataset.dataloader.chat_template`` of the run (``--config``, else the checkpoint's
+    config.yaml), as template text; None when the run set none (the tokenizer's own is exported)."""
+    from lmforge.config import read_raw
+    from lmforge.data.text_format import BUILTIN_TEMPLATES
+    from lmforge.train.checkpoint import CONFIG_FILE, resolve_checkpoint
+
+    if config is None:
+        header = resolve_checkpoint(src)
+        saved = header.path / CONFIG_FILE if header is not None and header.kind == "dcp" else None
+        if saved is None or not saved.is_file():
+            return None
+        config = str(saved)
+    raw, _ = read_raw(config)
+    dataset = raw.get("train_dataset")
+    loader = dataset.get("dataloader") if isinstance(dataset, dict) else None
+    template = loader.get("chat_template") if isinstance(loader, dict) else None
+    if not isinstance(template, str) or not template:
+        return None
+    return BUILTIN_TEMPLATES.get(template, template)
 
 
 def _tokenizer_for(src: Path, args: argparse.Namespace) -> Path:
