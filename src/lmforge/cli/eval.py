@@ -148,6 +148,52 @@ def _run_config(checkpoint: Path, config: str | None, overrides: Any) -> Any:
 
 
 RESULTS_FILE = "lm_eval_results.json"
+# How long `eval --tasks` waits to learn whether the Hugging Face Hub answers at all.
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def _hub_unreachable(tasks: list[str], include_path: str | None) -> str | None:
+    """The Hub's address when registry tasks may need it and it does not answer within
+    ``HUB_PROBE_TIMEOUT_S`` (then the datasets libraries are put in offline mode, so that a dataset
+    missing from the cache fails at once instead of after their retries and timeouts); else None."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if all(t.endswith(".jsonl") for t in tasks) and not include_path:
+        return None  # local files only: no network (lm_eval_harness sets offline mode itself)
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    url = urlparse(endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    if os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "TRUE", "yes"):
+        return endpoint  # the user's own offline mode: a missing dataset is the same clear error
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+        return None
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ["HF_DATASETS_OFFLINE"] = "1"
+        return endpoint
+
+
+def _is_missing_download(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a download that offline mode or the network refused."""
+    seen = 0
+    while exc is not None and seen < 10:
+        name = type(exc).__name__
+        text = str(exc)
+        if isinstance(exc, (ConnectionError, TimeoutError)) or name in (
+            "OfflineModeIsEnabled",
+            "LocalEntryNotFoundError",
+            "DatasetNotFoundError",
+            "ConnectError",
+            "ConnectTimeout",
+        ):
+            return True
+        if "offline" in text.lower() or "Couldn't reach" in text or "couldn't find" in text.lower():
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _run_tasks(args: argparse.Namespace) -> int:
@@ -165,7 +211,7 @@ def _run_tasks(args: argparse.Namespace) -> int:
     from lmforge.train.checkpoint import CONFIG_FILE, load_model_weights, resolve_checkpoint
 
     require_lm_eval()
-    split_tasks(args.tasks)
+    offline = _hub_unreachable(split_tasks(args.tasks), args.include_path)
     for name, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be a positive number, got {value}.")
@@ -203,17 +249,26 @@ def _run_tasks(args: argparse.Namespace) -> int:
         )
     tokenizer = load_tokenizer(tokenizer_path)
     mc = model.config
-    results = evaluate_tasks(
-        model,
-        tokenizer,
-        args.tasks,
-        eot_id=find_eod_id(tokenizer, tokenizer_path),
-        max_length=int(getattr(mc, "seq_length", None) or mc.max_position_embeddings),
-        limit=args.limit,
-        num_fewshot=args.num_fewshot,
-        include_path=args.include_path,
-        batch_size=args.batch_size,
-    )
+    try:
+        results = evaluate_tasks(
+            model,
+            tokenizer,
+            args.tasks,
+            eot_id=find_eod_id(tokenizer, tokenizer_path),
+            max_length=int(getattr(mc, "seq_length", None) or mc.max_position_embeddings),
+            limit=args.limit,
+            num_fewshot=args.num_fewshot,
+            include_path=args.include_path,
+            batch_size=args.batch_size,
+        )
+    except Exception as exc:  # noqa: BLE001 (datasets / huggingface_hub raise many kinds of network errors)
+        if offline is None or not _is_missing_download(exc):
+            raise
+        raise DataError(
+            f"--tasks {args.tasks}: a task's dataset is not in the local Hugging Face cache and {offline} cannot be "
+            "reached (offline); run it once with network access to cache it, or use a local .jsonl task "
+            "(docs/guide.md)."
+        ) from None
     step = header.global_step
     record = {
         "checkpoint": str(header.path),
