@@ -179,6 +179,15 @@ def test_from_pretrained_takes_the_model_section_from_config_json(tmp_path, qwen
     assert (mc.seq_length, mc.compute_dtype) == (64, torch.float32)  # training settings from the YAML
     # the saved section rebuilds the model without the directory (what checkpoints keep)
     assert cfg.model.to_dict()["hf_config"]["bos_token_id"] == 7
+    # the weights come from checkpoint.load_path: without one, a warning says the start is fresh
+    assert any("starts from freshly initialised weights" in w for w in cfg.warnings)
+    raw = {
+        "checkpoint.enable_save": False,
+        "checkpoint.load_path": str(qwen3_dir),
+        "checkpoint.no_load_optim": True,
+    }
+    with_weights = load_config(path, raw)
+    assert not any("from_pretrained" in w for w in with_weights.warnings)
 
 
 @pytest.mark.parametrize(
