@@ -277,3 +277,14 @@ def test_an_export_killed_while_publishing_is_restored(tmp_path, tiny_section):
     assert main(export) == 0
     assert (tmp_path / "hf" / "config.json").read_bytes() == before
     assert not (tmp_path / ".hf.old").exists() and not list(tmp_path.glob(".hf.tmp-*"))
+
+
+def test_export_of_an_auto_dtype_run_defaults_to_the_fp32_masters(tmp_path, tiny_section):
+    """compute_dtype: auto means bf16 on one machine and float32 on another: the export does not depend
+    on which machine converts; it writes the masters."""
+    masters = _training_checkpoint(tmp_path, tiny_section("llama", compute_dtype="auto")).state_dict()
+    args = ["convert", "--from", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf"), "--no-tokenizer"]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "float32"
+    back = load_hf_pretrained(tmp_path / "hf", dtype="float32").state_dict()
+    assert all(torch.equal(back[k], v) for k, v in masters.items())

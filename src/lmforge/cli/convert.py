@@ -282,7 +282,9 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
         from lmforge.train.checkpoint import load_model_weights
 
         section = _model_section_for(src, args.config)
-        out_dtype = export_dtype or build_model_config(section).compute_dtype
+        typed = build_model_config(section)
+        # compute_dtype auto depends on the machine; the masters themselves are the machine-free default
+        out_dtype = export_dtype or (torch.float32 if typed.compute_dtype_auto else typed.compute_dtype)
         model = build_model({**section, "compute_dtype": "float32"}, device="meta")
         lora = _model_section_for(src, args.config, "lora_config")
         if lora is not None:

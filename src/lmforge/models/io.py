@@ -23,13 +23,14 @@ SECTION_FILE = "lmforge_model.json"
 
 
 def saved_compute_dtype(path: str | Path) -> torch.dtype:
-    """The ``compute_dtype`` a model-only checkpoint's section names (what its model computes in)."""
+    """The ``compute_dtype`` a model-only checkpoint's section names (float32 for ``auto``, whose choice
+    depends on the machine: the dtype an export of it defaults to)."""
     section_file = Path(path) / SECTION_FILE
     try:
         cfg, _ = resolve(json.loads(section_file.read_text()))
     except (OSError, ConfigError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{section_file}: {exc}") from None
-    return cfg.compute_dtype
+    return torch.float32 if cfg.compute_dtype_auto else cfg.compute_dtype
 
 
 def save_model_checkpoint(model: GPTModel, path: str | Path, section: dict | None = None) -> None:

@@ -1,8 +1,8 @@
 """``model: {from_pretrained: DIR}``: the model section taken from a Hugging Face directory's config.json.
 
 The section becomes what ``lmforge convert --from-hf`` would write for DIR (the structure, rope
-settings, norms, token ids under ``hf_config``), and the keys the YAML gives beside ``from_pretrained``
-are laid over it. Keys that only say how to train or compute (``compute_dtype``, ``seq_length``,
+settings, norms, token ids under ``hf_config``) with ``compute_dtype: auto`` (config.json's dtype is
+how the weights are stored), and the keys the YAML gives beside ``from_pretrained`` are laid over it. Keys that only say how to train or compute (``compute_dtype``, ``seq_length``,
 dropout, initialisation, loss chunks, auxiliary-loss weights) may differ from config.json; a key that
 changes what the model computes (its shapes, ``rope_theta``, ``rope_scaling``, ``rms_norm_eps``,
 ``max_position_embeddings``, ...) must agree with it, or the load is refused naming both values: a
@@ -23,12 +23,14 @@ from typing import Any
 from lmforge.errors import ConfigError
 from lmforge.models.common.config_keys import ALIASES, rope_settings
 from lmforge.models.common.transformer_config import TransformerConfig
+from lmforge.utils.native_dtype import AUTO
 
 # TransformerConfig fields that say how a run trains or computes, not what the model is: a YAML may
 # set them to anything whatever config.json says.
 TRAINING_FIELDS = frozenset(
     {
         "compute_dtype",
+        "compute_dtype_auto",
         "params_dtype",
         "seq_length",
         "loss_chunk_size",
@@ -91,7 +93,9 @@ def expand_from_pretrained(data: Any) -> Any:
                 f"model.{key} (from_pretrained takes it from config.json) or point from_pretrained elsewhere."
             )
     valid = family_for(base["model_type"]).keys.valid_keys()
-    merged = dict(base)
+    # config.json's dtype says how the weights are stored, not how to train: the device's native choice
+    # unless the YAML sets compute_dtype.
+    merged = {**base, "compute_dtype": AUTO}
     if any(k in given for k in _ROPE_KEYS):  # config.json's rope settings in the keys the YAML uses
         theta, scaling = rope_settings(base)
         merged.pop("rope_parameters", None)
