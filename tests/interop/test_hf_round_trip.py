@@ -288,3 +288,20 @@ def test_export_of_an_auto_dtype_run_defaults_to_the_fp32_masters(tmp_path, tiny
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "float32"
     back = load_hf_pretrained(tmp_path / "hf", dtype="float32").state_dict()
     assert all(torch.equal(back[k], v) for k, v in masters.items())
+
+
+def test_export_of_a_run_fine_tuned_from_an_hf_directory_writes_its_keys_back(tmp_path, qwen3_dir):
+    """A run whose model section is written out in the YAML (no hf_config) and whose load_path is the
+    Hugging Face directory: the export still carries that config.json's token ids and other keys."""
+    from lmforge.models.hf_io import section_from_hf_config
+
+    original = _written_config(qwen3_dir)
+    section = {k: v for k, v in section_from_hf_config(original).items() if k != "hf_config"}
+    run = {"model": section, "checkpoint": {"load_path": str(qwen3_dir), "no_load_optim": True}}
+    manager = CheckpointManager(tmp_path / "ckpt", no_save_optim=True, save_max=0, config_dict=run)
+    assert manager.save(Checkpointable(model=build_model(section)), step=3)
+    manager.close()
+    args = ["convert", "--from", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out"), "--no-tokenizer"]
+    assert main(args) == 0
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"], exported["use_cache"]) == (7, 0, True)

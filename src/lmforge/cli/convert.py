@@ -282,6 +282,9 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
         from lmforge.train.checkpoint import load_model_weights
 
         section = _model_section_for(src, args.config)
+        if "hf_config" not in section:  # a written-out section fine-tuned from a Hugging Face directory
+            carried = _base_hf_config(_model_section_for(src, args.config, "checkpoint"))
+            section = {**section, "hf_config": carried} if carried else section
         typed = build_model_config(section)
         # compute_dtype auto depends on the machine; the masters themselves are the machine-free default
         out_dtype = export_dtype or (torch.float32 if typed.compute_dtype_auto else typed.compute_dtype)
@@ -326,6 +329,26 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
     if args.peft:
         print(f"PEFT LoRA adapter -> {args.peft}")
     return 0
+
+
+def _base_hf_config(checkpoint: dict | None) -> dict | None:
+    """The config.json keys lmforge does not model (token ids, ...) of the Hugging Face directory the run
+    started from (``checkpoint.load_path``), so that the export writes them back; None without one."""
+    import json
+
+    from lmforge.errors import LmforgeError
+    from lmforge.models.hf_io import HF_CONFIG_KEY, section_from_hf_config
+
+    load_path = (checkpoint or {}).get("load_path")
+    config_json = Path(load_path) / "config.json" if isinstance(load_path, str) and load_path else None
+    if config_json is None or not config_json.is_file():
+        return None
+    try:
+        hf_cfg = json.loads(config_json.read_text(encoding="utf-8"))
+        return section_from_hf_config(hf_cfg).get(HF_CONFIG_KEY) if isinstance(hf_cfg, dict) else None
+    except (OSError, ValueError, LmforgeError) as exc:
+        print(f"note: the keys of {config_json} beyond the model's structure are not carried over ({exc})")
+        return None
 
 
 def _run_chat_template(src: Path, config: str | None) -> str | None:
