@@ -210,7 +210,7 @@ def _copy_tokenizer_files(src: Path, dst: Path) -> None:
             shutil.copyfile(src / name, dst / name)
 
 
-def _model_section_for(ckpt: Path, config: str | None, key: str = "model") -> dict | None:
+def model_section_for(ckpt: Path, config: str | None, key: str = "model") -> dict | None:
     """The ``model`` section (required) or another section (``lora_config``; None when absent) of the run."""
     import yaml
 
@@ -243,12 +243,9 @@ def _model_section_for(ckpt: Path, config: str | None, key: str = "model") -> di
 
 
 def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
-    import torch
-
-    from lmforge.models import build_model, build_model_config, load_model_checkpoint, save_hf_pretrained
+    from lmforge.models import save_hf_pretrained
     from lmforge.models.common.dtypes import dtype_name, parse_dtype
     from lmforge.models.hf_shards import parse_size
-    from lmforge.models.io import SECTION_FILE
     from lmforge.utils.atomic import atomic_dir
 
     parse_size(args.max_shard_size)  # a bad size is refused before anything is loaded
@@ -270,33 +267,7 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
     tokenizer = None if args.no_tokenizer else _tokenizer_for(src, args)  # found before any loading
     if chat_template is None and tokenizer is not None:
         chat_template = _run_chat_template(src, args.config)  # the template the run trained with
-    lora = None
-    # The weights are read in float32 (a training checkpoint holds the fp32 masters) and cast once,
-    # on writing, to --dtype, else to the run's compute dtype.
-    if (src / SECTION_FILE).is_file():
-        from lmforge.models.io import saved_compute_dtype
-
-        out_dtype = export_dtype or saved_compute_dtype(src)
-        model = load_model_checkpoint(src, dtype=torch.float32)
-    else:
-        from lmforge.train.checkpoint import load_model_weights
-
-        section = _model_section_for(src, args.config)
-        if "hf_config" not in section:  # a written-out section fine-tuned from a Hugging Face directory
-            carried = _base_hf_config(_model_section_for(src, args.config, "checkpoint"))
-            section = {**section, "hf_config": carried} if carried else section
-        typed = build_model_config(section)
-        # compute_dtype auto depends on the machine; the masters themselves are the machine-free default
-        out_dtype = export_dtype or (torch.float32 if typed.compute_dtype_auto else typed.compute_dtype)
-        model = build_model({**section, "compute_dtype": "float32"}, device="meta")
-        lora = _model_section_for(src, args.config, "lora_config")
-        if lora is not None:
-            from lmforge.models.lora import apply_lora
-
-            apply_lora(model, lora)  # so that the checkpoint's adapters are read, not dropped
-        model.to_empty(device="cpu")
-        model.init_weights()
-        load_model_weights(src, model)
+    model, lora, out_dtype = _load_for_export(src, args.config, export_dtype)
     if args.peft and lora is None:
         raise ConfigError(
             f"--peft: {src} was not trained with lora_config, so it has no adapters to write; drop --peft."
@@ -329,6 +300,41 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
     if args.peft:
         print(f"PEFT LoRA adapter -> {args.peft}")
     return 0
+
+
+def _load_for_export(src: Path, config: str | None, export_dtype: Any) -> tuple[Any, dict | None, Any]:
+    """(model with its float32 weights, the run's lora_config or None, the dtype to write).
+
+    The weights are read in float32 (a training checkpoint holds the fp32 masters) and cast once, on
+    writing, to --dtype, else to the run's compute dtype (float32 for ``auto``, which depends on the
+    machine)."""
+    import torch
+
+    from lmforge.models import build_model, build_model_config, load_model_checkpoint
+    from lmforge.models.io import SECTION_FILE
+
+    if (src / SECTION_FILE).is_file():
+        from lmforge.models.io import saved_compute_dtype
+
+        return load_model_checkpoint(src, dtype=torch.float32), None, export_dtype or saved_compute_dtype(src)
+    from lmforge.train.checkpoint import load_model_weights
+
+    section = model_section_for(src, config)
+    if "hf_config" not in section:  # a written-out section fine-tuned from a Hugging Face directory
+        carried = _base_hf_config(model_section_for(src, config, "checkpoint"))
+        section = {**section, "hf_config": carried} if carried else section
+    typed = build_model_config(section)
+    out_dtype = export_dtype or (torch.float32 if typed.compute_dtype_auto else typed.compute_dtype)
+    model = build_model({**section, "compute_dtype": "float32"}, device="meta")
+    lora = model_section_for(src, config, "lora_config")
+    if lora is not None:
+        from lmforge.models.lora import apply_lora
+
+        apply_lora(model, lora)  # so that the checkpoint's adapters are read, not dropped
+    model.to_empty(device="cpu")
+    model.init_weights()
+    load_model_weights(src, model)
+    return model, lora, out_dtype
 
 
 def _base_hf_config(checkpoint: dict | None) -> dict | None:

@@ -147,6 +147,26 @@ def _run_config(checkpoint: Path, config: str | None, overrides: Any) -> Any:
         ) from None
 
 
+def _task_model(header: Any, cfg: Any, args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
+    """(model with the checkpoint's weights, LoRA adapters included; tokenizer path or None)."""
+    from lmforge.train.builder import find_tokenizer
+
+    tokenizer_path = Path(args.tokenizer) if args.tokenizer else None
+    if header.kind == "hf":
+        return _load_model(header.path, None, device), tokenizer_path or header.path
+    if cfg is not None:
+        model = _load_model(header.path, cfg.model, device, getattr(cfg, "lora_config", None))
+    else:  # a model-only config.yaml, as `lmforge convert --from-hf` writes
+        from lmforge.cli.convert import model_section_for
+
+        model = _load_model(header.path, model_section_for(header.path, None), device)
+    if tokenizer_path is None:
+        saved = header.path / "tokenizer.json"
+        fallback = find_tokenizer(cfg) if cfg is not None else None
+        tokenizer_path = saved if saved.is_file() else fallback
+    return model, tokenizer_path
+
+
 RESULTS_FILE = "lm_eval_results.json"
 # How long `eval --tasks` waits to learn whether the Hugging Face Hub answers at all.
 HUB_PROBE_TIMEOUT_S = 3.0
@@ -200,15 +220,13 @@ def _run_tasks(args: argparse.Namespace) -> int:
     from lmforge.config import load_config
     from lmforge.data.tokenizer import find_eod_id, load_tokenizer
     from lmforge.errors import CheckpointError, ConfigError, DataError
-    from lmforge.models import build_model, load_hf_pretrained
-    from lmforge.train.builder import find_tokenizer
     from lmforge.train.callbacks.lm_eval_harness import (
         evaluate_tasks,
         flat_results,
         require_lm_eval,
         split_tasks,
     )
-    from lmforge.train.checkpoint import CONFIG_FILE, load_model_weights, resolve_checkpoint
+    from lmforge.train.checkpoint import CONFIG_FILE, resolve_checkpoint
 
     require_lm_eval()
     offline = _hub_unreachable(split_tasks(args.tasks), args.include_path)
@@ -229,20 +247,7 @@ def _run_tasks(args: argparse.Namespace) -> int:
             cfg = load_config(header.path / CONFIG_FILE, args.overrides)
         except ConfigError:
             cfg = None  # a model-only config.yaml, as `lmforge convert --from-hf` writes
-    tokenizer_path = Path(args.tokenizer) if args.tokenizer else None
-    if header.kind == "hf":
-        model = load_hf_pretrained(header.path, device=device)
-        tokenizer_path = tokenizer_path or header.path
-    else:
-        from lmforge.cli.convert import _model_section_for
-
-        section = cfg.model if cfg is not None else _model_section_for(header.path, None)
-        model = build_model(section, device=device)
-        load_model_weights(header.path, model)
-        if tokenizer_path is None:
-            saved = header.path / "tokenizer.json"
-            fallback = find_tokenizer(cfg) if cfg is not None else None
-            tokenizer_path = saved if saved.is_file() else fallback
+    model, tokenizer_path = _task_model(header, cfg, args, device)
     if tokenizer_path is None:
         raise DataError(
             f"no tokenizer found for {header.path}: pass --tokenizer PATH (a tokenizer.json or a directory)."
