@@ -167,3 +167,30 @@ def test_generate_with_a_template_attacking_the_sandbox_exits_2(
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "sandbox refuses" in err and "Traceback" not in err
+
+
+def test_check_refuses_a_yaml_template_attacking_the_sandbox(
+    tmp_path, tokenizer_dir, tiny_section, base_config, capsys
+):
+    """Found at load (lmforge check), before any model or worker exists."""
+    import yaml
+
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    cfg = dict(base_config, model=tiny_section("qwen3", seq_length=32))
+    cfg["train_dataset"] = {
+        "dataloader": {
+            "type": "TextDataLoader",
+            "data_path": [str(tmp_path / "chat.jsonl")],
+            "tokenizer": str(tokenizer_dir),
+            "seq_length": 32,
+            "chat_template": ATTACK,
+        }
+    }
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["check", "--config", str(tmp_path / "t.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "train_dataset.dataloader.chat_template" in err
+        and "sandbox refuses" in err
+        and "Traceback" not in err
+    )

@@ -53,6 +53,7 @@ class FormatSettings:
 # `lmforge generate --chat` puts the same text after a prompt without a template.
 PLAIN_SEPARATOR = "\n\n"
 TEMPLATE_FILE = "chat_template.jinja"
+SANDBOX_REFUSAL = "sandbox refuses"
 
 
 def tokenizer_chat_template(tokenizer_path: str) -> tuple[str | None, str, str]:
@@ -121,7 +122,7 @@ def render_template(template: Any, **context: Any) -> str:
         return template.render(**context)
     except SecurityError as exc:
         raise DataError(
-            f"the chat template tried an operation the sandbox refuses ({exc}); lmforge renders templates in "
+            f"the chat template tried an operation the {SANDBOX_REFUSAL} ({exc}); lmforge renders templates in "
             "jinja2's immutable sandbox. Use a template that only formats the messages."
         ) from None
     except TemplateError as exc:
