@@ -152,7 +152,12 @@ def _read_hf_config(path: Path) -> dict[str, Any]:
 def hf_compute_dtype(path: str | Path) -> str:
     """The compute dtype a Hugging Face directory's config.json names (``dtype`` / ``torch_dtype``; float32
     when it names none)."""
-    return section_from_hf_config(_read_hf_config(Path(path)))["compute_dtype"]
+    hf_cfg = _read_hf_config(Path(path))
+    chosen = hf_cfg.get("dtype", hf_cfg.get("torch_dtype")) or "float32"
+    try:
+        return dtype_name(parse_dtype(chosen, "dtype"))
+    except ConfigError as exc:
+        raise CheckpointError(f"{Path(path) / 'config.json'}: {exc}") from None
 
 
 def load_hf_pretrained(
