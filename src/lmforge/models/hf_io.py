@@ -131,10 +131,17 @@ def load_hf_weights(model: GPTModel, path: str | Path) -> None:
     load_per_rank(model, path, ours, _adapter(ours).from_hf)
 
 
-def _read_hf_config(path: Path) -> dict[str, Any]:
+def restore_interrupted_publish(path: Path) -> None:
+    """Put back ``path`` from ``.NAME.old`` when an export was killed between its two publishing renames.
+    Every rank of a run may try at once: one rename wins, the others find the directory in place."""
     from lmforge.utils.atomic import recover_dir
 
-    recover_dir(path)  # an export killed between its two renames left the earlier one as .NAME.old
+    with contextlib.suppress(FileNotFoundError):  # another process restored it first
+        recover_dir(path)
+
+
+def _read_hf_config(path: Path) -> dict[str, Any]:
+    restore_interrupted_publish(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{cfg_file} does not exist; expected a Hugging Face model directory.")

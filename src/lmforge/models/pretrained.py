@@ -120,9 +120,9 @@ def expand_from_pretrained(data: Any) -> Any:
 
 
 def _read_config_json(path: Path) -> dict[str, Any]:
-    from lmforge.utils.atomic import recover_dir
+    from lmforge.models.hf_io import restore_interrupted_publish
 
-    recover_dir(path)  # an export killed between its two renames left the earlier one as .NAME.old
+    restore_interrupted_publish(path)
     cfg_file = path / "config.json"
     try:
         data = json.loads(cfg_file.read_text(encoding="utf-8"))
