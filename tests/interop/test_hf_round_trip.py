@@ -178,7 +178,11 @@ def test_from_pretrained_takes_the_model_section_from_config_json(tmp_path, qwen
     assert mc.rope_scaling["factor"] == 2.0 and mc.tie_word_embeddings
     assert (mc.seq_length, mc.compute_dtype) == (64, torch.float32)  # training settings from the YAML
     # the saved section rebuilds the model without the directory (what checkpoints keep)
-    assert cfg.model.to_dict()["hf_config"]["bos_token_id"] == 7
+    saved = cfg.to_dict()
+    assert saved["model"]["hf_config"]["bos_token_id"] == 7 and "from_pretrained" not in saved["model"]
+    qwen3_dir.rename(qwen3_dir.with_name("moved"))
+    assert load_config(saved).model.typed.config == mc
+    qwen3_dir.with_name("moved").rename(qwen3_dir)
     # the weights come from checkpoint.load_path: without one, a warning says the start is fresh
     assert any("starts from freshly initialised weights" in w for w in cfg.warnings)
     raw = {

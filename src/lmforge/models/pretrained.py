@@ -116,7 +116,9 @@ def expand_from_pretrained(data: Any) -> Any:
             f"({named}). Remove these keys to take config.json's values, or point from_pretrained at the "
             "model you mean; only training settings (compute_dtype, seq_length, dropout, ...) may differ."
         )
-    return {**merged, "from_pretrained": where}
+    # The complete section, without from_pretrained: the config.yaml a run saves with its checkpoints
+    # rebuilds the model without DIR (which may have moved by the time the checkpoint is evaluated).
+    return merged
 
 
 def _read_config_json(path: Path) -> dict[str, Any]:
