@@ -160,3 +160,27 @@ def test_eval_without_config_of_a_checkpoint_without_one(tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err
     assert "has no config.yaml" in err and "--config FILE" in err
+
+
+def test_eval_tasks_on_a_lora_checkpoint_loads_its_adapters(tmp_path, capsys):
+    """--tasks without --config on a LoRA run: the run's config.yaml gives lora_config, so the adapters
+    are loaded with the base (a base-only model could not take the checkpoint's adapter tensors)."""
+    pytest.importorskip("lm_eval")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    extra = {"lora_config": {"target_modules": ".*linear_qkv", "lora_rank": 4, "lora_alpha": 8}}
+    save, _ = _trained_checkpoint(tmp_path, "lora", **extra)
+    words = ["<|endoftext|>", "<unk>", *(f"w{i}" for i in range(20))]  # ids below the model's vocab 64
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    rows = [
+        {"context": f"w{i} w{i + 1}", "choices": [f"w{i + 2}", f"w{i + 5}"], "answer": 0} for i in range(4)
+    ]
+    (tmp_path / "task.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["eval", "--checkpoint", str(save), "--tasks", str(tmp_path / "task.jsonl")]
+    assert main([*args, "--tokenizer", str(tmp_path / "tok"), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0.0 <= record["results"]["lmforge_task"]["acc,none"] <= 1.0
