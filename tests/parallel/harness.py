@@ -525,3 +525,38 @@ def moe_monitor_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, A
     model, _, _ = build_parallel(rank, world, spec)
     ids = torch.tensor(spec["ids"])
     return {"records": moe_monitor_records(model, ids, os.path.join(spec["out"], f"tpe{rank}.jsonl"))}
+
+
+def trained_parameters_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Train each case of ``spec['cases']`` with the trainer's ``TrainStep``; per step the loss, the
+    gradient norm and the logged auxiliary losses, and after the last step this rank's parameters (whole
+    tensors, saved to ``{spec['params_dir']}/{case}_rank{rank}.pt``)."""
+    from torch.distributed.tensor import DTensor
+
+    from lmforge.train.parallel_seam import ParallelContext
+    from lmforge.train.step import TrainStep
+
+    out: dict[str, Any] = {}
+    for case in spec["cases"]:
+        case = {**spec, **case}
+        torch.manual_seed(0)
+        model, info, _ = build_parallel(rank, world, case)
+        assert_init_matches(model, torch.load(case["state"], weights_only=True))
+        data = torch.load(case["data"], weights_only=True)
+        ctx = ParallelContext(rank=rank, world_size=world).placed(info)
+        step = TrainStep(
+            model, make_optimizer(model, case.get("optimizer")), None, max_norm=MAX_NORM, ctx=ctx
+        )
+        per_rank = case["gbs"] // info.dp_size
+        rows = list(range(info.dp_rank * per_rank, (info.dp_rank + 1) * per_rank))
+        steps = []
+        for s in range(data["input_ids"].shape[0]):
+            r = step(micro_batches(data, s, rows, case["lbs"]))
+            steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "aux": r.aux_losses})
+        params = {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()
+        }
+        torch.save(params, Path(case["params_dir"]) / f"{case['name']}_rank{rank}.pt")
+        out[case["name"]] = steps
+    return out

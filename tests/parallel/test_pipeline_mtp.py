@@ -1,0 +1,173 @@
+"""Pipeline parallel with multi-token prediction (DeepSeek-V3's layout) matches one process.
+
+The MTP layers live on the last stage, which looks the shifted tokens up in the embedding carried from
+the first stage (``parallel/pp_tied.py``). Two ranks train a tiny DeepSeek-V3 (MLA, MoE with a
+balancing loss, MTP) for a few AdamW steps from the same initialisation as a plain single-process loop
+written here (torch's AdamW, global-norm clipping, the token-mean loss, auxiliary losses averaged over
+micro-batches): the loss, the gradient norm and the logged ``mtp_k_loss`` of every step, and every
+parameter after the last step must agree.
+
+Tolerance: fp32 end to end; the layouts change only summation orders (the first step's gradients agree
+to ~6e-7 relative per tensor, measured), so 1e-5 relative on the losses and 1e-4 on the gradient norm.
+The parameters are compared through their updates (final minus initial weights), per tensor: 1e-3
+relative in norm, and 1e-4 absolute per element (a thirtieth of one step's lr of 3e-3). Adam divides
+each gradient by its own magnitude, so an element whose gradient is near ``eps`` turns that 1e-6
+relative noise into up to ~5e-5 absolute (measured on the expert weights); a lost or doubled MTP
+gradient, a wrong MTP weight or a missing embedding gradient from the last stage moves the MTP loss of
+step 2 and the touched parameters by ~1e-3 (a third of a step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from .harness import (
+    INIT_SEED,
+    MAX_NORM,
+    _clip,
+    make_data,
+    make_optimizer,
+    micro_batches,
+    run_workers,
+    tiny_deepseek,
+)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+STEPS, GBS, SEQ = 3, 4, 16
+LOSS_TOL, NORM_TOL, UPDATE_RTOL, PARAM_ATOL = 1e-5, 1e-4, 1e-3, 1e-4
+
+
+def _model(**overrides) -> dict:
+    # Four layers (one dense, three MoE, and the MTP depths MoE too) so that interleaved 1F1B holds two
+    # one-layer stages per rank; a balancing loss so that the MTP layer's MoE gradient is compared too.
+    return tiny_deepseek(
+        **{"num_hidden_layers": 4, "num_nextn_predict_layers": 1, "aux_loss_alpha": 0.01, **overrides}
+    )
+
+
+def _reference(section: dict, state: dict, data: dict) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Single process, whole global batch: per step loss, gradient norm and MTP losses; final weights."""
+    from lmforge.models import build_model
+
+    model = build_model(section)
+    model.load_state_dict(state)
+    opt = make_optimizer(model, None)
+    steps = []
+    for s in range(STEPS):
+        mbs = micro_batches(data, s, list(range(GBS)), 1)
+        n = sum(float(((b["labels"] >= 0) & (b["loss_mask"] != 0)).sum()) for b in mbs)
+        total, mtp = 0.0, {}
+        for b in mbs:
+            out = model(**b)
+            aux = out.loss - out.loss_sum / out.num_tokens.clamp(min=1)  # MTP + balancing, weighted
+            (out.loss_sum / n + aux / len(mbs)).backward()
+            total += float(out.loss_sum.detach())
+            for name, value in out.aux_losses.items():
+                mtp[name] = mtp.get(name, 0.0) + float(value.detach()) / len(mbs)
+        norm = _clip(model, MAX_NORM)
+        opt.step()
+        model.update_expert_bias()
+        opt.zero_grad()
+        steps.append({"loss": total / n, "grad_norm": norm, "aux": mtp})
+    return steps, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _compare_parameters(name: str, got: dict, ref: dict, start: dict, worst: dict) -> list[str]:
+    failures = []
+    for key, value in got.items():
+        diff = (value - ref[key]).abs()
+        update = float((ref[key] - start[key]).norm())
+        rel = float(diff.norm()) / max(update, 1e-30)
+        worst["param"] = max(worst["param"], float(diff.max()))
+        worst["update"] = max(worst["update"], rel)
+        if float(diff.max()) > PARAM_ATOL or rel > UPDATE_RTOL:
+            failures.append(
+                f"{name} parameter {key}: max |diff| {float(diff.max()):.2e}, update differs by {rel:.2e} "
+                f"of its norm after {STEPS} steps"
+            )
+    return failures
+
+
+CASES = {
+    "pp_1f1b": ({}, {"pipeline_parallel": 2, "pipeline_parallel_schedule": "1f1b"}),
+    "pp_interleaved": (
+        {},
+        {
+            "pipeline_parallel": 2,
+            "pipeline_parallel_schedule": "interleaved_1f1b",
+            "pipeline_parallel_interleave_num": 2,
+        },
+    ),
+    # Tied embeddings: one carried weight is the output layer and the MTP lookup table; two MTP depths.
+    "pp_gpipe_tied_depth2": (
+        {"tie_word_embeddings": True, "num_nextn_predict_layers": 2},
+        {"pipeline_parallel": 2, "pipeline_parallel_schedule": "gpipe"},
+    ),
+}
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_with_mtp_matches_single_process(tmp_path):
+    from lmforge.models import build_model
+
+    specs, refs = [], {}
+    for name, (overrides, parallelism) in CASES.items():
+        section = _model(**overrides)
+        torch.manual_seed(0)
+        model = build_model(section, seed=INIT_SEED)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        data = make_data(STEPS, GBS, SEQ, section["vocab_size"], seed=7)
+        refs[name] = _reference(section, state, data)
+        torch.save(state, tmp_path / f"{name}_state.pt")
+        torch.save(data, tmp_path / f"{name}_data.pt")
+        specs.append(
+            {
+                "name": name,
+                "model": section,
+                "parallelism": parallelism,
+                "state": str(tmp_path / f"{name}_state.pt"),
+                "data": str(tmp_path / f"{name}_data.pt"),
+            }
+        )
+    results = run_workers(
+        2,
+        {
+            "task": "trained_parameters_task",
+            "cases": specs,
+            "gbs": GBS,
+            "lbs": 1,
+            "params_dir": str(tmp_path),
+        },
+        timeout=220,
+    )
+    failures, worst = [], {"loss": 0.0, "mtp": 0.0, "param": 0.0, "update": 0.0}
+    for name, (ref_steps, ref_params) in refs.items():
+        depth = _model(**CASES[name][0])["num_nextn_predict_layers"]
+        for rank, res in enumerate(results):
+            for s, (got, ref) in enumerate(zip(res[name], ref_steps)):
+                assert sorted(got["aux"]) == sorted(ref["aux"]), (name, got["aux"], ref["aux"])
+                assert {f"mtp_{k}_loss" for k in range(1, depth + 1)} <= set(got["aux"])
+                checks = [("loss", got["loss"], ref["loss"], LOSS_TOL)]
+                checks.append(("grad_norm", got["grad_norm"], ref["grad_norm"], NORM_TOL))
+                checks += [(k, got["aux"][k], v, LOSS_TOL) for k, v in ref["aux"].items()]
+                for key, a, b, tol in checks:
+                    if key.startswith("mtp"):
+                        worst["mtp"] = max(worst["mtp"], abs(a - b) / abs(b))
+                    elif key == "loss":
+                        worst["loss"] = max(worst["loss"], abs(a - b) / abs(b))
+                    if not math.isclose(a, b, rel_tol=tol, abs_tol=1e-8):
+                        failures.append(f"{name} rank {rank} step {s} {key}: {a} vs single-process {b}")
+        held = [torch.load(tmp_path / f"{name}_rank{r}.pt", weights_only=True) for r in range(2)]
+        # Every parameter lives on exactly one pipeline rank (the MTP layers on the last one).
+        assert not set(held[0]) & set(held[1]), name
+        assert set(held[0]) | set(held[1]) == set(ref_params), name
+        assert any(k.startswith("mtp.") for k in held[1]) and not any(k.startswith("mtp.") for k in held[0])
+        start = torch.load(tmp_path / f"{name}_state.pt", weights_only=True)
+        for params in held:
+            failures += _compare_parameters(name, params, ref_params, start, worst)
+    print("largest differences: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    assert not failures, "\n".join(failures)
