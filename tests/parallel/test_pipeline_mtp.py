@@ -112,10 +112,14 @@ CASES = {
 
 @pytest.mark.timeout(240)
 def test_pipeline_with_mtp_matches_single_process(tmp_path):
+    _check_cases(CASES, 2, tmp_path)
+
+
+def _check_cases(cases: dict, world: int, tmp_path) -> None:
     from lmforge.models import build_model
 
     specs, refs = [], {}
-    for name, (overrides, parallelism) in CASES.items():
+    for name, (overrides, parallelism) in cases.items():
         section = _model(**overrides)
         torch.manual_seed(0)
         model = build_model(section, seed=INIT_SEED)
@@ -134,7 +138,7 @@ def test_pipeline_with_mtp_matches_single_process(tmp_path):
             }
         )
     results = run_workers(
-        2,
+        world,
         {
             "task": "trained_parameters_task",
             "cases": specs,
@@ -142,11 +146,11 @@ def test_pipeline_with_mtp_matches_single_process(tmp_path):
             "lbs": 1,
             "params_dir": str(tmp_path),
         },
-        timeout=220,
+        timeout=280,
     )
     failures, worst = [], {"loss": 0.0, "mtp": 0.0, "param": 0.0, "update": 0.0}
     for name, (ref_steps, ref_params) in refs.items():
-        depth = _model(**CASES[name][0])["num_nextn_predict_layers"]
+        depth = _model(**cases[name][0])["num_nextn_predict_layers"]
         for rank, res in enumerate(results):
             for s, (got, ref) in enumerate(zip(res[name], ref_steps)):
                 assert sorted(got["aux"]) == sorted(ref["aux"]), (name, got["aux"], ref["aux"])
@@ -161,13 +165,60 @@ def test_pipeline_with_mtp_matches_single_process(tmp_path):
                         worst["loss"] = max(worst["loss"], abs(a - b) / abs(b))
                     if not math.isclose(a, b, rel_tol=tol, abs_tol=1e-8):
                         failures.append(f"{name} rank {rank} step {s} {key}: {a} vs single-process {b}")
-        held = [torch.load(tmp_path / f"{name}_rank{r}.pt", weights_only=True) for r in range(2)]
-        # Every parameter lives on exactly one pipeline rank (the MTP layers on the last one).
-        assert not set(held[0]) & set(held[1]), name
-        assert set(held[0]) | set(held[1]) == set(ref_params), name
-        assert any(k.startswith("mtp.") for k in held[1]) and not any(k.startswith("mtp.") for k in held[0])
+        held = [torch.load(tmp_path / f"{name}_rank{r}.pt", weights_only=True) for r in range(world)]
+        # Every parameter lives on exactly one pipeline stage (the MTP layers on the last one); pp is the
+        # outermost mesh dimension, so the first half of the ranks holds the first stage.
+        first, last = held[0], held[-1]
+        assert not set(first) & set(last), name
+        assert set(first) | set(last) == set(ref_params), name
+        assert any(k.startswith("mtp.") for k in last) and not any(k.startswith("mtp.") for k in first)
         start = torch.load(tmp_path / f"{name}_state.pt", weights_only=True)
         for params in held:
             failures += _compare_parameters(name, params, ref_params, start, worst)
     print("largest differences: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
     assert not failures, "\n".join(failures)
+
+
+# Four ranks: the carried embedding's gradient is summed over data-parallel ranks (PP × FSDP) and over
+# the tensor-parallel ranks' sequence slices (PP × TP, the spec's FSDP + TP + PP layout without EP).
+FOUR_RANK_CASES = {
+    "pp_x_fsdp": ({}, {"pipeline_parallel": 2}),
+    "pp_x_tp": ({}, {"pipeline_parallel": 2, "tensor_parallel": 2}),
+}
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_with_mtp_on_four_ranks_matches_single_process(tmp_path):
+    _check_cases(FOUR_RANK_CASES, 4, tmp_path)
+
+
+def test_memory_estimate_puts_the_mtp_layers_on_the_last_stage():
+    """``lmforge check``'s estimate: under pp the MTP parameters are counted whole (they all live on the
+    last stage, not 1/pp of them), and each MTP depth adds more than a decoder layer's activations."""
+    from lmforge.models import build_model
+    from lmforge.parallel import ParallelDims, estimate_memory
+
+    def estimate(depth: int, pp: int, num_layers: int = 4):
+        model = build_model(_model(num_nextn_predict_layers=depth), device="meta")
+        dims = ParallelDims.from_section({"pipeline_parallel": pp}, pp)
+        est = estimate_memory(
+            model,
+            dims,
+            compute_dtype=torch.float32,
+            optimizer_type="AdamW",
+            seq_length=SEQ,
+            local_batch_size=1,
+            hidden_size=32,
+            num_layers=num_layers,
+            vocab_size=64,
+        )
+        return est, sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+
+    # One decoder layer's activations: the estimate with one layer fewer on one stage.
+    per_layer = estimate(0, 1)[0].activations - estimate(0, 1, num_layers=3)[0].activations
+    assert per_layer > 0
+    for pp in (1, 2):
+        without, _ = estimate(0, pp)
+        with_mtp, mtp_params = estimate(2, pp)
+        assert with_mtp.local_parameter_count - without.local_parameter_count == mtp_params
+        assert with_mtp.activations - without.activations > 2 * per_layer
