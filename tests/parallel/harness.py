@@ -430,17 +430,17 @@ def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, An
     data = torch.load(spec["data"], weights_only=True)
     per_rank = spec["gbs"] // dp_size
     rows = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-    losses = {}
+    losses, aux = {}, {}
     manager = CheckpointManager(spec["save_path"], save_max=2) if spec.get("save_at") else None
     for s in range(first, data["input_ids"].shape[0]):
         r = step(micro_batches(data, s, rows, spec["lbs"]))
-        losses[s] = r.loss
+        losses[s], aux[s] = r.loss, r.aux_losses
         state.global_step = s + 1
         if manager is not None and state.global_step == spec["save_at"]:
             manager.save(target, state.global_step)
     if manager is not None:
         manager.close()
-    return {"loss": losses}
+    return {"loss": losses, "aux_losses": aux}
 
 
 def run_workers(world: int, spec: dict[str, Any], timeout: float = 90.0) -> list[dict[str, Any]]:
