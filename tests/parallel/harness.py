@@ -558,5 +558,15 @@ def trained_parameters_task(rank: int, world: int, spec: dict[str, Any]) -> dict
             for name, p in model.named_parameters()
         }
         torch.save(params, Path(case["params_dir"]) / f"{case['name']}_rank{rank}.pt")
-        out[case["name"]] = steps
+        # Evaluation of the trained model, one micro-batch at a time (as the validation callback runs it).
+        evals = []
+        for batch in micro_batches(data, 0, list(range(case["gbs"])), case["lbs"])[:2]:
+            if info.pipeline is not None:
+                loss_sum, tokens = info.pipeline.evaluate_batch(batch)
+            else:
+                with torch.no_grad():
+                    out_ = model(**batch)
+                loss_sum, tokens = out_.loss_sum, out_.num_tokens
+            evals.append(float(loss_sum) / float(tokens))
+        out[case["name"]] = {"steps": steps, "eval": evals}
     return out

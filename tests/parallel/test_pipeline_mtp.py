@@ -4,8 +4,10 @@ The MTP layers live on the last stage, which looks the shifted tokens up in the 
 the first stage (``parallel/pp_tied.py``). Two ranks train a tiny DeepSeek-V3 (MLA, MoE with a
 balancing loss, MTP) for a few AdamW steps from the same initialisation as a plain single-process loop
 written here (torch's AdamW, global-norm clipping, the token-mean loss, auxiliary losses averaged over
-micro-batches): the loss, the gradient norm and the logged ``mtp_k_loss`` of every step, and every
-parameter after the last step must agree.
+micro-batches): the loss, the gradient norm and the logged ``mtp_k_loss`` of every step, every
+parameter after the last step, and the loss of a forward-only evaluation of two micro-batches after
+training must agree (the second evaluation sends the embedding while FSDP2 has left the first stage's
+root unsharded: its parameter is then a plain tensor, which failed in ``lmforge train`` with evaluation).
 
 Tolerance: fp32 end to end; the layouts change only summation orders (the first step's gradients agree
 to ~6e-7 relative per tensor, measured), so 1e-5 relative on the losses and 1e-4 on the gradient norm.
@@ -73,7 +75,12 @@ def _reference(section: dict, state: dict, data: dict) -> tuple[list[dict], dict
         model.update_expert_bias()
         opt.zero_grad()
         steps.append({"loss": total / n, "grad_norm": norm, "aux": mtp})
-    return steps, {k: v.detach().clone() for k, v in model.named_parameters()}
+    evals = []
+    with torch.no_grad():  # the trained model's LM loss on the first step's first two micro-batches
+        for b in micro_batches(data, 0, list(range(GBS)), 1)[:2]:
+            out = model(**b)
+            evals.append(float(out.loss_sum / out.num_tokens))
+    return {"steps": steps, "eval": evals}, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def _compare_parameters(name: str, got: dict, ref: dict, start: dict, worst: dict) -> list[str]:
@@ -152,7 +159,10 @@ def _check_cases(cases: dict, world: int, tmp_path) -> None:
     for name, (ref_steps, ref_params) in refs.items():
         depth = _model(**cases[name][0])["num_nextn_predict_layers"]
         for rank, res in enumerate(results):
-            for s, (got, ref) in enumerate(zip(res[name], ref_steps)):
+            for a, b in zip(res[name]["eval"], ref_steps["eval"], strict=True):
+                if not math.isclose(a, b, rel_tol=LOSS_TOL):
+                    failures.append(f"{name} rank {rank} evaluation: {a} vs single-process {b}")
+            for s, (got, ref) in enumerate(zip(res[name]["steps"], ref_steps["steps"], strict=True)):
                 assert sorted(got["aux"]) == sorted(ref["aux"]), (name, got["aux"], ref["aux"])
                 assert {f"mtp_{k}_loss" for k in range(1, depth + 1)} <= set(got["aux"])
                 checks = [("loss", got["loss"], ref["loss"], LOSS_TOL)]

@@ -99,7 +99,13 @@ class LastStageEmbedding(nn.Module):
         if self.group is None:
             return
         if self.is_first:
-            full = self._param().full_tensor().detach().float().contiguous()  # collective in the stage
+            from torch.distributed.tensor import DTensor
+
+            p = self._param()
+            # FSDP2 leaves a root group unsharded after a forward without backward (evaluation): then the
+            # parameter is the whole weight already (a plain tensor, or under tp a DTensor over tp only).
+            full = p.full_tensor() if isinstance(p, DTensor) else p  # (full_tensor: collective in the stage)
+            full = full.detach().float().contiguous()
             dist.send(full, group_dst=1, group=self.group)
         if self.is_last:
             buf = torch.empty(self._shape, dtype=torch.float32, device=self._device())
