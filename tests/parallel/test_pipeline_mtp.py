@@ -274,3 +274,24 @@ def test_pipeline_with_mtp_resumes_bit_for_bit(tmp_path):
             assert got["mtp_1_loss"] == want["mtp_1_loss"], (rank, step, got, want)
         for step, loss in whole.items():
             assert math.isclose(loss, ref[int(step)], rel_tol=LOSS_TOL), (step, loss, ref[int(step)])
+
+
+def test_planner_counts_the_carried_embedding_under_pipeline_parallel():
+    """``lmforge plan``: with MTP (or tied embeddings) each pipeline step moves the embedding weight to the
+    last stage and its gradient back, 2 × vocab × hidden fp32 values beside the activations."""
+    from lmforge.config import load_config
+    from lmforge.parallel.planner import Layout, communication_volume, model_facts
+
+    def pp_bytes(depth: int) -> tuple[float, object]:
+        cfg = load_config(
+            "configs/muon_deepseek_v3.yaml",
+            ["training.global_batch_size=256", f"model.num_nextn_predict_layers={depth}"],
+        )
+        facts, _ = model_facts(cfg)
+        return communication_volume(Layout(pp=2, dp_shard=4), facts, global_batch_size=256, world=8)[
+            "pp"
+        ], facts
+
+    without, _ = pp_bytes(0)
+    with_mtp, facts = pp_bytes(1)
+    assert with_mtp - without == pytest.approx(2 * facts.vocab_size * facts.hidden_size * 4)
