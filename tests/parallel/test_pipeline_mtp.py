@@ -114,10 +114,22 @@ CASES = {
         {"tie_word_embeddings": True, "num_nextn_predict_layers": 2},
         {"pipeline_parallel": 2, "pipeline_parallel_schedule": "gpipe"},
     ),
+    # Recompute on the last stage: its last decoder layer and the MTP layer (id num_layers + 0) whole.
+    "pp_1f1b_recompute": (
+        {},
+        {"pipeline_parallel": 2},
+        {
+            "recompute": {
+                "mode": "select",
+                "full_recompute_layer": ["3", "4"],
+                "select_module": {"mlp": ["1"]},
+            }
+        },
+    ),
 }
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_pipeline_with_mtp_matches_single_process(tmp_path):
     _check_cases(CASES, 2, tmp_path)
 
@@ -126,7 +138,7 @@ def _check_cases(cases: dict, world: int, tmp_path) -> None:
     from lmforge.models import build_model
 
     specs, refs = [], {}
-    for name, (overrides, parallelism) in cases.items():
+    for name, (overrides, parallelism, *activation) in cases.items():
         section = _model(**overrides)
         torch.manual_seed(0)
         model = build_model(section, seed=INIT_SEED)
@@ -140,6 +152,7 @@ def _check_cases(cases: dict, world: int, tmp_path) -> None:
                 "name": name,
                 "model": section,
                 "parallelism": parallelism,
+                "activation": activation[0] if activation else None,
                 "state": str(tmp_path / f"{name}_state.pt"),
                 "data": str(tmp_path / f"{name}_data.pt"),
             }
@@ -153,7 +166,7 @@ def _check_cases(cases: dict, world: int, tmp_path) -> None:
             "lbs": 1,
             "params_dir": str(tmp_path),
         },
-        timeout=280,
+        timeout=300,
     )
     failures, worst = [], {"loss": 0.0, "mtp": 0.0, "param": 0.0, "update": 0.0}
     for name, (ref_steps, ref_params) in refs.items():
@@ -194,10 +207,12 @@ def _check_cases(cases: dict, world: int, tmp_path) -> None:
 FOUR_RANK_CASES = {
     "pp_x_fsdp": ({}, {"pipeline_parallel": 2}),
     "pp_x_tp": ({}, {"pipeline_parallel": 2, "tensor_parallel": 2}),
+    # The spec's layout has expert parallel too: the MTP layer's experts are split like the others.
+    "pp_x_ep": ({}, {"pipeline_parallel": 2, "expert_parallel": 2}),
 }
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(360)
 def test_pipeline_with_mtp_on_four_ranks_matches_single_process(tmp_path):
     _check_cases(FOUR_RANK_CASES, 4, tmp_path)
 
