@@ -175,26 +175,38 @@ class StageModule(nn.Module):
         loss_sum, count, _ = model.token_loss(normed, weight, labels, loss_mask, **scale)
         mtp_losses: list[torch.Tensor] = []
         if self.mtp is not None:
-            if mtp_input_ids is None:
-                raise ValueError(
-                    "the last pipeline stage runs multi-token prediction: it needs mtp_input_ids"
-                )
-            named: dict[str, torch.Tensor] = {}
-            # The unpipelined model's own MTP (same shifts, masks, depth weights); the embedding is the
-            # first stage's, carried here (the last stage holds no embedding parameter).
-            weighted = model.mtp_losses(
-                h, mtp_input_ids, labels, loss_mask, cos, sin, allowed, named,
-                embed=carried.lookup, output_weight=weight,
-            )  # fmt: skip
-            for depth in self.mtp.layers:
-                aux = self._balancing_loss(depth.transformer_layer)
-                if aux is not None:
-                    weighted = weighted + aux
+            weighted, mtp_losses = self._mtp(h, mtp_input_ids, labels, loss_mask, (cos, sin, allowed), weight)
             if torch.is_grad_enabled():
                 # The unpipelined step backpropagates aux_loss × aux_scale beside the token-mean loss.
                 loss_sum = _AttachAux.apply(loss_sum, weighted * self.aux_scale)
-            mtp_losses = [named[f"mtp_{k}_loss"].detach().float() for k in range(1, len(self.mtp.layers) + 1)]
         return torch.stack([loss_sum, count.to(loss_sum.dtype), *mtp_losses])
+
+    def _mtp(
+        self,
+        h: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        rope_and_mask: tuple,
+        output_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(weighted MTP losses plus the MTP layers' balancing losses, [mtp_1_loss, ..., mtp_D_loss]).
+
+        The unpipelined model's own ``mtp_losses`` (same shifts, masks, depth weights); the embedding is
+        the first stage's, carried here (the last stage holds no embedding parameter)."""
+        if input_ids is None or self.last_embedding is None:
+            raise RuntimeError("the last pipeline stage runs MTP without its input ids or embedding (a bug)")
+        named: dict[str, torch.Tensor] = {}
+        cos, sin, allowed = rope_and_mask
+        weighted = self._model.mtp_losses(
+            h, input_ids, labels, loss_mask, cos, sin, allowed, named,
+            embed=self.last_embedding.lookup, output_weight=output_weight,
+        )  # fmt: skip
+        for depth in self.mtp.layers:
+            aux = self._balancing_loss(depth.transformer_layer)
+            if aux is not None:
+                weighted = weighted + aux
+        return weighted, [named[f"mtp_{k}_loss"].detach().float() for k in range(1, len(self.mtp.layers) + 1)]
 
     def _balancing_loss(self, layer: nn.Module) -> torch.Tensor | None:
         """The MoE balancing loss ``layer`` produced in this forward (counted for the log), or None; only
