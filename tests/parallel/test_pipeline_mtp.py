@@ -37,8 +37,6 @@ from .harness import (
     tiny_deepseek,
 )
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
 STEPS, GBS, SEQ = 3, 4, 16
 LOSS_TOL, NORM_TOL, UPDATE_RTOL, PARAM_ATOL = 1e-5, 1e-4, 1e-3, 1e-4
 
@@ -129,6 +127,8 @@ CASES = {
 }
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_pipeline_with_mtp_matches_single_process(tmp_path):
     _check_cases(CASES, 2, tmp_path)
@@ -212,6 +212,8 @@ FOUR_RANK_CASES = {
 }
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_pipeline_with_mtp_on_four_ranks_matches_single_process(tmp_path):
     _check_cases(FOUR_RANK_CASES, 4, tmp_path)
@@ -249,6 +251,8 @@ def test_memory_estimate_puts_the_mtp_layers_on_the_last_stage():
         assert with_mtp.activations - without.activations > 2 * per_layer
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_pipeline_with_mtp_resumes_bit_for_bit(tmp_path):
     """A 2-rank interleaved-1F1B run with MTP and tied embeddings saves after step 2; a second run resumes
@@ -291,6 +295,7 @@ def test_pipeline_with_mtp_resumes_bit_for_bit(tmp_path):
             assert math.isclose(loss, ref[int(step)], rel_tol=LOSS_TOL), (step, loss, ref[int(step)])
 
 
+@pytest.mark.slow  # two DeepSeek-V3 recipes built on meta (~10 s)
 def test_planner_counts_the_carried_embedding_under_pipeline_parallel():
     """``lmforge plan``: with MTP (or tied embeddings) each pipeline step moves the embedding weight to the
     last stage and its gradient back, 2 × vocab × hidden fp32 values beside the activations."""
