@@ -315,3 +315,26 @@ def test_planner_counts_the_carried_embedding_under_pipeline_parallel():
     without, _ = pp_bytes(0)
     with_mtp, facts = pp_bytes(1)
     assert with_mtp - without == pytest.approx(2 * facts.vocab_size * facts.hidden_size * 4)
+
+
+@pytest.mark.slow  # check on the spec's full-size model (meta device, ~10 s)
+def test_check_accepts_the_spec_pp_mtp_layout_and_places_the_mtp_layer(tmp_path, capsys):
+    """The spec's FSDP + TP + PP + EP example over its DeepSeek-V3 skeleton (MTP depth 1 by default) at the
+    smallest world it fits, 32 ranks: ``check`` accepts it (it refused PP + MTP before) and lists the MTP
+    layer with the last stage."""
+    from pathlib import Path
+
+    import yaml
+
+    from lmforge.cli import main
+
+    spec = Path(__file__).resolve().parents[1] / "fixtures" / "spec_yamls"
+    merged = {
+        **yaml.safe_load((spec / "004_skeleton.yaml").read_text(encoding="utf-8")),
+        **yaml.safe_load((spec / "004_parallelism.yaml").read_text(encoding="utf-8")),
+    }
+    path = tmp_path / "frag_parallel_world32.yaml"
+    path.write_text(yaml.safe_dump(merged), encoding="utf-8")
+    assert main(["check", "--config", str(path), "--world-size", "32"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "pipeline stage 1 (pp rank 1): layers 6-11, MTP layer 12" in out
