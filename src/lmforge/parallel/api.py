@@ -200,41 +200,21 @@ def parallelize(
     if apply_activation is not None:
         apply_activation(model)
     pipeline = None
+    roots: list[nn.Module] = [model]
     if dims.pp > 1:
-        n_stages = dims.pp * section.pipeline_parallel_interleave_num
-        pipeline = Pipeline(
+        pipeline = _build_pipeline(
             model,
             stage_specs,
-            pp_mesh=mesh["pp"],
-            cp_mesh=mesh["cp"],  # the pipeline shards each micro-batch over cp itself (no model call)
-            n_stages=n_stages,
-            schedule=section.pipeline_parallel_schedule,
-            num_microbatches=num_microbatches,
-            device=device,
-            compute_dtype=compute_dtype,
-            check_batch=_sequence_length_check(dims) if dims.tp > 1 or dims.cp > 1 else None,
-            tp_size=dims.tp,
+            dims,
+            mesh,
+            section,
+            num_microbatches,
+            device,
+            compute_dtype,
+            tied_output,
+            has_mtp,
         )
         roots = pipeline.stage_modules
-        if tied_output or has_mtp:  # the last stage needs the embedding: see pp_tied
-            from lmforge.parallel.pp_tied import LastStageEmbedding, pair_groups
-
-            pp_rank = mesh["pp"].get_local_rank()
-            pipeline.attach_last_stage_embedding(
-                LastStageEmbedding(
-                    model,
-                    pair_groups(mesh.world),
-                    pp_rank == 0,
-                    pp_rank == dims.pp - 1,
-                    compute_dtype,
-                    tied=tied_output,
-                    tp_rank=mesh["tp"].get_local_rank() if dims.tp > 1 else 0,
-                    tp_size=dims.tp,
-                )
-            )
-        refuse_direct_calls(model)
-    else:
-        roots = [model]
     expert_mesh = mesh.expert_fsdp_mesh() if dims.ep > 1 else None
     for root in roots:
         apply_fsdp(
@@ -259,6 +239,52 @@ def parallelize(
         qk_clip_group=mesh["dp_cp_tp"].get_group(),
     )
     return model, info
+
+
+def _build_pipeline(
+    model: nn.Module,
+    stage_specs: Any,
+    dims: ParallelDims,
+    mesh: ParallelMesh,
+    section: ParallelismConfig,
+    num_microbatches: int,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    tied_output: bool,
+    has_mtp: bool,
+) -> Pipeline:
+    """This rank's stages and their schedule (``model`` was pruned to them by ``split_for_pipeline``)."""
+    pipeline = Pipeline(
+        model,
+        stage_specs,
+        pp_mesh=mesh["pp"],
+        cp_mesh=mesh["cp"],  # the pipeline shards each micro-batch over cp itself (no model call)
+        n_stages=dims.pp * section.pipeline_parallel_interleave_num,
+        schedule=section.pipeline_parallel_schedule,
+        num_microbatches=num_microbatches,
+        device=device,
+        compute_dtype=compute_dtype,
+        check_batch=_sequence_length_check(dims) if dims.tp > 1 or dims.cp > 1 else None,
+        tp_size=dims.tp,
+    )
+    if tied_output or has_mtp:  # the last stage needs the embedding: see pp_tied
+        from lmforge.parallel.pp_tied import LastStageEmbedding, pair_groups
+
+        pp_rank = mesh["pp"].get_local_rank()
+        pipeline.attach_last_stage_embedding(
+            LastStageEmbedding(
+                model,
+                pair_groups(mesh.world),
+                pp_rank == 0,
+                pp_rank == dims.pp - 1,
+                compute_dtype,
+                tied=tied_output,
+                tp_rank=mesh["tp"].get_local_rank() if dims.tp > 1 else 0,
+                tp_size=dims.tp,
+            )
+        )
+    refuse_direct_calls(model)
+    return pipeline
 
 
 def _sum_expert_counts(model: nn.Module, group: Any) -> None:
