@@ -27,6 +27,7 @@ from lmforge.config.sections_parallel import (
     RecomputeConfig,
     SwapConfig,
 )
+from lmforge.config.sections_recovery import RecoveryConfig
 from lmforge.config.sections_run import (
     CallbackConfig,
     CheckpointConfig,
@@ -62,6 +63,7 @@ __all__ = [
     "ProfilerConfig",
     "RecomputeCommConfig",
     "RecomputeConfig",
+    "RecoveryConfig",
     "Section",
     "SwapConfig",
     "TensorboardConfig",
@@ -104,6 +106,8 @@ class TrainConfig(OpenSection):
     compile: CompileConfig = Field(default_factory=CompileConfig)
     float8: Float8Config = Field(default_factory=Float8Config)
     mfu: MfuConfig = Field(default_factory=MfuConfig)
+    # lmforge's own: roll back to the newest safe checkpoint on a spike or divergence (train/recovery/)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
 
     # Warnings found while loading (inert fields, ...); see lmforge.config.config_warnings.
     _warnings: tuple[str, ...] = PrivateAttr(default=())
@@ -243,4 +247,5 @@ SECTION_CLASSES: dict[str, type[Section]] = {
     "compile": CompileConfig,
     "float8": Float8Config,
     "mfu": MfuConfig,
+    "recovery": RecoveryConfig,
 }

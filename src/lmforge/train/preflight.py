@@ -36,9 +36,10 @@ def check_cpu_offload_on_one_process(section: Any, device_type: str) -> str | No
 def preflight(cfg: Any, world_size: int, device: str | None = None) -> RunPlan:
     """The run plan of ``cfg`` for ``world_size`` processes on ``device`` (``--device``; None: CUDA when
     available); one ConfigError naming every problem."""
+    from lmforge.train.recovery.checks import check_recovery
     from lmforge.utils.device import run_device_type
 
-    plan = RunPlan.from_config(cfg, world_size, extra_checks=(check_callbacks,))
+    plan = RunPlan.from_config(cfg, world_size, extra_checks=(check_callbacks, check_recovery))
     if not plan.dims.is_parallel:
         note = check_cpu_offload_on_one_process(cfg.parallelism, run_device_type(device))
         if note is not None:
