@@ -111,6 +111,19 @@ class TrackerCallback(TrainerCallback):
         if scalars:
             self.log(scalars, step)
 
+    def on_rollback(self, args: Any, state: Any, **kwargs: Any) -> None:
+        # Recovery rolled back (train/recovery/): an event at the detection step, whatever log_interval says.
+        if not self.active:
+            return
+        event = kwargs["rollback"]
+        self.log(
+            {
+                "recovery/rollback_to_step": float(event["to_step"]),
+                "recovery/rollbacks": float(event["rollback"]),
+            },
+            int(event["step"]),
+        )
+
     def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
         if not self.active:
             return

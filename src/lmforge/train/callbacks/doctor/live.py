@@ -78,6 +78,7 @@ class DoctorCallback(TrainerCallback):
         self.tail: deque[dict[str, Any]] = deque(maxlen=_TAIL)
         self.reported: set[tuple[str, str]] = set()
         self.findings: list[Finding] = []  # every finding reported so far (for tests and tools)
+        self.rollbacks: list[dict[str, Any]] = []  # recovery's rollback events of this run
         self._start: dict[str, torch.Tensor] = {}
         self._params: dict[str, torch.Tensor] = {}
         self._moe_previous: dict[int, torch.Tensor] = {}
@@ -169,6 +170,14 @@ class DoctorCallback(TrainerCallback):
             # every numeric field of the step's metrics.
             metrics["doctor_findings"] = len(self.findings)
 
+    def on_rollback(self, args: Any, state: Any, **kwargs: Any) -> None:
+        # Recovery undid the steps after to_step (train/recovery/): the rules judge the run as it goes on.
+        event = kwargs["rollback"]
+        to_step = int(event["to_step"])
+        self.rollbacks.append(dict(event))
+        self.head = [r for r in self.head if int(r.get("step", 0)) <= to_step]
+        self.tail = deque((r for r in self.tail if int(r.get("step", 0)) <= to_step), maxlen=_TAIL)
+
     def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
         self.check(int(state.global_step))
 
@@ -200,7 +209,12 @@ class DoctorCallback(TrainerCallback):
         self.facts["not_updated_checked_at_step"] = step
 
     def evidence(self) -> RunEvidence:
-        return RunEvidence(metrics=[*self.head, *self.tail], config=self.config, facts=self.facts)
+        return RunEvidence(
+            metrics=[*self.head, *self.tail],
+            config=self.config,
+            facts=self.facts,
+            rollbacks=list(self.rollbacks),
+        )
 
     def check(self, step: int) -> list[Finding]:
         self._update_not_updated(step)
