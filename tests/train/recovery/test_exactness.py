@@ -31,10 +31,11 @@ class DamageWeights(TrainerCallback):
                 kwargs["model"].output_layer.weight.mul_(100.0)
 
 
-def run(tmp, *, recovery=None, callbacks=(), loader=None, save_max=10):
+def run(tmp, *, recovery=None, callbacks=(), loader=None, save_max=10, extra=None):
     sections = {
         "training": {"steps": STEPS},
         "checkpoint": {"save_interleaved_steps": 2, "save_max": save_max},
+        **(extra or {}),
     }
     if recovery is not None:
         sections["recovery"] = {"enable": True, **recovery}

@@ -97,6 +97,9 @@ class DoctorCallback(TrainerCallback):
         optimizer = kwargs.get("optimizer")
         if model is not None:
             self.facts = self._parameter_facts(model, optimizer)
+            per_epoch = _samples_per_epoch(trainer)
+            if per_epoch:
+                self.facts["train_samples_per_epoch"] = per_epoch  # for the repeated-data rule
             self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
             self._start = {n: _sample(p) for n, p in self._params.items()}
         self._write_files()
@@ -217,6 +220,8 @@ class DoctorCallback(TrainerCallback):
         )
 
     def check(self, step: int) -> list[Finding]:
+        if not self.head:
+            return []  # no step of this process yet (e.g. resumed at the last step): nothing to judge live
         self._update_not_updated(step)
         diagnosis = diagnose(self.evidence())
         new = []
@@ -242,6 +247,17 @@ class DoctorCallback(TrainerCallback):
         if self._rank == 0 and self.output_dir is not None and self.output_dir.is_dir():
             (self.output_dir / FACTS_FILE).write_text(json.dumps(self.facts, indent=1) + "\n")
         return new
+
+
+def _samples_per_epoch(trainer: Any) -> int | None:
+    """Samples in one pass over the training set (the loader's micro-batches per epoch x micro-batch samples)."""
+    loader = getattr(trainer, "dataloader", None)
+    batches = getattr(trainer, "batches", None)
+    try:
+        micro = len(loader)
+    except TypeError:
+        return None
+    return int(micro) * int(batches.samples_per_micro_step) if micro and batches is not None else None
 
 
 def _show(value: Any) -> str:

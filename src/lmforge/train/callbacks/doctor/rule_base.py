@@ -62,7 +62,13 @@ COLLAPSE_SHARE = 0.8  # one expert takes 80% of a layer's routed tokens: routing
 IMBALANCE_RATIO = 4.0  # the busiest expert gets 4x the mean load: imbalance
 
 
-RANK_LOSS_REL = 0.25  # a rank's mean local loss 25% away from the median of the ranks
+RANK_LOSS_REL = 0.25
+# The highest peak lr at which any model (toy models included) of an Adam-type or Muon optimizer trains;
+# above it a run cannot be healthy (lr_huge).
+LR_CEILING = 0.1
+# No suggested lr is above this: it must be a fix, not another divergence (a run at lr 10 told "lr 1").
+SUGGESTED_LR_MAX = 1e-2
+SAFE_LR = 3e-4  # the article's range is 1e-4 .. 3e-4: the suggestion when a tenth is still too high  # a rank's mean local loss 25% away from the median of the ranks
 
 
 @dataclass
@@ -71,6 +77,8 @@ class Finding:
     evidence: str
     cause: str
     keys: dict[str, Any] = field(default_factory=dict)
+    # The run did not train at all (it died before its first step): `lmforge doctor` exits 1.
+    fatal: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -168,6 +176,13 @@ def _compute_dtype(ev: RunEvidence) -> str:
 def _base_lr(ev: RunEvidence) -> float | None:
     v = ev.section("lr_scheduler").get("learning_rate")
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def healthy_lr(base: float, factor: float = 0.1) -> float:
+    """The lr to suggest instead of ``base``: ``base x factor`` when that is at most 1e-2, else the
+    article's 3e-4 (a run at lr 10 is not told "lr 1", which diverges too)."""
+    lowered = base * factor
+    return lowered if lowered <= SUGGESTED_LR_MAX else SAFE_LR
 
 
 def _steps_configured(ev: RunEvidence) -> int | None:

@@ -26,6 +26,7 @@ from lmforge.train.callbacks.doctor.rule_base import (  # noqa: F401 - the thres
 from lmforge.train.callbacks.doctor.rules_progress import (
     decay_on_everything,
     eps_too_large,
+    lr_huge,
     lr_tiny,
     lr_zero,
     parameters_not_updated,
@@ -34,7 +35,7 @@ from lmforge.train.callbacks.doctor.rules_progress import (
     weight_decay_too_high,
 )
 from lmforge.train.callbacks.doctor.rules_resources import moe_routing, out_of_memory, rank_differences
-from lmforge.train.callbacks.doctor.rules_run import loss_flat
+from lmforge.train.callbacks.doctor.rules_run import loss_flat, no_steps, repeated_data, rollbacks
 from lmforge.train.callbacks.doctor.rules_stability import (
     clipping_most_steps,
     eps_too_small,
@@ -47,12 +48,14 @@ from lmforge.train.callbacks.doctor.rules_stability import (
 
 # The table: (rule, the article's / issue's row, what it reads). Order = order of the report.
 RULES: list[Rule] = [
+    Rule("no_steps", "the run did not train", "metrics.jsonl + train.log", no_steps),
     Rule("lr_zero", "loss not decreasing", "metrics lr", lr_zero),
     Rule("warmup_never_ends", "loss not decreasing", "config lr_scheduler + metrics lr", warmup_never_ends),
     Rule("schedule_ended", "loss not decreasing", "config lr_scheduler", schedule_ended),
     Rule("parameters_not_updated", "loss not decreasing", "doctor_facts.json", parameters_not_updated),
     Rule("decay_on_everything", "loss not decreasing", "doctor_facts.json", decay_on_everything),
     Rule("lr_tiny", "loss slower than expected", "metrics lr", lr_tiny),
+    Rule("lr_huge", "oscillation and spikes", "metrics lr", lr_huge),
     Rule("weight_decay_too_high", "loss slower than expected", "config optimizer", weight_decay_too_high),
     Rule("eps_too_large", "loss slower than expected", "config optimizer", eps_too_large),
     Rule("loss_diverges_or_spikes", "oscillation and spikes", "metrics loss", loss_diverges_or_spikes),
@@ -72,6 +75,8 @@ RULES: list[Rule] = [
         "moe_routing", "MoE routing collapse / imbalance", "monitor tokens_per_expert or metrics", moe_routing
     ),
     Rule("rank_differences", "differences between ranks", "monitor train_state local_loss", rank_differences),
+    Rule("repeated_data", "the data", "config data paths + doctor_facts.json + metrics", repeated_data),
+    Rule("rollbacks", "recovery", "metrics.jsonl rollback events", rollbacks),
     Rule("loss_flat", "loss not decreasing", "metrics loss", loss_flat),
 ]
 

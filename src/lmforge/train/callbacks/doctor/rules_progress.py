@@ -9,6 +9,7 @@ from lmforge.train.callbacks.doctor.evidence import RunEvidence
 from lmforge.train.callbacks.doctor.rule_base import (
     HIGH_WEIGHT_DECAY,
     LARGE_EPS,
+    LR_CEILING,
     MIN_STEPS,
     TINY_LR,
     WARMUP_UNREACHED,
@@ -26,6 +27,7 @@ from lmforge.train.callbacks.doctor.rule_base import (
     _schedule,
     _steps_configured,
     _warmup_steps,
+    healthy_lr,
 )
 
 
@@ -63,7 +65,11 @@ def warmup_never_ends(ev: RunEvidence) -> RuleResult:
     peak_seen = max((v for _, v in lrs), default=0.0)
     if warm == 0 or warm < end:
         return f"warm-up ({warm} steps) ends before the decay/training end (step {end})"
-    if lrs and peak_seen >= WARMUP_UNREACHED * base:
+    # The spec's troubleshooting case: a warm-up longer than decay_steps leaves the lr at lr_end from step
+    # decay_steps on, whatever it reached before; only a warm-up longer than the run itself is harmless
+    # once the lr got near its peak.
+    ends_early = decay is not None and int(decay) < steps
+    if lrs and peak_seen >= WARMUP_UNREACHED * base and not ends_early:
         return None
     lr_sched = ev.section("lr_scheduler")
     target = max(1, round(0.03 * end))
@@ -71,12 +77,18 @@ def warmup_never_ends(ev: RunEvidence) -> RuleResult:
         keys: dict[str, Any] = {"lr_scheduler.warmup_ratio": 0.03}
     else:
         keys = {"lr_scheduler.warmup_steps": target}
-    where = f"decay_steps {decay}" if decay is not None and decay < steps else f"training.steps {steps}"
+    where = f"decay_steps {decay}" if ends_early else f"training.steps {steps}"
+    at_end = [(s, v) for s, v in lrs if ends_early and s > int(decay)]
+    sits = (
+        f"; from step {int(decay)} on the lr sits at lr_end ({_fmt(at_end[-1][1])} over {len(at_end)} logged steps)"
+        if at_end
+        else ""
+    )
     return Finding(
         symptom="loss does not decrease (or barely)",
         evidence=(
             f"warm-up lasts {warm} steps, longer than {where}; the lr only reached "
-            f"{_fmt(peak_seen)} of lr_scheduler.learning_rate {_fmt(base)}; {_loss_text(ev)}"
+            f"{_fmt(peak_seen)} of lr_scheduler.learning_rate {_fmt(base)}{sits}; {_loss_text(ev)}"
         ),
         cause="warm-up longer than the decay / the run: the lr never leaves the bottom of its ramp",
         keys=keys,
@@ -88,8 +100,13 @@ def lr_tiny(ev: RunEvidence) -> RuleResult:
     if len(lrs) < MIN_STEPS or _opt_type(ev).lower() not in ("adamw", "adam", "lamb", "muon", "lion"):
         return None
     peak = max(v for _, v in lrs)
+    high = LR_CEILING
+    if peak > high:
+        return None  # far above the usual range: lr_huge names it
     if peak == 0 or peak >= TINY_LR:
-        return f"peak lr {_fmt(peak)} is in the usual range" if peak else None
+        return (
+            f"peak lr {_fmt(peak)} is in the usual range ({_fmt(TINY_LR)} .. {_fmt(high)})" if peak else None
+        )
     if _warmup_steps(ev) and peak < WARMUP_UNREACHED * (_base_lr(ev) or 0):
         return None  # the warm-up rule explains it
     return Finding(
@@ -97,6 +114,23 @@ def lr_tiny(ev: RunEvidence) -> RuleResult:
         evidence=f"the peak lr is {_fmt(peak)}; {_loss_text(ev)}",
         cause=f"learning rate too small for {_opt_type(ev)} (the article's range is 1e-4 .. 3e-4)",
         keys={"lr_scheduler.learning_rate": 3e-4},
+    )
+
+
+def lr_huge(ev: RunEvidence) -> RuleResult:
+    """A peak lr far above what any model of this optimizer trains at: it cannot be healthy."""
+    lrs = ev.series("lr")
+    if len(lrs) < MIN_STEPS or _opt_type(ev).lower() not in ("adamw", "adam", "lamb", "muon", "lion"):
+        return None
+    peak, high = max(v for _, v in lrs), LR_CEILING
+    if peak <= high:
+        return None  # lr_tiny reports the healthy range
+    return Finding(
+        symptom="learning rate far above the usual range",
+        evidence=f"the peak lr is {_fmt(peak)}, above {_fmt(high)} (the highest lr {_opt_type(ev)} trains at, "
+        f"toy models included); {_loss_text(ev)}",
+        cause="learning rate too high: each update overshoots; the loss spikes, diverges or goes NaN",
+        keys={"lr_scheduler.learning_rate": healthy_lr(_base_lr(ev) or peak)},
     )
 
 

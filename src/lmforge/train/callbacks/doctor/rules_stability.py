@@ -32,6 +32,7 @@ from lmforge.train.callbacks.doctor.rule_base import (
     _opt_type,
     _steps_configured,
     _warmup_steps,
+    healthy_lr,
 )
 
 
@@ -94,7 +95,7 @@ def nonfinite_values(ev: RunEvidence) -> RuleResult:
     if eps is not None and dtype in ("bfloat16", "float16") and eps < SMALL_EPS_16BIT:
         return None  # eps_too_small names it
     base = _base_lr(ev)
-    keys: dict[str, Any] = {"lr_scheduler.learning_rate": base / 10} if base else {}
+    keys: dict[str, Any] = {"lr_scheduler.learning_rate": healthy_lr(base)} if base else {}
     if _max_norm(ev) is None and ev.config:
         keys["training.max_norm"] = 1.0
     return Finding(
@@ -123,7 +124,7 @@ def loss_diverges_or_spikes(ev: RunEvidence) -> RuleResult:
     base = _base_lr(ev)
     keys: dict[str, Any] = {}
     if base:
-        keys["lr_scheduler.learning_rate"] = base / 10
+        keys["lr_scheduler.learning_rate"] = healthy_lr(base)
     if warm < max(1, (_steps_configured(ev) or len(losses)) // 100):
         keys["lr_scheduler.warmup_steps"] = max(1, round(0.03 * (_steps_configured(ev) or len(losses))))
     evidence = []
@@ -159,7 +160,7 @@ def clipping_most_steps(ev: RunEvidence) -> RuleResult:
         evidence=f"grad norm above training.max_norm {_fmt(max_norm)} on {clipped}/{len(norms)} recent steps, "
         f"median {_fmt(med)}",
         cause="learning rate too high: updates keep the gradients large, so clipping rescales almost every step",
-        keys={"lr_scheduler.learning_rate": base / 10} if base else {},
+        keys={"lr_scheduler.learning_rate": healthy_lr(base)} if base else {},
     )
 
 
@@ -190,7 +191,7 @@ def grad_norm_spikes(ev: RunEvidence) -> RuleResult:
         keys["training.max_norm"] = 1.0
     base = _base_lr(ev)
     if base:
-        keys["lr_scheduler.learning_rate"] = base / 2
+        keys["lr_scheduler.learning_rate"] = healthy_lr(base, 0.5)
     s, v, before = spikes[0]
     return Finding(
         symptom="grad-norm spikes",
