@@ -47,7 +47,8 @@ def test_lr_10_gets_a_fix_in_the_healthy_range_and_no_healthy_sign(tmp_path):
         if "lr_scheduler.learning_rate" in f.keys
     ]
     assert suggested and all(0 < lr <= SUGGESTED_LR_MAX for lr in suggested)  # never "lr 1"
-    assert not any(c.startswith("lr_tiny") for c in diagnosis.checked)  # "peak lr 10 is in the usual range": no
+    # "peak lr 10 is in the usual range" is no healthy sign
+    assert not any(c.startswith("lr_tiny") for c in diagnosis.checked)
 
 
 def test_a_healthy_lr_is_still_a_healthy_sign(tmp_path):
