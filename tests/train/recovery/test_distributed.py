@@ -56,20 +56,36 @@ def layout_config(tmp_path: Path, parallelism: dict, **model) -> str:
     return cfg
 
 
+MOE = {
+    "model_type": "qwen3_moe",
+    "architectures": "Qwen3MoeForCausalLM",
+    "moe_intermediate_size": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "parallelism,port",
-    [({}, 29631), ({"tensor_parallel": 2}, 29633)],
-    ids=["fsdp2", "tp2"],
+    "parallelism,model,port",
+    [
+        ({}, {}, 29631),
+        ({"tensor_parallel": 2}, {}, 29633),
+        ({"pipeline_parallel": 2}, {}, 29635),
+        ({"expert_parallel": 2}, MOE, 29637),
+    ],
+    ids=["fsdp2", "tp2", "pp2", "ep2"],
 )
-def test_two_ranks_roll_back_together_and_end_where_the_undamaged_run_ends(tmp_path, parallelism, port):
+def test_two_ranks_roll_back_together_and_end_where_the_undamaged_run_ends(
+    tmp_path, parallelism, model, port
+):
     straight_dir, damaged_dir = tmp_path / "straight", tmp_path / "damaged"
     straight_dir.mkdir()
     damaged_dir.mkdir()
-    r = torchrun(2, layout_config(straight_dir, parallelism), port=port)
+    r = torchrun(2, layout_config(straight_dir, parallelism, **model), port=port)
     assert r.returncode == 0, r.stderr[-3000:]
-    cfg = layout_config(damaged_dir, parallelism)
+    cfg = layout_config(damaged_dir, parallelism, **model)
     fault = "callbacks=[{type: faults.DamageNorm, step: 4}]"
     recovery = ["recovery.enable=true", "recovery.data=replay"]
     r = torchrun(2, cfg, fault, *recovery, port=port + 1)

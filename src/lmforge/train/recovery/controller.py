@@ -154,9 +154,11 @@ class Recovery:
         load_checkpoint(header, trainer.checkpointable(), no_load_optim=False, hf_loader=trainer.hf_loader)
         restored_consumed = int(state.consumed_samples)
         if skip:
-            if detected_position is not None:
-                loader.load_state_dict(detected_position)
             state.consumed_samples = detected_consumed
+        if detected_position is not None and hasattr(loader, "load_state_dict"):
+            loader.load_state_dict(detected_position)
+        elif not hasattr(loader, "load_state_dict"):  # a loader without a position to restore: a new one
+            trainer.dataloader = trainer.dataloader_factory(int(state.consumed_samples))
         trainer.after_restore()
         self.rollbacks += 1
         self.detector.forget_after(to_step)
