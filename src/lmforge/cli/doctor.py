@@ -23,7 +23,8 @@ def register(subparsers: Any) -> None:
         description=(
             "Diagnose a run: reads RUN_DIR/metrics.jsonl, train.log, config.yaml, doctor_facts.json, monitor/ "
             "and the latest checkpoint's metadata; prints each problem found with its evidence, likely cause "
-            "and the YAML keys to change, or the healthy signs checked."
+            "and the YAML keys to change, or the healthy signs checked. Exit 0; 1 when the run never completed "
+            "a step; 2 when RUN_DIR holds no run."
         ),
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir")
