@@ -74,8 +74,9 @@ MOE = {
         ({"tensor_parallel": 2}, {}, 29633),
         ({"pipeline_parallel": 2}, {}, 29635),
         ({"expert_parallel": 2}, MOE, 29637),
+        ({"context_parallel": 2}, {}, 29639),
     ],
-    ids=["fsdp2", "tp2", "pp2", "ep2"],
+    ids=["fsdp2", "tp2", "pp2", "ep2", "cp2"],
 )
 def test_two_ranks_roll_back_together_and_end_where_the_undamaged_run_ends(
     tmp_path, parallelism, model, port
