@@ -63,6 +63,7 @@ def test_what_recovery_needs_is_checked_before_anything_is_built(tmp_path, check
     check_recovery(tiny_config(tmp_path, checkpoint=checkpoint))  # recovery off: fine
 
 
+@pytest.mark.slow
 def test_check_prints_the_section_and_refuses_a_bad_one(tmp_path, capsys):
     raw = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     raw["recovery"] = {"enable": True, "data": "replay"}

@@ -15,6 +15,8 @@ from ..tiny import TinyLoader
 STEPS = 8
 DAMAGE_AT = 4  # the weights after update 4 are damaged (and saved so: the checkpoint of step 4 is bad)
 
+pytestmark = pytest.mark.slow  # each trains the tiny model several times (docs/architecture.md, Testing)
+
 
 class DamageWeights(TrainerCallback):
     """Test-only fault: multiplies the output layer's weights by 100 after update ``step``, ``times`` times."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from lmforge.cli import main
@@ -20,6 +21,8 @@ LORA = {
     "lora_rank": 4,
     "lora_alpha": 8,
 }
+
+pytestmark = pytest.mark.slow  # each trains the tiny model several times (docs/architecture.md, Testing)
 
 
 def lora_config(tmp_path: Path) -> str:

@@ -10,6 +10,8 @@ from lmforge.train.step import TrainingStopped
 
 from .test_exactness import STEPS, DamageWeights, assert_bitwise, run, timeline, weights
 
+pytestmark = pytest.mark.slow  # each trains the tiny model several times (docs/architecture.md, Testing)
+
 
 class PoisonSteps(TrainerCallback):
     """The model's loss is NaN at steps ``first .. first + count - 1``, the first time they run."""

@@ -3,11 +3,15 @@ finding of `lmforge doctor` (from a real rollback of the tiny run)."""
 
 from __future__ import annotations
 
+import pytest
+
 from lmforge.cli import main
 from lmforge.train.callbacks.doctor import diagnose, read_run_dir
 from lmforge.train.callbacks.trackers import TrackerCallback
 
 from .test_exactness import DAMAGE_AT, DamageWeights, run
+
+pytestmark = pytest.mark.slow  # each trains the tiny model several times (docs/architecture.md, Testing)
 
 
 class RecordingTracker(TrackerCallback):
