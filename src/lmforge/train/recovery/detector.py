@@ -16,6 +16,9 @@ from lmforge.train.callbacks.doctor.rules import LOSS_RISE, SPIKE_FACTOR
 
 SPIKE_WINDOW = 10  # the doctor's spike rule: the median of the 10 steps before
 SPIKE_MIN_HISTORY = 3  # the doctor judges a spike from the 4th finite loss on
+# A divergence is sustained: the median of this many recent losses (the current one included) is above
+# LOSS_RISE x the first loss, so one hard batch of a low-loss fine-tuning run does not roll it back.
+DIVERGENCE_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -48,13 +51,16 @@ class AnomalyDetector:
         spike = self._spike(step, loss)
         if spike is not None:
             return spike
-        if self.first_loss is not None and loss > LOSS_RISE * self.first_loss:
-            best_step = min(self.history, key=lambda sv: sv[1])[0] if self.history else step
+        recent = [v for _, v in self.history[-(DIVERGENCE_STEPS - 1) :]] + [loss]
+        if (
+            self.first_loss is not None
+            and len(recent) == DIVERGENCE_STEPS
+            and median(recent) > LOSS_RISE * self.first_loss
+        ):
+            best_step, best = min(self.history, key=lambda sv: sv[1])
             return Anomaly(
-                f"divergence: loss {loss:.4g} at step {step} > {LOSS_RISE:g} x the run's first loss "
-                f"{self.first_loss:.4g} (lowest loss {min(v for _, v in self.history):.4g} at step {best_step})"
-                if self.history
-                else f"divergence: loss {loss:.4g} at step {step}",
+                f"divergence: the median loss of steps {step - DIVERGENCE_STEPS + 1}..{step} ({median(recent):.4g}) > "
+                f"{LOSS_RISE:g} x the run's first loss {self.first_loss:.4g} (lowest loss {best:.4g} at step {best_step})",
                 best_step + 1,
             )
         if self.first_loss is None:
