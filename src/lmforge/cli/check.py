@@ -16,7 +16,6 @@ from lmforge.cli.options import add_set_option
 from lmforge.config import read_raw
 from lmforge.config.load import apply_overrides, split_key, validate_config
 from lmforge.config.outputs import output_locations, with_output_dir
-from lmforge.data.files import missing_data_files
 from lmforge.errors import ConfigError
 
 
@@ -166,6 +165,7 @@ def _parallel_plan_lines(cfg: Any, world: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lmforge.data.files import missing_data_files  # lmforge.data imports torch: only when checking
     from lmforge.train.preflight import preflight
 
     world = _world_size(args)

@@ -19,9 +19,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `lmforge --help` must not pay for it
+    import torch
 
 from lmforge.cli.options import add_set_option
 
@@ -83,6 +84,8 @@ def _load_model(
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from lmforge.config import load_config
     from lmforge.errors import ConfigError
 
@@ -120,6 +123,8 @@ RESULTS_FILE = "lm_eval_results.json"
 
 
 def _run_tasks(args: argparse.Namespace) -> int:
+    import torch
+
     from lmforge.config import load_config
     from lmforge.data.tokenizer import find_eod_id, load_tokenizer
     from lmforge.errors import CheckpointError, ConfigError, DataError

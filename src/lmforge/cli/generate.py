@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -47,6 +45,8 @@ def _positive(value: int, flag: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch  # here, not at the top: `lmforge --help` must not import it
+
     from lmforge.config import load_config
     from lmforge.data.tokenizer import find_eod_id, load_tokenizer
     from lmforge.errors import CheckpointError, ConfigError, DataError
