@@ -79,7 +79,10 @@ def output_locations(cfg: Any) -> list[tuple[str, str]]:
     if cfg.profiler.enable_profiling:
         rows.append(("profiler traces", cfg.profiler.output_path or os.path.join(run, "profile")))
     if cfg.monitor.wandb.enable:
-        rows.append(("W&B run files (monitor.wandb)", os.path.join(cfg.monitor.wandb.dir or run, "wandb")))
+        wandb_dir = (
+            cfg.monitor.wandb.dir or os.environ.get("WANDB_DIR") or run
+        )  # the YAML wins over the variable
+        rows.append(("W&B run files (monitor.wandb)", os.path.join(wandb_dir, "wandb")))
     if cfg.monitor.mlflow.enable:
         default = f"sqlite:///{os.path.join(run, 'mlflow.db')} (+ mlartifacts/)"
         uri = cfg.monitor.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default
