@@ -16,7 +16,7 @@ from lmforge.cli.check_problems import find_problems, raise_problems
 from lmforge.cli.options import add_set_option
 from lmforge.config import read_raw
 from lmforge.config.load import apply_overrides, split_key
-from lmforge.config.outputs import output_locations, with_output_dir
+from lmforge.config.outputs import follow_output_dir_override, output_locations, with_output_dir
 from lmforge.errors import ConfigError
 
 
@@ -175,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
 
     def plan_checks(cfg: Any) -> Any:
         # Exactly what `lmforge train` runs before building anything.
+        cfg = follow_output_dir_override(cfg, file_raw, args.overrides)
         if args.output_dir is not None:
             cfg = with_output_dir(cfg, args.output_dir)
         return cfg, preflight(cfg, world, args.device)
