@@ -194,8 +194,14 @@ def _build_text_dataloader(
 
     # The keys were checked at load; this reads the tokenizer and checks that every source exists.
     settings = parse_text_loader(typed.loader, seq_length=seq_length, vocab_size=vocab_size)
+    if phase == "valid" and (settings.valid_paths or settings.validation_split):
+        from .text_validation import TextValidationLoader
+
+        return TextValidationLoader(
+            settings, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size
+        )
     if phase != "train":
-        return None  # one stream: the text loader has no valid/test split
+        return None  # no validation set named (valid_data_path / validation_split), no test split
     workers = min(workers, os.cpu_count() or 1)
     return TextDataLoader(
         settings,

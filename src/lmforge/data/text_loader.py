@@ -63,14 +63,26 @@ _KEYS = {
     "eod_mask_loss",
     "eod_pad_length",
     "shuffle",
+    "valid_data_path",
+    "validation_split",
     "python_multiprocessing",  # declared by the typed section; workers are always processes here
 }
+# Multiplicative (Fibonacci) hashing of the document index: the held-out documents are spread evenly
+# through each source, the same on every rank and run, without knowing how long the source is.
+_GOLDEN = 2654435761
+
+
+def held_out(index: int, fraction: float) -> bool:
+    """Whether document ``index`` of a source belongs to the validation share ``fraction`` of it."""
+    return ((index * _GOLDEN) % 2**32) < fraction * 2**32
 
 
 @dataclass(frozen=True)
 class TextLoaderSettings:
     paths: list[str]
     weights: list[float]
+    valid_paths: list[str]  # valid_data_path: the validation set's own sources
+    validation_split: float  # the share of data_path's documents held out for validation (0: none)
     tokenizer: str
     seq_length: int
     columns: list[str]
@@ -106,6 +118,7 @@ def check_text_loader(loader: dict[str, Any]) -> dict[str, Any]:
             "pairs ['0.7', 'a.jsonl.gz', '0.3', 'b.parquet']."
         )
     blend = parse_blend(loader["data_path"], f"{KEY}.data_path")
+    valid = _check_validation_keys(loader)
     tokenizer = loader.get("tokenizer")
     if isinstance(tokenizer, dict):
         tokenizer = tokenizer.get("tokenizer_file") or tokenizer.get("path") or tokenizer.get("vocab_file")
@@ -153,12 +166,41 @@ def check_text_loader(loader: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{KEY}.{name} must be a token id (an integer >= 0); got {value!r}.")
     return {
         "blend": blend,
+        "valid": valid,
         "tokenizer": tokenizer,
         "columns": columns,
         "pack": pack,
         "template": template,
         "eod_pad_length": pad_length,
     }
+
+
+def _check_validation_keys(loader: dict[str, Any]) -> tuple[list[str], float]:
+    """``valid_data_path`` (the validation set's own files) or ``validation_split`` (a share of
+    ``data_path``'s documents held out of training), at most one of them."""
+    paths, split = loader.get("valid_data_path"), loader.get("validation_split")
+    if paths is not None and split is not None:
+        raise ConfigError(
+            f"{KEY}.valid_data_path and {KEY}.validation_split are both set; give the validation set its "
+            "own files (valid_data_path) or hold a share of data_path out for it (validation_split), not both."
+        )
+    if split is not None and (
+        isinstance(split, bool) or not isinstance(split, (int, float)) or not 0 < split < 1
+    ):
+        raise ConfigError(
+            f"{KEY}.validation_split must be a fraction between 0 and 1 (e.g. 0.05: one document in 20 of "
+            f"data_path is held out of training for validation); got {split!r}."
+        )
+    if paths is None:
+        return [], float(split or 0.0)
+    if isinstance(paths, str):
+        paths = [paths]
+    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
+        raise ConfigError(
+            f"{KEY}.valid_data_path must be a list of files / globs / save_to_disk directories (the validation "
+            f"set, read in full at every evaluation); got {paths!r}."
+        )
+    return list(paths), 0.0
 
 
 def text_seq_length(loader: dict[str, Any], seq_length: int | None) -> int:
@@ -211,9 +253,14 @@ def parse_text_loader(
     )
     for path in blend.prefixes:
         TextSource(path, f"{KEY}.data_path")  # the files exist and have a known format
+    valid_paths, validation_split = parsed["valid"]
+    for path in valid_paths:
+        TextSource(path, f"{KEY}.valid_data_path")
     return TextLoaderSettings(
         paths=blend.prefixes,
         weights=blend.weights or [1.0 / len(blend.prefixes)] * len(blend.prefixes),
+        valid_paths=valid_paths,
+        validation_split=validation_split,
         tokenizer=os.fspath(tokenizer),
         seq_length=seq,
         columns=list(columns),
@@ -236,15 +283,19 @@ class _SourceStream:
         pool: Any,
         local: RowFormatter | None,
         ahead: int,
+        held_out_share: float = 0.0,
     ):
         self.source, self.dp_rank, self.dp_size = source, dp_rank, dp_size
         self.pool, self.local, self.ahead = pool, local, ahead
+        self.held_out_share = held_out_share  # validation_split: these documents are never trained on
 
     def _chunks(self, start: int) -> Iterator[list[tuple[int, dict[str, Any]]]]:
         first = start + (self.dp_rank - start) % self.dp_size
         chunk: list[tuple[int, dict[str, Any]]] = []
         for index, row in self.source.rows(first):
             if index % self.dp_size != self.dp_rank:
+                continue
+            if self.held_out_share and held_out(index, self.held_out_share):
                 continue
             chunk.append((index, row))
             if len(chunk) == CHUNK_DOCUMENTS:
@@ -333,7 +384,9 @@ class TextDataLoader:
         ahead = max(2 * self.num_workers, 2)
         self._packers = [
             Packer(
-                _SourceStream(src, self.dp_rank, self.dp_size, self._pool, local, ahead),
+                _SourceStream(
+                    src, self.dp_rank, self.dp_size, self._pool, local, ahead, self.s.validation_split
+                ),
                 self.s.seq_length,
                 strategy=self.s.pack,
                 pad=self.s.pad,

@@ -184,6 +184,10 @@ class Trainer:
             )
             self.callbacks.add(CheckpointCallback(manager, int(ck.get("save_interleaved_steps", 1000))))
 
+    @property
+    def checkpoint_manager(self) -> CheckpointManager | None:
+        return self._checkpoint_manager
+
     def checkpointable(self) -> Checkpointable:
         return Checkpointable(self.model, self.optimizer, self.scheduler, self.dataloader, self.state)
 
@@ -563,7 +567,7 @@ class Trainer:
             step, seconds = self.final_save
             out["final checkpoint save"] = f"step {step}, {seconds:.2f} s"
 
-        for key in ("log", "curves"):
+        for key in ("log", "curves", "best validation"):
             if key in self.artifacts:
                 out[key] = self.artifacts[key]
         return out

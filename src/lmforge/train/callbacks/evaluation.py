@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from typing import Any
 
@@ -74,3 +76,72 @@ class EvaluationCallback(TrainerCallback):
         metrics = kwargs.get("metrics")
         if isinstance(metrics, dict):
             metrics.update(result.as_metrics())
+
+
+BEST_FILE = "best_validation.json"
+
+
+class BestValidationCallback(TrainerCallback):
+    """The best validation loss so far, and its checkpoint, as the Hugging Face Trainer's
+    ``best_metric`` / ``best_model_checkpoint``: written to ``<output_dir>/best_validation.json`` at each
+    new best, shown in the summary, and that checkpoint is never removed by ``checkpoint.save_max``
+    rotation. A best step gets a checkpoint only when one is saved at it (``save_interleaved_steps`` a
+    multiple of ``eval_interval``, or the end of the run)."""
+
+    order = 82  # after EvaluationCallback (25) put val_loss in the metrics and CheckpointCallback (80) saved
+
+    def __init__(self, output_dir: Any) -> None:
+        from pathlib import Path
+
+        self.path = Path(output_dir) / BEST_FILE
+        self.best: dict[str, Any] | None = None
+
+    def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        metrics = kwargs.get("metrics") or {}
+        loss = metrics.get("val_loss")
+        step = int(state.global_step)
+        if (
+            isinstance(loss, float)
+            and math.isfinite(loss)
+            and (self.best is None or loss < self.best["val_loss"])
+        ):
+            self.best = {
+                "step": step,
+                "val_loss": loss,
+                "val_ppl": metrics.get("val_ppl"),
+                "checkpoint": None,
+            }
+            if "checkpoint_save_s" in metrics:  # saved at this very step
+                self._keep(kwargs.get("trainer"), step)
+            self._write(kwargs.get("trainer"))
+
+    def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        trainer = kwargs.get("trainer")
+        if self.best is None:
+            return
+        final = getattr(trainer, "final_save", None)
+        if self.best["checkpoint"] is None and final is not None and final[0] == self.best["step"]:
+            self._keep(trainer, self.best["step"])
+            self._write(trainer)
+        where = self.best["checkpoint"] or "no checkpoint was saved at that step"
+        if trainer is not None:
+            trainer.artifacts["best validation"] = (
+                f"val_loss {self.best['val_loss']:.6f} at step {self.best['step']} ({where})"
+            )
+
+    def _keep(self, trainer: Any, step: int) -> None:
+        manager = getattr(trainer, "checkpoint_manager", None)
+        if manager is None:
+            return
+        from lmforge.train.checkpoint import iteration_dir_name
+
+        manager.keep = manager.save_path / iteration_dir_name(step)
+        self.best["checkpoint"] = str(manager.keep)
+
+    def _write(self, trainer: Any) -> None:
+        if getattr(getattr(trainer, "ctx", None), "rank", 0) != 0:
+            return
+        from lmforge.utils.atomic import write_text_atomic
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.path, json.dumps(self.best, indent=2) + "\n")

@@ -15,7 +15,7 @@ from typing import Any
 from lmforge.config.load import as_section
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.callbacks.doctor.live import doctor_callback
-from lmforge.train.callbacks.evaluation import EvaluationCallback
+from lmforge.train.callbacks.evaluation import BestValidationCallback, EvaluationCallback
 from lmforge.train.callbacks.max_logits import MaxLogitsMonitor
 from lmforge.train.callbacks.monitor import MemoryCallback, MoeMonitorCallback, TrainStateMonitorCallback
 from lmforge.train.callbacks.monitor_hooks import norm_filters
@@ -58,7 +58,7 @@ def observability_callbacks(
         callbacks.append(ProfilerCallback(profiler, output_dir, rank))
     evaluation = EvaluationCallback.from_config(config)
     if evaluation is not None:
-        callbacks.append(evaluation)
+        callbacks += [evaluation, BestValidationCallback(output_dir)]
     callbacks.extend(tracker_callbacks(monitor, output_dir))
     listed = [as_section("callbacks", c).type for c in (_get(config, "callbacks") or [])]
     if getattr(model, "track_max_logits", False) and "MaxLogitsMonitor" not in listed:

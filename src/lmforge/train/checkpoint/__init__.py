@@ -251,6 +251,7 @@ class CheckpointManager:
         self.rank = dist.get_rank() if _distributed() else 0
         self.world_size = dist.get_world_size() if _distributed() else 1
         self.saved_this_run: list[Path] = []
+        self.keep: Path | None = None  # the best validation checkpoint: never rotated away
         # Set by the trainer for a LoRA run (train/checkpoint/lora.py): where the frozen base came from.
         # With it, checkpoints hold the adapters, buffers and optimizer state only, not the base.
         self.lora_base: dict[str, Any] | None = None
@@ -418,7 +419,13 @@ class CheckpointManager:
         if self.save_max < 1:
             return
         while len(self.saved_this_run) > self.save_max:
-            oldest = self.saved_this_run.pop(0)
+            # The oldest, unless it is the best validation checkpoint (kept beside save_max others).
+            if self.saved_this_run[0] == self.keep:
+                if len(self.saved_this_run) <= self.save_max + 1:
+                    break
+                oldest = self.saved_this_run.pop(1)
+            else:
+                oldest = self.saved_this_run.pop(0)
             logger.info(
                 "The current number of weights is: %d, more than 'keep_checkpoint_max': %d. "
                 "So, the oldest directory: '%s' will be removed!",
