@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,39 @@ def _lmforge(tmp_path: Path, command: str, config: dict) -> subprocess.Completed
         timeout=600,
         cwd=tmp_path,
     )
+
+
+def _train_on_a_terminal(tmp_path: Path, config: dict) -> tuple[int, str]:
+    """`lmforge train` with its standard error on a pseudo-terminal, as a person runs it."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "COLUMNS": "120"}
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a fresh pty is 0x0
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmforge", "train", "--config", str(path)],
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        cwd=tmp_path,
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    return proc.wait(timeout=600), b"".join(chunks).decode(errors="replace")
 
 
 def test_held_out_documents_are_never_trained_on(tmp_path):
@@ -166,8 +200,8 @@ def test_check_refuses_an_eval_interval_without_a_validation_set(tmp_path):
 def test_sft_run_validates_and_keeps_the_best_checkpoint(tmp_path):
     raw = _config(tmp_path, validation_split=0.1)
     raw["eval_interval"] = 2
-    proc = _lmforge(tmp_path, "train", raw)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    status, terminal = _train_on_a_terminal(tmp_path, raw)
+    assert status == 0, terminal[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evaluated = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
     assert sorted(evaluated) == [2, 4, 6]
@@ -177,7 +211,13 @@ def test_sft_run_validates_and_keeps_the_best_checkpoint(tmp_path):
     assert Path(best["checkpoint"]).name == f"iteration_{best_step:08d}"
     assert Path(best["checkpoint"]).is_dir()  # kept, although save_max is 1
     assert (tmp_path / "ckpt" / "iteration_00000006").is_dir()
-    assert "best validation" in proc.stderr + proc.stdout
+    assert f"best validation     : val_loss {evaluated[best_step]:.6f} at step {best_step}" in terminal
+    # Progress a person can read: the epoch, elapsed time and ETA on each line, a live bar, no 0.00T.
+    step_lines = [line for line in terminal.splitlines() if "INFO step: [" in line]
+    assert len(step_lines) == 6
+    assert all(re.search(r"epoch: 1 \| elapsed: \d+:\d\d:\d\d \| eta: \d+:\d\d:\d\d", s) for s in step_lines)
+    assert "throughput:   0.00T" not in terminal
+    assert re.search(r"training: +100%.*6/6", terminal), terminal[-2000:]
 
 
 def test_rotation_keeps_the_best_checkpoint(tmp_path):

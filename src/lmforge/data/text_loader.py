@@ -426,6 +426,12 @@ class TextDataLoader:
         self.consumed_samples += self.local_batch_size * self.dp_size
         return collate({c: np.stack([r[c] for r in rows]) for c in self.s.columns})
 
+    @property
+    def epoch(self) -> int:
+        """The pass over the data this rank is in, 1-based (with several sources: the one furthest
+        behind; every source has been read completely ``epoch - 1`` times)."""
+        return min(p.epoch for p in self.positions) + 1
+
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from lmforge.train.callbacks.base import TrainerCallback
+from lmforge.train.callbacks.logging import readable_number
 from lmforge.train.callbacks.validation import EvalResult, build_eval_loader, eval_settings, evaluate
 from lmforge.utils.logging import get_logger
 
@@ -65,10 +66,10 @@ class EvaluationCallback(TrainerCallback):
         result = self.run(model, kwargs)
         self.history.append((step, result))
         log.info(
-            "validation: step %d, val_loss: %.6f, val_ppl: %.4f, tokens: %d, batches: %d, time: %.1fs",
+            "validation: step %d, val_loss: %.6f, val_ppl: %s, tokens: %d, batches: %d, time: %.1fs",
             step,
             result.loss,
-            result.perplexity,
+            readable_number(result.perplexity),
             result.tokens,
             result.batches,
             time.perf_counter() - start,

@@ -20,6 +20,7 @@ from lmforge.train.callbacks.max_logits import MaxLogitsMonitor
 from lmforge.train.callbacks.monitor import MemoryCallback, MoeMonitorCallback, TrainStateMonitorCallback
 from lmforge.train.callbacks.monitor_hooks import norm_filters
 from lmforge.train.callbacks.profiler import ProfilerCallback
+from lmforge.train.callbacks.progress import ProgressBarCallback
 from lmforge.train.callbacks.tensorboard import TensorBoardCallback
 from lmforge.train.callbacks.trackers import tracker_callbacks
 
@@ -38,6 +39,7 @@ def observability_callbacks(
 ) -> list[TrainerCallback]:
     monitor = as_section("monitor", _get(config, "monitor"))
     callbacks: list[TrainerCallback] = [
+        ProgressBarCallback(),  # on a terminal only
         MemoryCallback(device),
         TensorBoardCallback(monitor.tensorboard, output_dir),
     ]
