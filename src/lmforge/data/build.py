@@ -137,6 +137,7 @@ def build_dataloader(
             seq_length,
             consumed_samples,
             workers,
+            seed,
         )
     dataset = _megatron_dataset(typed, phase, vocab_size)
     if dataset is None:
@@ -189,6 +190,7 @@ def _build_text_dataloader(
     seq_length: int | None,
     consumed_samples: int,
     workers: int,
+    seed: int = 0,
 ) -> Any:
     from .text_loader import TextDataLoader, parse_text_loader
 
@@ -210,6 +212,7 @@ def _build_text_dataloader(
         dp_size=dp_size,
         num_workers=workers if workers > 1 else 0,
         consumed_samples=consumed_samples,
+        seed=seed,
     )
 
 
