@@ -72,3 +72,16 @@ def test_downstream_eval_outside_a_git_repository_prints_no_git_error(tmp_path, 
     evaluate_tasks(model, tok, [str(task)], eot_id=0, max_length=16, limit=1)
     captured = capfd.readouterr()
     assert "not a git repository" not in captured.err + captured.out
+
+
+def test_bias_exclusion_on_a_model_without_biases_is_quiet_but_a_typo_is_not(tmp_path, base_config):
+    import yaml
+
+    base_config["optimizer"] = {"type": "AdamW", "weight_decay_exclude": ["*norm*", "*bias*", "*nrom*"]}
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(base_config))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["check", "--config", str(path)]) == 0
+    assert "'*nrom*' matches no parameter" in out.getvalue()
+    assert "'*bias*' matches no parameter" not in out.getvalue()
