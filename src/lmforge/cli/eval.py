@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_tasks(args)
     if not args.config:
         raise ConfigError("lmforge eval needs --config FILE (the run's train.yaml) for the validation loss.")
+    from lmforge.train.callbacks.logging import readable_number
     from lmforge.train.callbacks.validation import build_eval_loader, eval_settings, evaluate
 
     config = load_config(args.config, args.overrides)
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(
-            f"checkpoint: {args.checkpoint}\nval_loss: {result.loss:.6f}\nval_ppl: {result.perplexity:.4f}\n"
+            f"checkpoint: {args.checkpoint}\nval_loss: {result.loss:.6f}\nval_ppl: {readable_number(result.perplexity)}\n"
             f"tokens: {result.tokens}\nbatches: {result.batches}",
             file=sys.stdout,
         )
