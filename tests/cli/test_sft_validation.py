@@ -231,3 +231,20 @@ def test_rotation_keeps_the_best_checkpoint(tmp_path):
     manager.saved_this_run = list(dirs)
     manager._rotate()
     assert [d.is_dir() for d in dirs] == [True, False, True]
+
+
+def test_hf_data_loader_holds_out_a_validation_share_too(tmp_path):
+    raw = _config(tmp_path)
+    loader = raw["train_dataset"]["dataloader"]
+    raw["train_dataset"]["dataloader"] = {
+        "type": "HFDataLoader",
+        "load_func": "load_dataset",
+        "path": "json",
+        "data_files": loader["data_path"][0],
+        "tokenizer": {"tokenizer_file": loader["tokenizer"]},
+        "seq_length": 32,
+        "validation_split": 0.1,
+    }
+    raw["eval_interval"] = 2
+    batches = list(build_eval_loader(load_config(raw)))
+    assert batches and sum(float(b["loss_mask"].sum()) for b in batches) > 0

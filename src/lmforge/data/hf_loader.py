@@ -101,6 +101,9 @@ def translate_hf_loader(loader: dict[str, Any]) -> dict[str, Any]:
             "prompt_key",
             "response_key",
             "chat_template",
+            "shuffle_buffer",
+            "valid_data_path",  # lmforge's validation set keys, as for TextDataLoader
+            "validation_split",
         ):
             out[key] = value
         else:
@@ -109,7 +112,8 @@ def translate_hf_loader(loader: dict[str, Any]) -> dict[str, Any]:
         verb = "has" if len(unsupported) == 1 else "have"
         raise ConfigError(
             f"{', '.join(f'{KEY}.{k}' for k in unsupported)} of HFDataLoader {verb} no equivalent in lmforge. "
-            "Supported HFDataLoader keys: load_func, path, data_files, streaming, split, shuffle, "
+            "Supported HFDataLoader keys: load_func, path, data_files, streaming, split, shuffle, shuffle_buffer, "
+            "valid_data_path, validation_split, "
             "create_attention_mask, create_compressed_eod_mask, compressed_eod_mask_length, use_broadcast_data, "
             "tokenizer, seq_length, handler; or write the section as type: TextDataLoader (docs/data.md)."
         )
