@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from lmforge.config import load_config
+from lmforge.config import dump_yaml, load_config
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks.validation import build_eval_loader
 
@@ -183,6 +183,11 @@ def test_eval_dataset_inherits_the_training_loaders_preprocessing(tmp_path):
     row = json.loads((tmp_path / "val.jsonl").read_text().splitlines()[0])
     ((_, _, mask),) = RowFormatter(load_tokenizer(train.tokenizer), train.format).encode_rows([(0, row)], "x")
     assert sum(float(b["loss_mask"].sum()) for b in batches) == 5 * int(mask.sum())
+    # The resolved config (as a checkpoint's config.yaml holds it) loads again to the same sections.
+    again = load_config(yaml.safe_load(dump_yaml(cfg)))
+    reloaded = dict(again.eval_dataset.dataloader.typed.loader)
+    assert reloaded.pop("shuffle") is False and reloaded.pop("python_multiprocessing") is False  # defaults
+    assert reloaded == typed
     raw["eval_dataset"]["dataloader"]["seq_length"] = 0
     with pytest.raises(ConfigError, match=r"eval_dataset\.dataloader\.seq_length"):
         load_config(raw)

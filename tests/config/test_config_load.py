@@ -150,7 +150,9 @@ def test_renamed_keys_of_older_versions_point_to_the_new_name(base_config: dict[
 def test_eval_dataset_is_typed_like_train_dataset(base_config: dict[str, Any]) -> None:
     # No longer passed through: a section shaped wrongly is refused at load, naming its keys (issue 31).
     base_config["eval_dataset"] = {"anything": [1, 2]}
-    with pytest.raises(ConfigError, match=r"eval_dataset\.dataloader: Field required.*eval_dataset\.anything"):
+    with pytest.raises(
+        ConfigError, match=r"eval_dataset\.dataloader: Field required.*eval_dataset\.anything"
+    ):
         load_config(base_config)
 
 

@@ -34,7 +34,12 @@ def inherit_eval_dataset(eval_section: Any, train_section: Any) -> Any:
             "train_dataset.dataloader.validation_split (so that training leaves it out); eval_dataset names "
             "its own files with data_path"
         )
-    if "data_path" in loader and "valid_data_path" in loader:
+    # Both, equal: a resolved config written back (checkpoint config.yaml) that is read again.
+    if (
+        "data_path" in loader
+        and "valid_data_path" in loader
+        and loader["data_path"] != loader["valid_data_path"]
+    ):
         raise ValueError(
             "eval_dataset.dataloader names its files twice (data_path and valid_data_path); keep one"
         )
