@@ -253,3 +253,22 @@ def test_hf_data_loader_holds_out_a_validation_share_too(tmp_path):
     raw["eval_interval"] = 2
     batches = list(build_eval_loader(load_config(raw)))
     assert batches and sum(float(b["loss_mask"].sum()) for b in batches) > 0
+
+
+def test_a_resumed_run_keeps_the_best_of_the_run_it_resumes(tmp_path):
+    from types import SimpleNamespace
+
+    from lmforge.train.callbacks.evaluation import BestValidationCallback
+
+    (tmp_path / "best_validation.json").write_text(
+        json.dumps({"step": 2, "val_loss": 1.5, "val_ppl": 4.48, "checkpoint": None})
+    )
+    cb = BestValidationCallback(tmp_path)
+    cb.on_train_begin(None, SimpleNamespace(global_step=4))
+    cb.on_step_end(None, SimpleNamespace(global_step=6), metrics={"val_loss": 2.0})  # worse
+    assert json.loads((tmp_path / "best_validation.json").read_text())["step"] == 2
+    cb.on_step_end(None, SimpleNamespace(global_step=8), metrics={"val_loss": 1.0})  # better
+    assert json.loads((tmp_path / "best_validation.json").read_text())["step"] == 8
+    fresh = BestValidationCallback(tmp_path)  # a fresh start (step 0) begins a new record
+    fresh.on_train_begin(None, SimpleNamespace(global_step=0))
+    assert fresh.best is None

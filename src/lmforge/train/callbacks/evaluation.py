@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 from lmforge.train.callbacks.base import TrainerCallback
@@ -92,10 +93,19 @@ class BestValidationCallback(TrainerCallback):
     order = 82  # after EvaluationCallback (25) put val_loss in the metrics and CheckpointCallback (80) saved
 
     def __init__(self, output_dir: Any) -> None:
-        from pathlib import Path
-
         self.path = Path(output_dir) / BEST_FILE
         self.best: dict[str, Any] | None = None
+
+    def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        # A resumed run continues the record of the run it resumes (a fresh start begins a new one).
+        step = int(state.global_step)
+        if step > 0 and self.path.is_file():
+            best = json.loads(self.path.read_text())
+            if isinstance(best, dict) and int(best.get("step", step + 1)) <= step:
+                self.best = best
+                manager = getattr(kwargs.get("trainer"), "checkpoint_manager", None)
+                if manager is not None and best.get("checkpoint"):
+                    manager.keep = Path(best["checkpoint"])
 
     def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
         metrics = kwargs.get("metrics") or {}
