@@ -80,3 +80,33 @@ def test_text_loader_counts_its_epochs(tmp_path):
         next(loader)
         epochs.append(loader.epoch)
     assert epochs[0] == 1 and epochs[-1] >= 2 and epochs == sorted(epochs)
+
+
+def test_megatron_loader_counts_its_epochs(tmp_path):
+    import numpy as np
+
+    from lmforge.data import IndexedDatasetWriter, build_dataloader
+
+    with IndexedDatasetWriter(tmp_path / "docs", np.uint16) as writer:
+        for i in range(10):
+            writer.add_document([1 + i % 5] * 7 + [0])  # 80 tokens: 10 samples of 8 (+1) per epoch
+    section = {
+        "dataloader": {
+            "type": "BlendedMegatronDatasetDataLoader",
+            "config": {
+                "seq_length": 7,
+                "eod": 0,
+                "data_path": [str(tmp_path / "docs")],
+                "split": "1,0,0",
+                "path_to_cache": str(tmp_path / "cache"),
+            },
+        },
+        "num_parallel_workers": 0,
+    }
+    loader = build_dataloader(section, local_batch_size=2, seq_length=7)
+    per_epoch = loader.steps_per_epoch
+    epochs = []
+    for _ in range(2 * per_epoch + 1):
+        next(loader)
+        epochs.append(loader.epoch)
+    assert epochs == [1] * per_epoch + [2] * per_epoch + [3]
