@@ -43,7 +43,7 @@ def run_summary(trainer: Any) -> dict[str, Any]:
     if trainer.final_save is not None:  # the save after the loop (train/callbacks/checkpointing.py)
         step, seconds = trainer.final_save
         out["final checkpoint save"] = f"step {step}, {seconds:.2f} s"
-    for key in ("log", "curves"):
+    for key in ("log", "curves", "best validation"):
         if key in trainer.artifacts:
             out[key] = trainer.artifacts[key]
     return out

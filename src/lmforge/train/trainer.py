@@ -186,6 +186,10 @@ class Trainer:
             )
             self.callbacks.add(CheckpointCallback(manager, int(ck.get("save_interleaved_steps", 1000))))
 
+    @property
+    def checkpoint_manager(self) -> CheckpointManager | None:
+        return self._checkpoint_manager
+
     def checkpointable(self) -> Checkpointable:
         return Checkpointable(self.model, self.optimizer, self.scheduler, self.dataloader, self.state)
 

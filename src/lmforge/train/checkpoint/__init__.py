@@ -253,6 +253,7 @@ class CheckpointManager:
         self.saved_this_run: list[Path] = []
         # Set by recovery (train/recovery/): a checkpoint it may still roll back to is kept beyond save_max.
         self.protect: Callable[[Path], bool] | None = None
+        self.keep: Path | None = None  # the best validation checkpoint: never rotated away
         # Set by the trainer for a LoRA run (train/checkpoint/lora.py): where the frozen base came from.
         # With it, checkpoints hold the adapters, buffers and optimizer state only, not the base.
         self.lora_base: dict[str, Any] | None = None
@@ -419,7 +420,11 @@ class CheckpointManager:
         # save_max < 1 would make the original delete the checkpoint it just wrote; here it keeps all.
         if self.save_max < 1:
             return
-        removable = [p for p in self.saved_this_run if self.protect is None or not self.protect(p)]
+        # Never rotated away: a checkpoint recovery may still roll back to (train/recovery/), and the best
+        # validation checkpoint (kept beside save_max others).
+        removable = [
+            p for p in self.saved_this_run if p != self.keep and (self.protect is None or not self.protect(p))
+        ]
         while len(removable) > self.save_max:
             oldest = removable.pop(0)
             self.saved_this_run.remove(oldest)
