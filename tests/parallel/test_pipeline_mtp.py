@@ -222,8 +222,8 @@ def test_pipeline_with_mtp_on_four_ranks_matches_single_process(tmp_path):
 def test_memory_estimate_puts_the_mtp_layers_on_the_last_stage():
     """``lmforge check``'s estimate: under pp the MTP parameters are counted whole (they all live on the
     last stage, not 1/pp of them), and each MTP depth adds more than a decoder layer's activations."""
-    from lmforge.models import build_model
     from lmforge.config import ParallelismConfig
+    from lmforge.models import build_model
     from lmforge.parallel import ParallelDims
     from lmforge.tools.memory import estimate_memory
 

@@ -256,6 +256,9 @@ def _open_run_dir(cfg: TrainConfig, plan: Any, ctx: ParallelContext) -> Path:
         for lock in lock_dirs(run_dirs(run_dir, cfg.checkpoint)):
             lock.release()
         run_dir.mkdir(parents=True, exist_ok=True)
+        from lmforge.train.callbacks.tracker_settings import open_tracker_stores
+
+        open_tracker_stores(cfg.monitor, run_dir)  # an unreachable MLflow store fails before the model exists
     # Logging first, so that model / optimizer construction messages reach train.log too.
     setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)
     for note in plan.warnings_beyond(getattr(cfg, "warnings", ())):  # load_config logged those
