@@ -38,7 +38,7 @@ class TextValidationLoader:
         self._rows: list[dict[str, np.ndarray]] | None = None
 
     def _documents(self, source: TextSource, keep: Any) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
-        from .tokenizer import load_tokenizer
+        from lmforge.utils.tokenizer import load_tokenizer
 
         formatter = RowFormatter(load_tokenizer(self.s.tokenizer), self.s.format)
         chunk: list[tuple[int, dict[str, Any]]] = []
