@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmforge.errors import CheckpointError
-from lmforge.train import checkpoint as ckpt_mod
+from lmforge.train.checkpoint import manager as ckpt_mod
 from lmforge.train.checkpoint import (
     Checkpointable,
     CheckpointManager,
