@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from lmforge.errors import CheckpointError
-from lmforge.train.checkpoint import manager as ckpt_mod
 from lmforge.train.checkpoint import (
     Checkpointable,
     CheckpointManager,
@@ -16,6 +15,7 @@ from lmforge.train.checkpoint import (
     read_tracker,
     resolve_checkpoint,
 )
+from lmforge.train.checkpoint import manager as ckpt_mod
 from lmforge.train.state import TrainState
 
 from .tiny import TinyLM
