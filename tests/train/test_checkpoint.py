@@ -40,7 +40,12 @@ def test_layout_prefix_and_common_json(tmp_path):
     mgr = CheckpointManager(tmp_path, prefix="qwen3", save_max=3)
     assert mgr.save(Checkpointable(model, opt, state=TrainState(consumed_samples=40, global_batch_size=8)), 5)
     it = tmp_path / "iteration_00000005"
-    assert sorted(os.listdir(it)) == [".metadata", "common.json", "qwen3-0000000-0000001_0.distcp"]
+    assert sorted(os.listdir(it)) == [
+        ".metadata",
+        "checksums.json",
+        "common.json",
+        "qwen3-0000000-0000001_0.distcp",
+    ]
     common = json.loads((it / "common.json").read_text())
     for key in (
         "epoch_num",
@@ -151,9 +156,15 @@ def test_hf_directory_needs_no_load_optim(tmp_path):
     assert calls == [tmp_path]
 
 
-def test_missing_or_empty_load_path_starts_from_scratch_and_junk_is_an_error(tmp_path):
-    assert resolve_checkpoint(tmp_path / "nope") is None
-    assert resolve_checkpoint(tmp_path) is None
+def test_missing_or_empty_load_path_and_junk_are_errors(tmp_path):
+    assert resolve_checkpoint("") is None  # nothing asked to load
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint.load_path .*nope' does not exist.*auto_resume: true"
+    ):
+        resolve_checkpoint(tmp_path / "nope")
+    (tmp_path / ".lmforge.lock").write_text("{}")  # a run lock is not a checkpoint
+    with pytest.raises(CheckpointError, match=r"holds no checkpoint \(it is empty\)"):
+        resolve_checkpoint(tmp_path)
     (tmp_path / "junk.txt").write_text("x")
     with pytest.raises(CheckpointError, match="is not a checkpoint"):
         resolve_checkpoint(tmp_path)

@@ -214,6 +214,11 @@ def build_trainer(
             "; ".join(missing) + ". Nothing was built; create the data (e.g. 'lmforge data preprocess') or "
             "point the path at it."
         )
+    from lmforge.train.checkpoint.resume import load_path_problem
+
+    empty_load_path = load_path_problem(cfg.checkpoint)
+    if empty_load_path is not None:
+        raise ConfigError(empty_load_path)
     ctx = distributed_env(device, float(cfg.parallelism.process_group_timeout))
     run_dir = Path(cfg.output_dir or "./output")
     if ctx.rank == 0:

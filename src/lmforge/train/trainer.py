@@ -34,7 +34,7 @@ from lmforge.train.checkpoint import (
     read_tracker,
     resolve_checkpoint,
 )
-from lmforge.train.checkpoint.resume import auto_resume_path
+from lmforge.train.checkpoint.resume import load_path_to_use
 from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext
 from lmforge.train.perf import device_memory_gib, mfu_peak
@@ -249,11 +249,9 @@ class Trainer:
         return summary
 
     def _resume_or_start(self) -> None:
-        load_path = self.checkpoint_cfg.get("load_path", "")
-        no_load_optim = bool(self.checkpoint_cfg.get("no_load_optim", False))
-        own = auto_resume_path(self.checkpoint_cfg)
-        if own is not None:  # this job's own checkpoint: continue it completely (optimizer included)
-            load_path, no_load_optim = own, False
+        load_path, own = load_path_to_use(self.checkpoint_cfg)
+        # This job's own checkpoint (auto-resume) continues completely, optimizer included.
+        no_load_optim = False if own else bool(self.checkpoint_cfg.get("no_load_optim", False))
         header = resolve_checkpoint(load_path) if load_path else None
         consumed = 0
         if header is not None and header.kind == "dcp" and not no_load_optim:
@@ -266,6 +264,7 @@ class Trainer:
                 no_load_optim=no_load_optim,
                 hf_loader=self.hf_loader,
                 partial_load=bool(self.checkpoint_cfg.get("partial_load", False)),
+                reset_optimizer=bool(self.checkpoint_cfg.get("reset_optimizer", False)),
             )
             self._resumed_from = str(header.path)
             if header.kind == "dcp" and not no_load_optim:

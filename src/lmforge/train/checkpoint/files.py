@@ -25,7 +25,10 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.json"
 CONFIG_FILE = "config.yaml"
-FORMAT = "lmforge-dcp/1"
+# "lmforge-dcp/2": every file is recorded in checksums.json (train/checkpoint/verify.py); "/1" came before.
+FORMAT = "lmforge-dcp/2"
+LEGACY_FORMAT = "lmforge-dcp/1"
+KNOWN_FORMATS = (LEGACY_FORMAT, FORMAT)
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 

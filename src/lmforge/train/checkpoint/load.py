@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmforge.errors import CheckpointError
 from lmforge.models.common.fused_layout import WEIGHT_LAYOUT
-from lmforge.train.checkpoint.files import _distributed, _quiet_single_process
+from lmforge.train.checkpoint.files import COMMON_FILE, LEGACY_FORMAT, _distributed, _quiet_single_process
 from lmforge.train.checkpoint.resolve import CheckpointHeader, _read_metadata, resolve_checkpoint
 from lmforge.train.checkpoint.safe_load import load_dcp
 from lmforge.train.checkpoint.state_codec import _allocate_encoded, _has_key, decode_state
@@ -26,6 +26,7 @@ from lmforge.train.checkpoint.state_dicts import (
     _with_old_masters,
     _without_old_masters,
 )
+from lmforge.train.checkpoint.verify import verify_checkpoint
 from lmforge.train.rng import restore_rng_state
 from lmforge.utils.logging import get_logger
 
@@ -54,53 +55,27 @@ def load_checkpoint(
     no_load_optim: bool,
     hf_loader: Callable[[nn.Module, Path], None] | None = None,
     partial_load: bool = False,
+    reset_optimizer: bool = False,
 ) -> None:
-    """Restore ``target`` from ``header``.
+    """Restore ``target`` from ``header`` (its files verified against their checksums first).
 
-    With ``no_load_optim`` only the model weights are loaded; otherwise model, optimizer, scheduler, trainer counters, data position
-    and RNG states are restored, so training continues exactly.
+    With ``no_load_optim`` only the model weights are loaded; otherwise model, optimizer, scheduler, trainer
+    counters, data position and RNG states are restored, so training continues exactly.
+    ``reset_optimizer`` (``checkpoint.reset_optimizer``) resumes everything but the optimizer state, which
+    starts fresh: the one way to resume with another optimizer type.
     """
     if header.kind == "hf":
-        if not no_load_optim:
-            raise CheckpointError(HF_RESUME_MESSAGE.format(dir=header.path))
-        if hf_loader is None:
-            raise CheckpointError(
-                f"{header.path} is a Hugging Face model directory, but this model type cannot load Hugging Face "
-                f"weights. Use an lmforge checkpoint (iteration_XXXXXXXX) as checkpoint.load_path."
-            )
-        hf_loader(target.model, header.path)
-        logger.info("Loaded Hugging Face weights from %s (optimizer state starts fresh).", header.path)
+        _load_hf(header, target, no_load_optim, hf_loader)
         return
-    if not no_load_optim and target.optimizer is not None and not header.has_optimizer:
+    verify_checkpoint(header.path, required=header.common.get("format") != LEGACY_FORMAT)
+    resume = not no_load_optim
+    load_optimizer = resume and target.optimizer is not None and not reset_optimizer
+    if load_optimizer and not header.has_optimizer:
         raise CheckpointError(NO_OPTIMIZER_MESSAGE.format(dir=header.path))
     metadata = _read_metadata(header.path)
     keys = metadata.state_dict_metadata
     rank = dist.get_rank() if _distributed() else 0
-    model_sd = _model_state_dict(target.model)
-    from lmforge.models.lora import is_lora_param_name
-
-    if not any(is_lora_param_name(k) for k in model_sd) and any(
-        k.startswith("model.") and is_lora_param_name(k) for k in keys
-    ):
-        # Loading only the base would silently drop what the fine-tuning learnt.
-        raise CheckpointError(
-            f"Checkpoint {header.path} holds LoRA adapters (the run had lora_config) but the model has none. "
-            "Build the model with the run's lora_config (lmforge generate / eval read it from the checkpoint's "
-            "config.yaml or --config), or export the merged model with 'lmforge convert --to-hf DIR --from CKPT'."
-        )
-    lora_base = header.common.get("lora_base")
-    if lora_base and any(is_lora_param_name(k) for k in model_sd):
-        # A small LoRA checkpoint: the frozen base is rebuilt from its record, then the rest is loaded.
-        from lmforge.train.checkpoint.lora import restore_base, without_frozen
-
-        restore_base(lora_base, target.model, header.path, hf_loader)
-        model_sd = without_frozen(target.model, model_sd)
-    if no_load_optim:
-        # Fine-tuning with LoRA from a checkpoint of the base model: the adapters keep their fresh init.
-        fresh = {k for k in model_sd if f"model.{k}" not in keys and is_lora_param_name(k)}
-        model_sd = {k: v for k, v in model_sd.items() if k not in fresh}
-    model_sd = _matching_parameters(header.path, model_sd, keys, partial_load, no_load_optim)
-    _check_shapes(header.path, model_sd, keys)
+    model_sd, adapters_only = _model_entries(header, target, keys, hf_loader, no_load_optim, partial_load)
     masters = _old_masters(model_sd, keys)
     if masters:
         logger.warning(
@@ -114,29 +89,12 @@ def load_checkpoint(
     if masters:
         sd["optimizer"] = {"state": {k: {"master": v} for k, v in masters.items()}}
     optimizer_format = header.common.get("optimizer_format") or "plain"
-    own_rng, own_loader = f"rank_{rank}", f"rank_{rank}"
-    same_layout = int(header.common.get("world_size", 1)) == (dist.get_world_size() if _distributed() else 1)
     local_param_names = None
-    if not no_load_optim:
-        if target.optimizer is not None:
-            if optimizer_format in ("fqn", "fqn_flat"):
-                from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-                state = get_optimizer_state_dict(
-                    target.model, target.optimizer, options=_optimizer_options(optimizer_format)
-                )
-                sd["optimizer"] = _with_old_masters(state, masters)
-                if optimizer_format == "fqn":
-                    local_param_names = [group["params"] for group in sd["optimizer"]["param_groups"]]
-            else:
-                sd["optimizer"] = _allocate_encoded(metadata, "optimizer")
-        if target.scheduler is not None and _has_key(keys, "scheduler"):
-            sd["scheduler"] = _allocate_encoded(metadata, "scheduler")
-        sd["trainer"] = _allocate_encoded(metadata, "trainer")
-        if _has_key(keys, f"rng.{own_rng}"):
-            sd["rng"] = {own_rng: _allocate_encoded(metadata, f"rng.{own_rng}")}
-        if target.dataloader is not None and same_layout and _has_key(keys, f"dataloader.{own_loader}"):
-            sd["dataloader"] = {own_loader: _allocate_encoded(metadata, f"dataloader.{own_loader}")}
+    if load_optimizer:
+        check_optimizer_type(header, target, keys, optimizer_format)
+        local_param_names = _allocate_optimizer(sd, metadata, target, optimizer_format, masters)
+    if resume:
+        _allocate_run_state(sd, metadata, header, target, rank)
 
     with _quiet_single_process():
         load_dcp(sd, header.path, no_dist=not _distributed())
@@ -149,31 +107,137 @@ def load_checkpoint(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     set_model_state_dict(target.model, {**sd["model"], **masters}, options=_non_strict())
-    adapters_only = bool(lora_base and any(is_lora_param_name(k) for k in model_sd))
-    if no_load_optim:
+    if not resume:
         _upgrade_layout(header, target, adapters_only)
         logger.info(
             "Loaded model weights from %s (no_load_optim: optimizer and step start fresh).", header.path
         )
         return
-    if target.optimizer is not None:
-        if optimizer_format in ("fqn", "fqn_flat"):
-            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-            set_optimizer_state_dict(
-                target.model,
-                target.optimizer,
-                _without_old_masters(sd["optimizer"]),
-                options=_optimizer_options(optimizer_format),
-            )
-        else:
-            target.optimizer.load_state_dict(decode_state(sd["optimizer"]))
+    if load_optimizer:
+        _set_optimizer(sd, target, optimizer_format)
+    elif target.optimizer is not None:
+        logger.warning(
+            "checkpoint.reset_optimizer: true: resuming %s without its optimizer state (%s); %s starts from a "
+            "fresh state, everything else (weights, step, schedule, data position) continues.",
+            header.path,
+            header.common.get("optimizer_type") or "type not recorded",
+            type(target.optimizer).__name__,
+        )
     _upgrade_layout(header, target, adapters_only)
+    _restore_run_state(sd, header, target, rank)
+    logger.info("Resumed from %s at step %d.", header.path, target.state.global_step)
+
+
+def _load_hf(
+    header: CheckpointHeader,
+    target: Checkpointable,
+    no_load_optim: bool,
+    hf_loader: Callable[[nn.Module, Path], None] | None,
+) -> None:
+    if not no_load_optim:
+        raise CheckpointError(HF_RESUME_MESSAGE.format(dir=header.path))
+    if hf_loader is None:
+        raise CheckpointError(
+            f"{header.path} is a Hugging Face model directory, but this model type cannot load Hugging Face "
+            f"weights. Use an lmforge checkpoint (iteration_XXXXXXXX) as checkpoint.load_path."
+        )
+    hf_loader(target.model, header.path)
+    logger.info("Loaded Hugging Face weights from %s (optimizer state starts fresh).", header.path)
+
+
+def _model_entries(
+    header: CheckpointHeader,
+    target: Checkpointable,
+    keys: Any,
+    hf_loader: Callable[[nn.Module, Path], None] | None,
+    no_load_optim: bool,
+    partial_load: bool,
+) -> tuple[dict[str, Any], bool]:
+    """(the model's state dict entries to load, whether the checkpoint holds LoRA adapters only)."""
+    model_sd = _model_state_dict(target.model)
+    from lmforge.models.lora import is_lora_param_name
+
+    has_adapters = any(is_lora_param_name(k) for k in model_sd)
+    if not has_adapters and any(k.startswith("model.") and is_lora_param_name(k) for k in keys):
+        # Loading only the base would silently drop what the fine-tuning learnt.
+        raise CheckpointError(
+            f"Checkpoint {header.path} holds LoRA adapters (the run had lora_config) but the model has none. "
+            "Build the model with the run's lora_config (lmforge generate / eval read it from the checkpoint's "
+            "config.yaml or --config), or export the merged model with 'lmforge convert --to-hf DIR --from CKPT'."
+        )
+    lora_base = header.common.get("lora_base")
+    if lora_base and has_adapters:
+        # A small LoRA checkpoint: the frozen base is rebuilt from its record, then the rest is loaded.
+        from lmforge.train.checkpoint.lora import restore_base, without_frozen
+
+        restore_base(lora_base, target.model, header.path, hf_loader)
+        model_sd = without_frozen(target.model, model_sd)
+    if no_load_optim:
+        # Fine-tuning with LoRA from a checkpoint of the base model: the adapters keep their fresh init.
+        fresh = {k for k in model_sd if f"model.{k}" not in keys and is_lora_param_name(k)}
+        model_sd = {k: v for k, v in model_sd.items() if k not in fresh}
+    model_sd = _matching_parameters(header.path, model_sd, keys, partial_load, no_load_optim)
+    _check_shapes(header.path, model_sd, keys)
+    return model_sd, bool(lora_base and has_adapters)
+
+
+def _allocate_optimizer(
+    sd: dict[str, Any], metadata: Any, target: Checkpointable, optimizer_format: str, masters: dict[str, Any]
+) -> list[Any] | None:
+    """Put the optimizer's entries to load into ``sd``; returns each group's own parameter names (nested form)."""
+    if optimizer_format not in ("fqn", "fqn_flat"):
+        sd["optimizer"] = _allocate_encoded(metadata, "optimizer")
+        return None
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(
+        target.model, target.optimizer, options=_optimizer_options(optimizer_format)
+    )
+    sd["optimizer"] = _with_old_masters(state, masters)
+    if optimizer_format == "fqn":
+        return [group["params"] for group in sd["optimizer"]["param_groups"]]
+    return None
+
+
+def _set_optimizer(sd: dict[str, Any], target: Checkpointable, optimizer_format: str) -> None:
+    if optimizer_format in ("fqn", "fqn_flat"):
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(
+            target.model,
+            target.optimizer,
+            _without_old_masters(sd["optimizer"]),
+            options=_optimizer_options(optimizer_format),
+        )
+    else:
+        target.optimizer.load_state_dict(decode_state(sd["optimizer"]))
+
+
+def _allocate_run_state(
+    sd: dict[str, Any], metadata: Any, header: CheckpointHeader, target: Checkpointable, rank: int
+) -> None:
+    """Put the scheduler, trainer counters, and this rank's RNG and data position into ``sd``."""
+    keys = metadata.state_dict_metadata
+    if target.scheduler is not None and _has_key(keys, "scheduler"):
+        sd["scheduler"] = _allocate_encoded(metadata, "scheduler")
+    sd["trainer"] = _allocate_encoded(metadata, "trainer")
+    own = f"rank_{rank}"
+    if _has_key(keys, f"rng.{own}"):
+        sd["rng"] = {own: _allocate_encoded(metadata, f"rng.{own}")}
+    same_layout = int(header.common.get("world_size", 1)) == (dist.get_world_size() if _distributed() else 1)
+    if target.dataloader is not None and same_layout and _has_key(keys, f"dataloader.{own}"):
+        sd["dataloader"] = {own: _allocate_encoded(metadata, f"dataloader.{own}")}
+
+
+def _restore_run_state(
+    sd: dict[str, Any], header: CheckpointHeader, target: Checkpointable, rank: int
+) -> None:
+    own = f"rank_{rank}"
     if "scheduler" in sd:
         target.scheduler.load_state_dict(decode_state(sd["scheduler"]))
     target.state.load_dict(decode_state(sd["trainer"]))
     if "rng" in sd:
-        restore_rng_state(decode_state(sd["rng"][own_rng]))
+        restore_rng_state(decode_state(sd["rng"][own]))
     else:
         logger.warning(
             "Checkpoint %s has no RNG state for rank %d (saved on %s ranks): random streams restart from the seed.",
@@ -182,8 +246,54 @@ def load_checkpoint(
             header.common.get("world_size", "?"),
         )
     if "dataloader" in sd and hasattr(target.dataloader, "load_state_dict"):
-        target.dataloader.load_state_dict(decode_state(sd["dataloader"][own_loader]))
-    logger.info("Resumed from %s at step %d.", header.path, target.state.global_step)
+        target.dataloader.load_state_dict(decode_state(sd["dataloader"][own]))
+
+
+def check_optimizer_type(
+    header: CheckpointHeader, target: Checkpointable, keys: Any, optimizer_format: str
+) -> None:
+    """Refuse to resume one optimizer's state into another (Lion would silently reuse AdamW's moments).
+
+    The type recorded in ``common.json`` decides; a checkpoint from before that record is compared by the
+    names of its per-parameter states instead (for the parameters this rank holds).
+    """
+    current = type(target.optimizer).__name__
+    saved = header.common.get("optimizer_type")
+    if saved is None and optimizer_format in ("fqn", "fqn_flat"):
+        saved_keys, live_keys = _state_names(keys, "optimizer.state."), _live_state_names(target)
+        if (
+            saved_keys is not None
+            and live_keys
+            and any(saved_keys.get(p, set()) != s for p, s in live_keys.items())
+        ):
+            saved = "an optimizer with other per-parameter states"
+    if saved is None or saved == current:
+        return
+    raise CheckpointError(
+        f"Checkpoint {header.path} holds the state of {saved} ({header.path / COMMON_FILE}), but this run's "
+        f"optimizer is {current}: its state cannot be resumed into another optimizer type. Set "
+        "checkpoint.reset_optimizer: true to resume with a fresh optimizer state (weights, step, schedule and data "
+        "position continue), checkpoint.no_load_optim: true to start a new run from the weights only, or use the "
+        "optimizer.type the checkpoint was trained with."
+    )
+
+
+def _state_names(keys: Any, prefix: str) -> dict[str, set[str]] | None:
+    """parameter name -> names of its optimizer states, from DCP keys ``<prefix><param>.<state>``."""
+    out: dict[str, set[str]] = {}
+    for key in keys:
+        if key.startswith(prefix):
+            param, _, state = key[len(prefix) :].rpartition(".")
+            if state != "master":  # the old single-device path's masters are loaded into the weights
+                out.setdefault(param, set()).add(state)
+    return out
+
+
+def _live_state_names(target: Checkpointable) -> dict[str, set[str]]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    flat = get_optimizer_state_dict(target.model, target.optimizer, options=_optimizer_options("fqn_flat"))
+    return _state_names(flat, "state.") or {}
 
 
 def _upgrade_layout(header: CheckpointHeader, target: Checkpointable, adapters_only: bool) -> None:

@@ -7,8 +7,8 @@ import dataclasses
 import os
 import shutil
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from lmforge.train.checkpoint.state_dicts import (
     _model_state_dict,
     _optimizer_state_dict,
 )
+from lmforge.train.checkpoint.verify import digest_rank_files, rank_file_stem, write_checksums
 from lmforge.train.rng import capture_rng_state
 from lmforge.utils.atomic import check_output_dir, replace_dir
 from lmforge.utils.logging import get_logger
@@ -74,8 +75,9 @@ class _PendingSave:
     step: int
     partial_dir: Path
     final_dir: Path
-    future: Future | None  # None for a synchronous save (already written)
+    future: Future | None  # None for a synchronous save (already written); else its digests
     started: float
+    digests: dict[str, Any] = field(default_factory=dict)  # this rank's shard files (synchronous save)
 
 
 class CheckpointManager:
@@ -116,6 +118,7 @@ class CheckpointManager:
         # With it, checkpoints hold the adapters, buffers and optimizer state only, not the base.
         self.lora_base: dict[str, Any] | None = None
         self._pending: _PendingSave | None = None
+        self._hasher: ThreadPoolExecutor | None = None  # hashes the files of an asynchronous save
         self.last_save_seconds: float = 0.0  # time the training loop was blocked by the last save
         # Async saves run their collectives on a process group of their own: sharing the default one
         # with training's collectives interleaves them and corrupts both (gloo aborts).
@@ -155,17 +158,23 @@ class CheckpointManager:
                     if src.is_file():
                         shutil.copyfile(src, partial_dir / src.name)
             writer = _PrefixedWriter(partial_dir, self.prefix)
+            stem = rank_file_stem(self.prefix, self.rank, self.world_size)
             if self.async_save:
                 with _quiet_single_process():
                     future = dcp.async_save(
                         state_dict, storage_writer=writer, process_group=self._pg, no_dist=not _distributed()
                     )
-                self._pending = _PendingSave(step, partial_dir, final_dir, future, t0)
+                if self._hasher is None:
+                    self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmforge-ckpt-hash")
+                # This rank's files are hashed in the background too, once DCP has written them.
+                hashed = self._hasher.submit(_digest_when_written, future, partial_dir, stem)
+                self._pending = _PendingSave(step, partial_dir, final_dir, hashed, t0)
                 logger.info("Checkpoint save of step %d started in the background -> %s", step, final_dir)
             else:
                 with _quiet_single_process():
                     dcp.save(state_dict, storage_writer=writer, no_dist=not _distributed())
-                self._pending = _PendingSave(step, partial_dir, final_dir, None, t0)
+                digests = digest_rank_files(partial_dir, stem)
+                self._pending = _PendingSave(step, partial_dir, final_dir, None, t0, digests)
         if not self.async_save:
             self.wait()  # publishes (an asynchronous save is published by poll()/wait() later)
         self.last_save_seconds = time.perf_counter() - t0
@@ -182,15 +191,20 @@ class CheckpointManager:
         if pending is None:
             return
         with self._save_errors(pending.step, pending.partial_dir):
+            digests = pending.digests
             if pending.future is not None:
-                pending.future.result()  # re-raises a failure of the background save
-                self._barrier(self._pg)
+                digests = pending.future.result()  # re-raises a failure of the background save
+            digests = self._gather_digests(digests, self._pg if pending.future is not None else None)
             if self.rank == 0:
+                write_checksums(pending.partial_dir, digests)
                 self._publish(pending)
         self._barrier(self._pg if pending.future is not None else None)
 
     def close(self) -> None:
         self.wait()
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
 
     def latest_iteration(self) -> int | None:
         return read_tracker(self.save_path)
@@ -231,6 +245,8 @@ class CheckpointManager:
             "weight_layout": WEIGHT_LAYOUT,  # rows of the fused weights (models/common/fused_layout.py)
             "world_size": self.world_size,
             "has_optimizer": "optimizer" in sd,
+            # Resuming with another optimizer type is refused (train/checkpoint/load.py).
+            "optimizer_type": type(target.optimizer).__name__ if "optimizer" in sd else None,
             "optimizer_format": optimizer_format,
             "prefix": self.prefix,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -289,6 +305,19 @@ class CheckpointManager:
             )
             shutil.rmtree(oldest, ignore_errors=True)
 
+    def _gather_digests(self, digests: dict[str, Any], group: Any) -> dict[str, Any]:
+        """Every rank's shard digests, merged (a collective; it is also the barrier before publishing)."""
+        if not _distributed():
+            return digests
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, digests, group=group)
+        return {name: d for rank_digests in gathered for name, d in rank_digests.items()}
+
     def _barrier(self, group: Any = None) -> None:
         if _distributed():
             dist.barrier(group=group)
+
+
+def _digest_when_written(future: Future, directory: Path, stem: str) -> dict[str, Any]:
+    future.result()  # re-raises a failure of the background save
+    return digest_rank_files(directory, stem)

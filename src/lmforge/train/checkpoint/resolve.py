@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import CheckpointError
+from lmforge.models.common.fused_layout import WEIGHT_LAYOUT
 from lmforge.train.checkpoint.files import (
     COMMON_FILE,
     HF_WEIGHT_FILES,
+    KNOWN_FORMATS,
     TRACKER_FILE,
     iteration_dir_name,
     read_tracker,
@@ -40,26 +42,49 @@ class CheckpointHeader:
         return int(self.common.get("global_step", 0))
 
 
+# Checkpoints written before common.json recorded weight_layout (format lmforge-dcp/1 only) have layout 1.
+_LAYOUT_BEFORE_RECORDED = 1
+KNOWN_WEIGHT_LAYOUTS = (1, WEIGHT_LAYOUT)
+
+
 def is_hf_model_dir(path: Path) -> bool:
     if any((path / name).is_file() for name in HF_WEIGHT_FILES):
         return True
     return any(path.glob("*model.safetensors.index.json"))
 
 
-def resolve_checkpoint(load_path: str | os.PathLike) -> CheckpointHeader | None:
-    """Resolve ``checkpoint.load_path`` as the original does; None when there is nothing to load.
+def holds_nothing(path: Path) -> bool:
+    """A missing path, or a directory without visible entries (a run lock or the hidden leftovers of
+    an interrupted save do not make a checkpoint)."""
+    if not path.exists():
+        return True
+    return path.is_dir() and not any(not p.name.startswith(".") for p in path.iterdir())
 
-    A missing path or an empty directory means "start from scratch" (logged). An HF model
-    directory is used as is; a save directory with a tracker resolves to its latest iteration;
-    otherwise the path must be an iteration directory itself.
+
+def empty_load_path_message(load_path: str | os.PathLike, key: str = "checkpoint.load_path") -> str:
+    state = "does not exist" if not Path(load_path).exists() else "holds no checkpoint (it is empty)"
+    return (
+        f"{key} {str(load_path)!r} {state}. An explicit load path must hold a checkpoint (a save_path with "
+        f"{TRACKER_FILE}, an iteration_XXXXXXXX directory, or a Hugging Face model directory): fix the path, or "
+        "remove load_path to start from scratch. To resume only when a checkpoint is there (e.g. the same "
+        "command for the first launch and every re-launch), set checkpoint.auto_resume: true: it resumes "
+        "from the newest checkpoint in checkpoint.save_path and starts from scratch while there is none."
+    )
+
+
+def resolve_checkpoint(load_path: str | os.PathLike) -> CheckpointHeader | None:
+    """Resolve ``checkpoint.load_path``; None when it is empty (nothing asked to load).
+
+    A path that does not exist or holds nothing is an error (the original only warned and trained from
+    scratch, which silently dropped a mistyped path; "resume if something is there" is
+    ``checkpoint.auto_resume``). An HF model directory is used as is; a save directory with a tracker
+    resolves to its latest iteration; otherwise the path must be an iteration directory itself.
     """
-    path = Path(load_path)
-    if not str(load_path) or not path.exists() or (path.is_dir() and not any(path.iterdir())):
-        logger.warning(
-            "checkpoint.load_path %r does not exist or is empty: training starts from scratch.",
-            str(load_path),
-        )
+    if not str(load_path):
         return None
+    path = Path(load_path)
+    if holds_nothing(path):
+        raise CheckpointError(empty_load_path_message(load_path))
     if not path.is_dir():
         raise CheckpointError(
             f"checkpoint.load_path {str(path)!r} is a file; it must be a directory: a checkpoint save_path "
@@ -88,7 +113,7 @@ def resolve_checkpoint(load_path: str | os.PathLike) -> CheckpointHeader | None:
             f"model directory (model.safetensors or *model.safetensors.index.json).{hint}"
         )
     common = _read_common(path / COMMON_FILE)
-    if "has_optimizer" not in common:
+    if "has_optimizer" not in common:  # checkpoints of lmforge-dcp/1 written before the key existed
         common["has_optimizer"] = any(
             k.startswith("optimizer.") for k in _read_metadata(path).state_dict_metadata
         )
@@ -96,8 +121,14 @@ def resolve_checkpoint(load_path: str | os.PathLike) -> CheckpointHeader | None:
 
 
 def _read_common(common_file: Path) -> dict[str, Any]:
+    """``common.json``, every field the loader relies on checked: no default stands in for a missing or
+    damaged record (a wrong ``weight_layout`` would silently re-permute the fused weights)."""
     if not common_file.is_file():
-        return {}
+        raise CheckpointError(
+            f"{common_file} is missing: every lmforge checkpoint has one (step, data position, weight layout, "
+            "format), and without it the checkpoint cannot be read correctly. The checkpoint is incomplete; use "
+            "another iteration of the save_path."
+        )
     try:
         common = json.loads(common_file.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
@@ -114,6 +145,27 @@ def _read_common(common_file: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"{common_file}: {key} must be a non-negative integer, found {common[key]!r}; the checkpoint is "
                 "corrupt. Use another iteration of the save_path."
+            )
+    fmt = common.get("format")
+    if fmt not in KNOWN_FORMATS:
+        raise CheckpointError(
+            f"{common_file}: format is {fmt!r}; this lmforge reads {' and '.join(map(repr, KNOWN_FORMATS))}. "
+            "The file is damaged or comes from another program or a newer lmforge."
+        )
+    layout = common.get("weight_layout", _LAYOUT_BEFORE_RECORDED if fmt == "lmforge-dcp/1" else None)
+    if type(layout) is not int or layout not in KNOWN_WEIGHT_LAYOUTS:  # not true, 2.0, "2"
+        found = "it is missing" if "weight_layout" not in common else f"found {common['weight_layout']!r}"
+        raise CheckpointError(
+            f"{common_file}: weight_layout must be one of the integers {list(KNOWN_WEIGHT_LAYOUTS)} (the row "
+            f"layout of the fused weights), {found}. The checkpoint is damaged; use another iteration of the "
+            "save_path."
+        )
+    common["weight_layout"] = layout
+    for key in ("optimizer_type", "optimizer_format"):
+        if common.get(key) is not None and not isinstance(common[key], str):
+            raise CheckpointError(
+                f"{common_file}: {key} must be a string, found {common[key]!r}; the checkpoint is damaged. Use "
+                "another iteration of the save_path."
             )
     return common
 
