@@ -32,7 +32,9 @@ def test_an_explicit_load_path_that_holds_nothing_is_refused_before_anything_is_
     assert code == 0 and f"checkpoint.load_path {str(target)!r}" in out and "lmforge train refuses" in out
 
 
-@pytest.mark.parametrize("load_path_too", [False, True], ids=["auto_resume", "auto_resume+load_path=save_path"])
+@pytest.mark.parametrize(
+    "load_path_too", [False, True], ids=["auto_resume", "auto_resume+load_path=save_path"]
+)
 def test_auto_resume_true_starts_from_scratch_then_resumes(tmp_path, cli, load_path_too):
     cfg = write_config(tmp_path, ADAMW, steps=2)
     sets = ["--set", "checkpoint.auto_resume=true", "--set", "checkpoint.save_interleaved_steps=2"]
@@ -51,3 +53,17 @@ def test_load_path_equal_to_save_path_without_auto_resume_is_refused_on_a_first_
     cfg = write_config(tmp_path, ADAMW, steps=2)
     code, _, err = cli("train", "--config", cfg, "--set", f"checkpoint.load_path={tmp_path / 'ckpt'}")
     assert code == 2 and "does not exist" in err and "checkpoint.auto_resume: true" in err
+
+
+def test_a_metrics_line_cut_by_a_kill_is_tolerated_and_reported_on_resume(run_copy, cli):
+    metrics = run_copy / "run" / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + '{"step": 3, "loss": 4.1, "l')  # the kill hit while step 3 was appended
+    code, _, err = cli(
+        "train", "--config", run_copy / "train.yaml", "--set", f"checkpoint.load_path={run_copy / 'ckpt'}",
+        "--set", "training.steps=3",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "metrics.jsonl: dropped 1 line(s) that are not a step record (line 3)" in err
+    lines = metrics.read_text().splitlines()
+    assert lines[:2] == whole.splitlines() and [json.loads(line)["step"] for line in lines] == [1, 2, 3]
