@@ -253,16 +253,19 @@ class _SourceStream:
         if chunk:
             yield chunk
 
+    def _locations(self, chunk: list[tuple[int, dict[str, Any]]]) -> list[str]:
+        return [self.source.where(index) for index, _ in chunk]
+
     def _encoded(self, start: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         name = self.source.path
         if self.pool is None:
             for chunk in self._chunks(start):
-                yield from self.local.encode_rows(chunk, name)
+                yield from self.local.encode_rows(chunk, name, self._locations(chunk))
             return
         pending: collections.deque = collections.deque()
         chunks = self._chunks(start)
         for chunk in chunks:
-            pending.append(self.pool.apply_async(encode_in_worker, ((chunk, name),)))
+            pending.append(self.pool.apply_async(encode_in_worker, ((chunk, name, self._locations(chunk)),)))
             if len(pending) >= self.ahead:
                 yield from pending.popleft().get()
         while pending:

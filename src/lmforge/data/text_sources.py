@@ -147,6 +147,10 @@ def _file_rows(path: str, start: int) -> Iterator[dict[str, Any]]:
     return _jsonl_rows(path, start)
 
 
+def _is_json_lines(path: str) -> bool:
+    return not is_saved_dataset(path) and not path.endswith((".parquet", ".arrow"))
+
+
 def _file_length(path: str) -> int:
     if is_saved_dataset(path):
         import datasets
@@ -176,6 +180,18 @@ class TextSource:
         self.path = path
         self.files = resolve_files(path, key)
         self._lengths: list[int | None] = [None] * len(self.files)
+
+    def where(self, index: int) -> str:
+        """Where row ``index`` is, for messages: ``file:line`` (JSON lines: a row is a line) or ``file row i``.
+        Called for rows already read, so the lengths of the files before it are known."""
+        offset = 0
+        for i, file in enumerate(self.files):
+            length = self._lengths[i]
+            if length is None or index < offset + length or i == len(self.files) - 1:
+                local = index - offset
+                return f"{file}:{local + 1}" if _is_json_lines(file) else f"{file} row {local}"
+            offset += length
+        return f"{self.path} row {index}"
 
     def rows(self, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
         """``(row index, row)`` from ``start`` to the end of the source.
