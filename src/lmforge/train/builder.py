@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lmforge.errors import ConfigError, DataError
+from lmforge.errors import ConfigError, DataError, LmforgeError
 from lmforge.train.callbacks.monitor import ActivationPlanCallback
 from lmforge.train.parallel_seam import ParallelContext, distributed_env
 from lmforge.train.rng import seed_everything
@@ -186,6 +186,18 @@ def build_training_model(
     return model, ctx
 
 
+def _claim_run_dirs(run_dir: Path, checkpoint: Any) -> None:
+    """Rank 0: refuse now, before anything is written, an unusable output_dir or one that another run
+    uses (the trainer holds the locks while it runs)."""
+    from lmforge.utils.atomic import check_output_dir
+    from lmforge.utils.run_lock import lock_dirs, run_dirs
+
+    check_output_dir(run_dir, "output_dir")
+    for lock in lock_dirs(run_dirs(run_dir, checkpoint)):
+        lock.release()
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
 def build_trainer(
     cfg: Any, *, output_dir: str | os.PathLike | None = None, device: str | None = None
 ) -> Trainer:
@@ -203,9 +215,9 @@ def build_trainer(
         # --output-dir moves every output, including the paths the file puts under its own output_dir.
         cfg = with_output_dir(cfg, output_dir)
     # Every configuration error is raised here, before a process group, model or dataset exists.
-    from lmforge.utils.device import env_int
+    from lmforge.utils.elastic import launch_env
 
-    world_size = env_int("WORLD_SIZE", 1, minimum=1)
+    world_size = launch_env().world_size  # every torchrun variable checked, before anything starts
     _refuse_absurd_model(cfg, device, world_size)
     plan = preflight(cfg, world_size, device)
     missing = missing_data_files(cfg.train_dataset, TRAINING_KEYS)
@@ -221,17 +233,16 @@ def build_trainer(
         raise ConfigError(empty_load_path)
     ctx = distributed_env(device, float(cfg.parallelism.process_group_timeout))
     run_dir = Path(cfg.output_dir or "./output")
+    problem = None
     if ctx.rank == 0:
-        from lmforge.utils.atomic import check_output_dir
+        try:
+            _claim_run_dirs(run_dir, cfg.checkpoint)
+        except LmforgeError as exc:
+            problem = exc
+    # Only rank 0 checked: the others stop quietly with it instead of failing in the next collective.
+    from lmforge.utils.elastic import raise_on_every_rank
 
-        check_output_dir(run_dir, "output_dir")
-        from lmforge.utils.run_lock import lock_dirs, run_dirs
-
-        # Refuse now, before anything is written, if another run uses these directories (the
-        # trainer holds the locks while it runs).
-        for lock in lock_dirs(run_dirs(run_dir, cfg.checkpoint)):
-            lock.release()
-        run_dir.mkdir(parents=True, exist_ok=True)
+    raise_on_every_rank(problem)
     # Logging first, so that model / optimizer construction messages reach train.log too.
     setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)
     for note in plan.warnings_beyond(getattr(cfg, "warnings", ())):  # load_config logged those
