@@ -67,3 +67,26 @@ def test_a_metrics_line_cut_by_a_kill_is_tolerated_and_reported_on_resume(run_co
     assert "metrics.jsonl: dropped 1 line(s) that are not a step record (line 3)" in err
     lines = metrics.read_text().splitlines()
     assert lines[:2] == whole.splitlines() and [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("old_state", ["live missing", "live complete"])
+def test_leftovers_of_a_crashed_save_are_recovered_or_removed_on_the_next_run(run_copy, cli, old_state):
+    import shutil
+
+    ckpt = run_copy / "ckpt"
+    (ckpt / ".iteration_00000004.partial").mkdir()  # a save killed while writing
+    (ckpt / ".iteration_00000004.partial" / "x.distcp").write_bytes(b"half")
+    (ckpt / ".latest_checkpointed_iteration.txt.tmp").write_text("4")
+    if old_state == "live missing":  # killed between the two renames of a re-save of step 2
+        (ckpt / "iteration_00000002").rename(ckpt / ".iteration_00000002.old")
+    else:  # killed after the new copy was in place, before the old one was removed
+        shutil.copytree(ckpt / "iteration_00000002", ckpt / ".iteration_00000002.old")
+    code, _, err = cli(
+        "train", "--config", run_copy / "train.yaml", "--set", "checkpoint.auto_resume=true",
+        "--set", "training.steps=3",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "resuming from the latest complete checkpoint" in err and "(iteration 2)" in err
+    hidden = sorted(p.name for p in ckpt.iterdir() if p.name.startswith(".") and p.name != ".lmforge.lock")
+    assert hidden == [] and (ckpt / "iteration_00000002" / ".metadata").is_file()
+    assert "removed the interrupted save .iteration_00000004.partial" in err

@@ -32,6 +32,7 @@ from lmforge.train.checkpoint import (
     CheckpointManager,
     load_checkpoint,
     read_tracker,
+    recover_save_path,
     resolve_checkpoint,
 )
 from lmforge.train.checkpoint.resume import load_path_to_use
@@ -225,9 +226,14 @@ class Trainer:
     def _lock_run_dirs(self) -> list[Any]:
         from lmforge.utils.run_lock import lock_dirs, run_dirs
 
-        if self.ctx.rank != 0:
-            return []
-        return lock_dirs(run_dirs(self.output_dir, self.checkpoint_cfg))
+        locks = []
+        if self.ctx.rank == 0:
+            locks = lock_dirs(run_dirs(self.output_dir, self.checkpoint_cfg))
+            if self._checkpoint_manager is not None:  # ours now: finish or undo what a crashed save left
+                recover_save_path(self._checkpoint_manager.save_path)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # the other ranks read save_path only once it is consistent
+        return locks
 
     def _fit(self) -> dict[str, Any]:
         self._resume_or_start()

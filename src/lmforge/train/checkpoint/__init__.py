@@ -43,7 +43,7 @@ from lmforge.train.checkpoint.load import (
     load_checkpoint,
     load_model_weights,
 )
-from lmforge.train.checkpoint.manager import CheckpointManager
+from lmforge.train.checkpoint.manager import CheckpointManager, recover_save_path
 from lmforge.train.checkpoint.resolve import (
     CheckpointHeader,
     _read_common,
@@ -86,6 +86,7 @@ __all__ = [
     "load_model_weights",
     "logger",
     "read_tracker",
+    "recover_save_path",
     "resolve_checkpoint",
     "write_tracker",
 ]

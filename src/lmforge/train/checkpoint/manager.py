@@ -22,6 +22,7 @@ from lmforge.train.checkpoint.files import (
     COMMON_FILE,
     CONFIG_FILE,
     FORMAT,
+    TRACKER_FILE,
     _distributed,
     _fsync_tree,
     _quiet_single_process,
@@ -40,7 +41,7 @@ from lmforge.train.checkpoint.state_dicts import (
 )
 from lmforge.train.checkpoint.verify import digest_rank_files, rank_file_stem, write_checksums
 from lmforge.train.rng import capture_rng_state
-from lmforge.utils.atomic import check_output_dir, replace_dir
+from lmforge.utils.atomic import check_output_dir, recover_dir, replace_dir
 from lmforge.utils.logging import get_logger
 
 logger = get_logger("lmforge.train.checkpoint")
@@ -321,3 +322,32 @@ class CheckpointManager:
 def _digest_when_written(future: Future, directory: Path, stem: str) -> dict[str, Any]:
     future.result()  # re-raises a failure of the background save
     return digest_rank_files(directory, stem)
+
+
+def recover_save_path(save_path: str | os.PathLike) -> list[str]:
+    """Rank 0, holding the run lock of ``save_path``: finish or undo what a crash left of a save.
+
+    ``.iteration_X.partial`` (a save that never completed; the tracker never named it) is removed;
+    ``.iteration_X.old`` (a re-save interrupted between its renames) is put back when ``iteration_X`` is
+    missing and removed when it is complete; a tracker's temporary file is removed. Returns what was done.
+    """
+    root = Path(save_path)
+    if not root.is_dir():
+        return []
+    done = []
+    for leftover in sorted(root.glob(".iteration_*.partial")):
+        shutil.rmtree(leftover, ignore_errors=True)
+        done.append(f"removed the interrupted save {leftover.name}")
+    for old in sorted(root.glob(".iteration_*.old")):
+        live = root / old.name[1 : -len(".old")]
+        if recover_dir(live):
+            done.append(f"restored {live.name} from {old.name}")
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+            done.append(f"removed {old.name} (its replacement {live.name} is complete)")
+    for tmp in root.glob(f".{TRACKER_FILE}.tmp"):
+        tmp.unlink(missing_ok=True)
+        done.append(f"removed {tmp.name}")
+    for line in done:
+        logger.warning("checkpoint.save_path %s: %s.", root, line)
+    return done
