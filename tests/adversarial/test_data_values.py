@@ -226,3 +226,11 @@ def test_a_crash_at_any_step_of_a_publish_leaves_one_complete_pair(tmp_path, mon
     else:
         assert {s: (tmp_path / f"c{s}").read_bytes() for s in (".bin", ".idx")} == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.bin", "c.idx"]
+
+
+def test_the_text_loader_names_the_line_of_an_invalid_utf8_byte(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"text": "w1 w2"}\n{"text": "w3 \xff w4"}\n{"text": "w5"}\n')
+    tok = write_tokenizer(tmp_path / "tok")
+    with pytest.raises(DataError, match=rf"{path}:2 is not valid UTF-8"):
+        _batches(_section(str(path), tok), 2)

@@ -67,10 +67,17 @@ def resolve_files(path: str, key: str) -> list[str]:
 
 def _jsonl_rows(path: str, start: int) -> Iterator[dict[str, Any]]:
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for i, line in enumerate(f):
+    with opener(path, "rb") as f:  # bytes, decoded line by line: an invalid byte is named with its line
+        for i, raw in enumerate(f):
             if i < start:
                 continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{path}:{i + 1} is not valid UTF-8 (byte {exc.start} of the line: {exc.reason}); convert the "
+                    "file to UTF-8 JSON lines."
+                ) from None
             if not line.strip():
                 raise DataError(f"{path}: line {i + 1} is empty; every line must be one JSON object.")
             try:
