@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 from optim import make_params, time_pair  # bench/optim.py
 
+# bf16 on the GPU; the CPU dry run computes in this CPU's native dtype (auto: float32 where bf16 is
+# emulated, ~100x slower), so that it rehearses the script in seconds on any CPU.
 QWEN3 = {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "compute_dtype": "bfloat16"}
 # Qwen3-0.6B's shape (28 layers of 1024, 16 heads / 8 KV heads of 128, SwiGLU 3072, vocab 151,936).
 GPU_MODEL = {
@@ -45,6 +47,7 @@ GPU_MODEL = {
 }
 TINY_MODEL = {
     **QWEN3,
+    "compute_dtype": "auto",
     "vocab_size": 512,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -139,8 +142,9 @@ class Checks:
             times.append(time.perf_counter() - t0)
         step_s = sorted(times)[len(times) // 2]
         tokens_per_s = self.batch * s / step_s
-        peak = mfu_peak(self.device, torch.bfloat16)
+        peak = mfu_peak(self.device, model.compute_dtype)
         out = {
+            "compute_dtype": str(model.compute_dtype).removeprefix("torch."),
             "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
             "first_step_s": round(first_s, 2),
             "step_s": round(step_s, 4),
@@ -167,7 +171,7 @@ class Checks:
         est = estimate_memory(
             meta,
             ParallelDims.from_section(ParallelismConfig(), 1),
-            compute_dtype=torch.bfloat16,
+            compute_dtype=meta.compute_dtype,
             optimizer_type="AdamW",
             seq_length=sec["seq_length"],
             local_batch_size=self.batch,
@@ -212,7 +216,7 @@ class Checks:
             return {"status": "skipped", "why": "torch._grouped_mm is missing in this torch"}
         e, k, n = (4, 32, 48) if self.dry_run else (64, 2048, 1536)
         counts = torch.tensor([16 * (i % 3 + 1) for i in range(e)], device=self.device)
-        dtype = torch.bfloat16
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         x = torch.randn(int(counts.sum()), k, device=self.device, dtype=dtype)
         w = torch.randn(e, n, k, device=self.device, dtype=dtype) * 0.05
         ref = grouped_matmul(x, w, counts)
@@ -323,9 +327,9 @@ def main() -> int:
         return 2
     device = torch.device("cuda" if cuda else "cpu")
     checks = Checks(device, a.dry_run, a.compile_on_cpu)
-    checks.run("train_bf16_eager", checks.train)
-    checks.run("train_bf16_compile", lambda: checks.train(compile_blocks=True))
-    checks.run("train_bf16_float8", lambda: checks.train(float8=True))
+    checks.run("train_eager", checks.train)
+    checks.run("train_compile", lambda: checks.train(compile_blocks=True))
+    checks.run("train_float8", lambda: checks.train(float8=True))
     checks.run("attention", checks.attention)
     checks.run("grouped_mm", checks.grouped_mm)
     checks.run("swap", checks.swap)

@@ -36,3 +36,30 @@ def test_override_wins_and_is_validated():
     assert peak.flops == 123e12 and "mfu.peak_tflops" in peak.source
     with pytest.raises(ValueError, match="mfu.peak_tflops"):
         MfuConfig(peak_tflops=0.0)
+
+
+def test_the_denominator_is_the_peak_of_the_compute_dtype_not_of_the_fp32_masters(monkeypatch):
+    from types import SimpleNamespace
+
+    from lmforge.train import trainer as trainer_module
+
+    asked = []
+
+    def fake_peak(device, dtype, override=None):
+        asked.append(dtype)
+        return SimpleNamespace(flops=1e12, source="test")
+
+    monkeypatch.setattr(trainer_module, "mfu_peak", fake_peak)
+    model = torch.nn.Linear(2, 2)  # fp32 parameters, as the masters are
+    model.compute_dtype = torch.bfloat16
+    fake = SimpleNamespace(peak_flops=None, model=model, config=None, ctx=SimpleNamespace(device="cpu"))
+    assert trainer_module.Trainer._peak(fake) == 1e12
+    assert asked == [torch.bfloat16]
+
+
+def test_a_16_bit_peak_is_measured_in_that_dtype_and_says_so():
+    peak = mfu_peak(torch.device("cpu"), torch.bfloat16)
+    assert peak.flops > 0
+    assert peak.source.startswith(
+        "measured bfloat16 matmul peak of this cpu (the model computes in bfloat16)"
+    )

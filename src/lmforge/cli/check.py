@@ -195,7 +195,11 @@ def run(args: argparse.Namespace) -> int:
     for key, value in _leaves(cfg.to_dict()):
         lines.append(f"  {key}: {_format_value(value)}  [{_source_of(key, value, file_raw, set_keys)}]")
     lines += ["", "Outputs:"] + [f"  {what}: {where}" for what, where in output_locations(cfg)]
-    lines += ["", f"Run plan (world size {world}):", *plan.describe(cfg)]
+    from lmforge.train.preflight import compute_dtype_report
+    from lmforge.utils.device import run_device_type
+
+    dtype_line = compute_dtype_report(plan.model_config, run_device_type(args.device))[0]
+    lines += ["", f"Run plan (world size {world}):", *plan.describe(cfg), f"  {dtype_line}"]
     lines += ["", *_parallel_plan_lines(cfg, world)]
     warnings = (
         list(cfg.warnings)

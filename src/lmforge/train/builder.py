@@ -209,7 +209,7 @@ def build_trainer(
     from lmforge.models import load_hf_weights
     from lmforge.models.build import build_from_config
     from lmforge.optim import build_optimizer
-    from lmforge.train.preflight import preflight
+    from lmforge.train.preflight import compute_dtype_report, preflight
 
     if output_dir is not None:
         # --output-dir moves every output, including the paths the file puts under its own output_dir.
@@ -247,6 +247,7 @@ def build_trainer(
     setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)
     for note in plan.warnings_beyond(getattr(cfg, "warnings", ())):  # load_config logged those
         logger.warning("%s", note)
+    logger.info("%s", compute_dtype_report(plan.model_config, ctx.device.type)[0])
     training = cfg.training
     seed_everything(int(training.seed), bool(training.deterministic))
     model_cfg = plan.model_config

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lmforge.utils.native_dtype import cpu_capability
+
 logger = logging.getLogger(__name__)
 
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s per device. Matched
@@ -44,17 +46,19 @@ def datasheet_peak_tflops(device_name: str) -> float | None:
 
 
 def mfu_peak(device: torch.device, dtype: torch.dtype, override_tflops: float | None = None) -> MfuPeak:
-    """The MFU denominator: ``mfu.peak_tflops`` if set; on CUDA the datasheet bf16 peak of the device
-    (as torchtitan and Megatron report MFU); otherwise (CPU, an unknown GPU) the measured matmul peak."""
+    """The MFU denominator for a model computing in ``dtype``: ``mfu.peak_tflops`` if set; on CUDA in a
+    16-bit dtype the datasheet bf16 peak of the device (as torchtitan and Megatron report MFU); otherwise
+    (CPU, float32 compute, an unknown GPU) the measured matmul peak in ``dtype`` itself."""
     if override_tflops:
         return MfuPeak(override_tflops * 1e12, f"mfu.peak_tflops = {override_tflops:g} TFLOP/s")
-    if device.type == "cuda":
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         name = torch.cuda.get_device_name(device)
         tflops = datasheet_peak_tflops(name)
         if tflops is not None:
             return MfuPeak(tflops * 1e12, f"datasheet dense bf16 peak of {name}, {tflops:g} TFLOP/s")
     measured = matmul_peak_flops(device, dtype)
-    what = f"measured {str(dtype).replace('torch.', '')} matmul peak of this {device.type}"
+    name = str(dtype).replace("torch.", "")
+    what = f"measured {name} matmul peak of this {device.type} (the model computes in {name})"
     return MfuPeak(measured, f"{what}, {measured / 1e12:.3g} TFLOP/s")
 
 
@@ -72,8 +76,10 @@ def matmul_peak_flops(
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         dtype = torch.float32
-    if device.type == "cpu" and dtype == torch.float16:
-        dtype = torch.bfloat16  # fp16 has no fast CPU path; the model would not use it either
+    if device.type == "cpu" and dtype != torch.float32 and not cpu_capability(dtype):
+        # Emulated on this CPU (~100x slower than float32): the peak of what the model really computes,
+        # measured on matrices small enough to take a fraction of a second.
+        size = min(size, 256)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     torch.mm(a, b)  # warm-up

@@ -466,7 +466,10 @@ class Trainer:
 
     def _peak(self) -> float:
         if self.peak_flops is None:
-            dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+            # The dtype the matmuls run in (the parameters are the fp32 masters).
+            dtype = getattr(self.model, "compute_dtype", None) or next(
+                (p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32
+            )
             override = getattr(getattr(self.config, "mfu", None), "peak_tflops", None)
             peak = mfu_peak(self.ctx.device, dtype, override)
             logger.info("MFU denominator: %s", peak.source)

@@ -21,7 +21,10 @@ _log = get_logger("lmforge.models")
 # The original's keys every family accepts. Value: (default, meaning for docs).
 COMMON_MF_KEYS: dict[str, tuple[Any, str]] = {
     "seq_length": (4096, "default sequence length for flops_per_token (the data section sets the real one)"),
-    "compute_dtype": ("bfloat16", "dtype of parameters and activations"),
+    "compute_dtype": (
+        "bfloat16",
+        "dtype of parameters and activations; auto: bf16 where the device computes it natively, else float32",
+    ),
     "params_dtype": ("float32", "dtype of the optimizer's master weights (exposed as model.params_dtype)"),
     "layernorm_compute_dtype": ("float32", "RMSNorm computes in fp32; only float32 is accepted"),
     "softmax_compute_dtype": ("float32", "softmax runs in fp32 inside SDPA; only float32 is accepted"),

@@ -7,6 +7,8 @@ from typing import Any
 from lmforge.errors import ConfigError
 from lmforge.models.common.config_keys import require_value, rope_settings
 from lmforge.models.common.dtypes import parse_dtype
+from lmforge.utils.device import run_device_type
+from lmforge.utils.native_dtype import AUTO, choose_compute_dtype
 
 
 def positive_int(values: dict[str, Any], key: str, allow_zero: bool = False) -> int:
@@ -16,6 +18,22 @@ def positive_int(values: dict[str, Any], key: str, allow_zero: bool = False) -> 
             f"model.{key} = {v!r} must be a {'non-negative' if allow_zero else 'positive'} integer."
         )
     return v
+
+
+def compute_dtype_fields(value: Any) -> dict[str, Any]:
+    """``compute_dtype`` and ``compute_dtype_auto`` of a ``model.compute_dtype`` value. ``auto`` (an lmforge
+    extension) is resolved here for the device this process would train on (CUDA when available, else
+    the CPU); the builder resolves it again when ``--device`` names another device type."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        dtype = choose_compute_dtype(AUTO, run_device_type(None)).dtype
+        return {"compute_dtype": dtype, "compute_dtype_auto": True}
+    try:
+        dtype = parse_dtype(value, "model.compute_dtype")
+    except ConfigError as err:
+        raise ConfigError(
+            f"{err} Or 'auto': bf16 where the device computes it natively, float32 elsewhere."
+        ) from None
+    return {"compute_dtype": dtype, "compute_dtype_auto": False}
 
 
 def common_fields(values: dict[str, Any], family_qk_norm: bool, family_mla: bool) -> dict[str, Any]:
@@ -68,7 +86,7 @@ def common_fields(values: dict[str, Any], family_qk_norm: bool, family_mla: bool
         initializer_range=float(values["initializer_range"]),
         attention_dropout=float(values.get("attention_dropout") or 0.0),
         hidden_dropout=float(values.get("hidden_dropout") or 0.0),
-        compute_dtype=parse_dtype(values.get("compute_dtype") or "bfloat16", "model.compute_dtype"),
+        **compute_dtype_fields(values.get("compute_dtype") or "bfloat16"),
         params_dtype=parse_dtype(values.get("params_dtype") or "float32", "model.params_dtype"),
         seq_length=positive_int(values, "seq_length"),
         loss_chunk_size=positive_int(values, "loss_chunk_size", allow_zero=True),

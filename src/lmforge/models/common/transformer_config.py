@@ -62,6 +62,9 @@ class TransformerConfig:
     mtp_loss_scaling_factor: float = 0.1
     # Numerics
     compute_dtype: torch.dtype = torch.bfloat16
+    # True when the section said ``compute_dtype: auto``: compute_dtype is then the device's native
+    # choice (lmforge.utils.native_dtype), re-resolved by the builder for the device the run uses.
+    compute_dtype_auto: bool = False
     params_dtype: torch.dtype = torch.float32
     seq_length: int = 4096
     # lmforge extension: tokens per chunk of the output projection + cross-entropy (0 = full logits).
