@@ -19,13 +19,16 @@ from lmforge.train.checkpoint.safe_load import (
     read_dcp_metadata,
 )
 
-from .conftest import payload_pickle, snapshot
+from .conftest import payload_pickle, rerecord_checksums, snapshot
 
 ITER = "iteration_00000002"
 
 
 def _poison_metadata(run, marker, func=None):
     (run / "ckpt" / ITER / ".metadata").write_bytes(payload_pickle(marker, func))
+    # With its checksum updated too: the unpickler must refuse it on its own (checksums catch only
+    # damage, not an attacker who rewrites the record).
+    rerecord_checksums(run / "ckpt" / ITER)
 
 
 def _refused(code, err, marker):
