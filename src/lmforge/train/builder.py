@@ -186,16 +186,24 @@ def build_training_model(
     return model, ctx
 
 
-def _claim_run_dirs(run_dir: Path, checkpoint: Any) -> None:
-    """Rank 0: refuse now, before anything is written, an unusable output_dir or one that another run
-    uses (the trainer holds the locks while it runs)."""
+def _claim_run_dirs(rank: int, run_dir: Path, checkpoint: Any) -> None:
+    """Rank 0 refuses now, before anything is written, an unusable output_dir or one that another run
+    uses (the trainer holds the locks while it runs). A collective: only rank 0 checks, so the other
+    ranks stop quietly with its error instead of failing in the next collective."""
     from lmforge.utils.atomic import check_output_dir
+    from lmforge.utils.elastic import raise_on_every_rank
     from lmforge.utils.run_lock import lock_dirs, run_dirs
 
-    check_output_dir(run_dir, "output_dir")
-    for lock in lock_dirs(run_dirs(run_dir, checkpoint)):
-        lock.release()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    problem = None
+    if rank == 0:
+        try:
+            check_output_dir(run_dir, "output_dir")
+            for lock in lock_dirs(run_dirs(run_dir, checkpoint)):
+                lock.release()
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except LmforgeError as exc:
+            problem = exc
+    raise_on_every_rank(problem)
 
 
 def build_trainer(
@@ -233,16 +241,7 @@ def build_trainer(
         raise ConfigError(empty_load_path)
     ctx = distributed_env(device, float(cfg.parallelism.process_group_timeout))
     run_dir = Path(cfg.output_dir or "./output")
-    problem = None
-    if ctx.rank == 0:
-        try:
-            _claim_run_dirs(run_dir, cfg.checkpoint)
-        except LmforgeError as exc:
-            problem = exc
-    # Only rank 0 checked: the others stop quietly with it instead of failing in the next collective.
-    from lmforge.utils.elastic import raise_on_every_rank
-
-    raise_on_every_rank(problem)
+    _claim_run_dirs(ctx.rank, run_dir, cfg.checkpoint)
     # Logging first, so that model / optimizer construction messages reach train.log too.
     setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)
     for note in plan.warnings_beyond(getattr(cfg, "warnings", ())):  # load_config logged those

@@ -226,11 +226,9 @@ class Trainer:
     def _lock_run_dirs(self) -> list[Any]:
         from lmforge.utils.run_lock import lock_dirs, run_dirs
 
-        locks = []
-        if self.ctx.rank == 0:
-            locks = lock_dirs(run_dirs(self.output_dir, self.checkpoint_cfg))
-            if self._checkpoint_manager is not None:  # ours now: finish or undo what a crashed save left
-                recover_save_path(self._checkpoint_manager.save_path)
+        locks = lock_dirs(run_dirs(self.output_dir, self.checkpoint_cfg)) if self.ctx.rank == 0 else []
+        if locks and self._checkpoint_manager is not None:  # ours now: fix a crashed save's leftovers
+            recover_save_path(self._checkpoint_manager.save_path)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # the other ranks read save_path only once it is consistent
         return locks
