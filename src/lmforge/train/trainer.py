@@ -33,9 +33,8 @@ from lmforge.train.checkpoint import (
     load_checkpoint,
     read_tracker,
     recover_save_path,
-    resolve_checkpoint,
 )
-from lmforge.train.checkpoint.resume import load_path_to_use
+from lmforge.train.checkpoint.resume import checkpoint_to_load
 from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext
 from lmforge.train.perf import device_memory_gib, mfu_peak
@@ -253,10 +252,9 @@ class Trainer:
         return summary
 
     def _resume_or_start(self) -> None:
-        load_path, own = load_path_to_use(self.checkpoint_cfg)
+        header, own = checkpoint_to_load(self.checkpoint_cfg)
         # This job's own checkpoint (auto-resume) continues completely, optimizer included.
         no_load_optim = False if own else bool(self.checkpoint_cfg.get("no_load_optim", False))
-        header = resolve_checkpoint(load_path) if load_path else None
         consumed = 0
         if header is not None and header.kind == "dcp" and not no_load_optim:
             consumed = int(header.common.get("consumed_samples", 0))

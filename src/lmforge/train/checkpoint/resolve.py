@@ -73,18 +73,16 @@ def empty_load_path_message(load_path: str | os.PathLike, key: str = "checkpoint
 
 
 def resolve_checkpoint(load_path: str | os.PathLike) -> CheckpointHeader | None:
-    """Resolve ``checkpoint.load_path``; None when it is empty (nothing asked to load).
-
-    A path that does not exist or holds nothing is an error (the original only warned and trained from
-    scratch, which silently dropped a mistyped path; "resume if something is there" is
-    ``checkpoint.auto_resume``). An HF model directory is used as is; a save directory with a tracker
+    """Resolve a checkpoint path; None when there is nothing there (an empty path, a missing path, or a
+    directory without visible entries), for the caller to refuse in its own terms: ``train`` refuses an
+    explicit ``checkpoint.load_path`` that holds nothing before building anything
+    (``resume.load_path_problem``; the original only warned and trained from scratch), the tools name
+    their ``--checkpoint``. An HF model directory is used as is; a save directory with a tracker
     resolves to its latest iteration; otherwise the path must be an iteration directory itself.
     """
-    if not str(load_path):
-        return None
     path = Path(load_path)
-    if holds_nothing(path):
-        raise CheckpointError(empty_load_path_message(load_path))
+    if not str(load_path) or holds_nothing(path):
+        return None
     if not path.is_dir():
         raise CheckpointError(
             f"checkpoint.load_path {str(path)!r} is a file; it must be a directory: a checkpoint save_path "

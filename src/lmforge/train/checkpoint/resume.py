@@ -23,8 +23,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lmforge.errors import CheckpointError
 from lmforge.train.checkpoint import read_tracker
-from lmforge.train.checkpoint.resolve import empty_load_path_message, holds_nothing
+from lmforge.train.checkpoint.resolve import (
+    CheckpointHeader,
+    empty_load_path_message,
+    holds_nothing,
+    resolve_checkpoint,
+)
 from lmforge.utils.elastic import is_elastic_restart, restart_count
 from lmforge.utils.logging import get_logger
 
@@ -73,6 +79,15 @@ def load_path_to_use(checkpoint: Any) -> tuple[str, bool]:
     if _load_path_is_save_path(checkpoint):
         return "", False  # auto_resume: true on the first launch: nothing saved yet, start from scratch
     return checkpoint.get("load_path") or "", False
+
+
+def checkpoint_to_load(checkpoint: Any) -> tuple[CheckpointHeader | None, bool]:
+    """(the checkpoint this run loads, None for none; whether it is this job's own, resumed whole)."""
+    load_path, own = load_path_to_use(checkpoint)
+    header = resolve_checkpoint(load_path) if load_path else None
+    if load_path and header is None:  # emptied since the builder checked it (load_path_problem)
+        raise CheckpointError(empty_load_path_message(load_path))
+    return header, own
 
 
 def auto_resume_path(checkpoint: Any) -> str | None:
