@@ -1,6 +1,7 @@
 # Two commands on a fresh machine with only Python 3.11:
 #   make demo   set up .venv and train the demo model on the built-in corpus
-#   make test   set up .venv and run the whole test suite
+#   make test   set up .venv and run the whole test suite (what CI runs)
+#   make test-fast   the tier to run while editing: no end-to-end, multi-process or compile tests
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build that is available locally; GPU users: make demo TORCH_SPEC="torch==2.13.0" with their index.
@@ -8,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lmforge-installed
 
-.PHONY: setup demo test lint format clean
+.PHONY: setup demo test test-fast lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +30,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not distributed"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

@@ -118,7 +118,7 @@ HOSTILE_CONFIGS = {
     "template syntax": (b'{"chat_template": "{% for %}"}', "not a valid Jinja template"),
     "template escapes the sandbox": (
         b'{"chat_template": "{{ messages.__class__.__mro__[1].__subclasses__() }}"}',
-        "failed to render",
+        "sandbox refuses",
     ),
 }
 

@@ -108,3 +108,79 @@ def test_eval_cli_reports_the_checkpoint_loss(tmp_path, capsys):
     assert "has none" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(tmp_path / "nothing"), "--config", str(config_path)]) == 2
     assert "No checkpoint found" in capsys.readouterr().err
+
+
+def _trained_checkpoint(tmp_path, name, **sections):
+    """`lmforge train` for 2 steps of the test config (plus ``sections``); the save_path it wrote."""
+    raw = yaml.safe_load(_config(tmp_path).read_text())
+    save = tmp_path / name
+    raw.update(
+        output_dir=str(tmp_path / f"{name}_run"),
+        training={**raw["training"], "steps": 2},
+        checkpoint={"enable_save": True, "save_path": str(save), "save_interleaved_steps": 2},
+        **sections,
+    )
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["train", "--config", str(path)]) == 0
+    return save, path
+
+
+def _eval_json(capsys, *args):
+    capsys.readouterr()
+    assert main(["eval", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["pretraining", "lora"])
+def test_eval_uses_the_checkpoints_own_config(tmp_path, capsys, lora):
+    """No --config: the config.yaml saved with the checkpoint gives the model (and LoRA) and the data;
+    the result is the one --config gives; --config and --set still override it."""
+    extra = (
+        {"lora_config": {"target_modules": ".*linear_qkv", "lora_rank": 4, "lora_alpha": 8}} if lora else {}
+    )
+    save, path = _trained_checkpoint(tmp_path, "lora" if lora else "pre", **extra)
+    own = _eval_json(capsys, "--checkpoint", str(save))
+    given = _eval_json(capsys, "--checkpoint", str(save), "--config", str(path))
+    assert own["val_loss"] == given["val_loss"] and own["batches"] == given["batches"] == 3
+    assert _eval_json(capsys, "--checkpoint", str(save), "--set", "eval_steps=1")["batches"] == 1
+    other = yaml.safe_load(path.read_text())
+    other["eval_steps"] = 2
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
+    assert (
+        _eval_json(capsys, "--checkpoint", str(save), "--config", str(tmp_path / "other.yaml"))["batches"]
+        == 2
+    )
+
+
+def test_eval_without_config_of_a_checkpoint_without_one(tmp_path, capsys):
+    manager = CheckpointManager(tmp_path / "ckpt", no_save_optim=True)
+    manager.save(Checkpointable(build_model(MODEL), state=TrainState(max_steps=1)), 1)
+    manager.close()
+    assert main(["eval", "--checkpoint", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert "has no config.yaml" in err and "--config FILE" in err
+
+
+def test_eval_tasks_on_a_lora_checkpoint_loads_its_adapters(tmp_path, capsys):
+    """--tasks without --config on a LoRA run: the run's config.yaml gives lora_config, so the adapters
+    are loaded with the base (a base-only model could not take the checkpoint's adapter tensors)."""
+    pytest.importorskip("lm_eval")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    extra = {"lora_config": {"target_modules": ".*linear_qkv", "lora_rank": 4, "lora_alpha": 8}}
+    save, _ = _trained_checkpoint(tmp_path, "lora", **extra)
+    words = ["<|endoftext|>", "<unk>", *(f"w{i}" for i in range(20))]  # ids below the model's vocab 64
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    rows = [
+        {"context": f"w{i} w{i + 1}", "choices": [f"w{i + 2}", f"w{i + 5}"], "answer": 0} for i in range(4)
+    ]
+    (tmp_path / "task.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["eval", "--checkpoint", str(save), "--tasks", str(tmp_path / "task.jsonl")]
+    assert main([*args, "--tokenizer", str(tmp_path / "tok"), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0.0 <= record["results"]["lmforge_task"]["acc,none"] <= 1.0

@@ -47,8 +47,6 @@ def test_skeleton_loads_unchanged() -> None:
 NOT_RUNNABLE = {
     # The spec's placeholder name: no such callback exists.
     "004_callbacks": "callbacks[0].type: unknown callback 'MyCustomCallback'",
-    # The skeleton's model has MTP layers; pipeline parallel with MTP is not implemented.
-    "004_parallelism": "pipeline_parallel > 1 with multi-token prediction",
 }
 
 

@@ -23,9 +23,9 @@ def test_paths_under_the_files_output_dir_follow(base_config: dict[str, Any]) ->
     )
     cfg = with_output_dir(load_config(base_config), "runs/a")
     assert cfg.output_dir == "runs/a"
-    assert (
-        cfg.checkpoint.save_path == "runs/a/checkpoints" and cfg.checkpoint.load_path == "runs/a/checkpoints"
-    )
+    assert cfg.checkpoint.save_path == "runs/a/checkpoints"
+    # load_path is what the run starts from: kept as written, never moved with the outputs
+    assert cfg.checkpoint.load_path == "output/demo/checkpoints"
     assert cfg.monitor.tensorboard.output_dir == "runs/a/tb"
     assert cfg.profiler.output_path == "/elsewhere/prof"  # the user's explicit place elsewhere stays
     # Everything else is unchanged and still frozen and typed.
@@ -46,6 +46,23 @@ def test_check_prints_every_output(tmp_path: Path, base_config: dict[str, Any], 
     out = capsys.readouterr().out
     assert "TensorBoard events: runs/b/tensorboard" in out and "checkpoints: runs/b/ck" in out
     assert "log, metrics.jsonl, curves.png, summary.json: runs/b" in out
+
+
+def test_output_dir_keeps_an_explicit_load_path(
+    tmp_path: Path, base_config: dict[str, Any], capsys: Any
+) -> None:
+    """The issue's reproduction: resuming a recipe's checkpoint into a new --output-dir."""
+    base_config.update(output_dir="output/pre", checkpoint={"save_path": "output/pre/checkpoints"})
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(base_config), encoding="utf-8")
+    load = "checkpoint.load_path=output/pre/checkpoints/iteration_00000015"
+    assert main(["check", "--config", str(path), "--set", load, "--output-dir", "output/resume"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "weights loaded from (checkpoint.load_path, never moved): output/pre/checkpoints/iteration_00000015"
+        in out
+    )
+    assert "checkpoints: output/resume/checkpoints" in out
 
 
 def _tiny_run(tmp_path: Path) -> Path:

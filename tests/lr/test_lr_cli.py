@@ -96,3 +96,11 @@ def test_a_typo_exits_2_with_the_dotted_key(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "lr_scheduler.warmup_ration" in err and "did you mean warmup_ratio?" in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_output_without_extension_prints_the_file_it_writes(tmp_path, capsys):
+    config = _write_config(tmp_path, "c", {"type": "ConstantWarmUpLR", "learning_rate": 0.01}, 10)
+    assert main(["lr", "--config", str(config), "-o", str(tmp_path / "myplot")]) == 0
+    out = capsys.readouterr().out
+    assert f"plot: {tmp_path / 'myplot.png'}\n" in out
+    assert (tmp_path / "myplot.png").stat().st_size > 1000 and not (tmp_path / "myplot").exists()

@@ -430,17 +430,17 @@ def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, An
     data = torch.load(spec["data"], weights_only=True)
     per_rank = spec["gbs"] // dp_size
     rows = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-    losses = {}
+    losses, aux = {}, {}
     manager = CheckpointManager(spec["save_path"], save_max=2) if spec.get("save_at") else None
     for s in range(first, data["input_ids"].shape[0]):
         r = step(micro_batches(data, s, rows, spec["lbs"]))
-        losses[s] = r.loss
+        losses[s], aux[s] = r.loss, r.aux_losses
         state.global_step = s + 1
         if manager is not None and state.global_step == spec["save_at"]:
             manager.save(target, state.global_step)
     if manager is not None:
         manager.close()
-    return {"loss": losses}
+    return {"loss": losses, "aux_losses": aux}
 
 
 def run_workers(world: int, spec: dict[str, Any], timeout: float = 90.0) -> list[dict[str, Any]]:
@@ -525,3 +525,48 @@ def moe_monitor_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, A
     model, _, _ = build_parallel(rank, world, spec)
     ids = torch.tensor(spec["ids"])
     return {"records": moe_monitor_records(model, ids, os.path.join(spec["out"], f"tpe{rank}.jsonl"))}
+
+
+def trained_parameters_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Train each case of ``spec['cases']`` with the trainer's ``TrainStep``; per step the loss, the
+    gradient norm and the logged auxiliary losses, and after the last step this rank's parameters (whole
+    tensors, saved to ``{spec['params_dir']}/{case}_rank{rank}.pt``)."""
+    from torch.distributed.tensor import DTensor
+
+    from lmforge.train.parallel_seam import ParallelContext
+    from lmforge.train.step import TrainStep
+
+    out: dict[str, Any] = {}
+    for case in spec["cases"]:
+        case = {**spec, **case}
+        torch.manual_seed(0)
+        model, info, _ = build_parallel(rank, world, case)
+        assert_init_matches(model, torch.load(case["state"], weights_only=True))
+        data = torch.load(case["data"], weights_only=True)
+        ctx = ParallelContext(rank=rank, world_size=world).placed(info)
+        step = TrainStep(
+            model, make_optimizer(model, case.get("optimizer")), None, max_norm=MAX_NORM, ctx=ctx
+        )
+        per_rank = case["gbs"] // info.dp_size
+        rows = list(range(info.dp_rank * per_rank, (info.dp_rank + 1) * per_rank))
+        steps = []
+        for s in range(data["input_ids"].shape[0]):
+            r = step(micro_batches(data, s, rows, case["lbs"]))
+            steps.append({"loss": r.loss, "grad_norm": r.grad_norm, "aux": r.aux_losses})
+        params = {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()
+        }
+        torch.save(params, Path(case["params_dir"]) / f"{case['name']}_rank{rank}.pt")
+        # Evaluation of the trained model, one micro-batch at a time (as the validation callback runs it).
+        evals = []
+        for batch in micro_batches(data, 0, list(range(case["gbs"])), case["lbs"])[:2]:
+            if info.pipeline is not None:
+                loss_sum, tokens = info.pipeline.evaluate_batch(batch)
+            else:
+                with torch.no_grad():
+                    out_ = model(**batch)
+                loss_sum, tokens = out_.loss_sum, out_.num_tokens
+            evals.append(float(loss_sum) / float(tokens))
+        out[case["name"]] = {"steps": steps, "eval": evals}
+    return out

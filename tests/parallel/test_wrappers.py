@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge.models import build_model
+from tolerances import reordered
 
 from .harness import tiny_llama
 
@@ -46,7 +47,9 @@ def test_context_parallel_attention_is_a_submodule_of_every_core_attention(one_r
         assert [n for n, _ in getattr(model, what)()] == before
     assert list(model.state_dict()) == keys
     ids = torch.randint(0, tiny_llama()["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-6)
+    # The attention is computed in another order (by chunks of the sequence): close in float32, not equal.
+    expected = plain(ids).logits
+    torch.testing.assert_close(model(ids).logits, expected, **reordered(torch.float32, expected))
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,12 @@ def register(subparsers: Any) -> None:
         default="dcp",
         help="form of the lmforge checkpoint written by --to (default: dcp, the trainer's layout)",
     )
-    parser.add_argument("--dtype", help="dtype of the imported weights (default: the checkpoint's)")
+    parser.add_argument(
+        "--dtype",
+        help="--from-hf: the imported model's compute_dtype (default: config.json's dtype); --to-hf: the dtype "
+        "the weights are written in, cast from the checkpoint's fp32 master weights (default: the run's "
+        "model.compute_dtype). float32, bfloat16 or float16",
+    )
     export = parser.add_argument_group("export (--to-hf)")
     export.add_argument(
         "--max-shard-size",
@@ -64,7 +70,10 @@ def register(subparsers: Any) -> None:
     )
     export.add_argument("--no-tokenizer", action="store_true", help="export the weights without a tokenizer")
     export.add_argument(
-        "--chat-template", metavar="FILE", help="Jinja chat template written into tokenizer_config.json"
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template written into tokenizer_config.json and chat_template.jinja (default: the "
+        "run's train_dataset.dataloader.chat_template, else the tokenizer's own)",
     )
     export.add_argument(
         "--peft",
@@ -106,6 +115,34 @@ _OWN_OUTPUT = {
 }
 
 
+def recover_publish(dst: Path) -> None:
+    """Finish what a conversion killed while publishing left behind (see ``atomic_dir``): the earlier
+    version, moved aside to ``.NAME.old`` just before the new one was renamed in, goes back to its
+    place; the temporary directories of conversions that are no longer running are removed."""
+    import shutil
+
+    from lmforge.utils.atomic import recover_dir
+
+    if recover_dir(dst):
+        print(f"restored {dst} from {dst.name}.old (an earlier conversion was interrupted while publishing)")
+    prefix = f".{dst.name}.tmp-"
+    siblings = dst.parent.glob(f"{prefix}*") if dst.parent.is_dir() else ()
+    for tmp in siblings:
+        pid = tmp.name[len(prefix) :]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _check_destination(dst: Path, option: str, kind: str) -> None:
     """Refuse a destination whose contents this conversion would destroy (before any work)."""
     from fnmatch import fnmatch
@@ -114,6 +151,7 @@ def _check_destination(dst: Path, option: str, kind: str) -> None:
     from lmforge.utils.atomic import check_output_dir
 
     check_output_dir(dst, option)
+    recover_publish(dst)
     if not dst.is_dir():
         return
     names = {p.name for p in dst.iterdir()}
@@ -133,20 +171,25 @@ def _check_destination(dst: Path, option: str, kind: str) -> None:
 
 def _import_hf(src: Path, dst: Path, form: str, dtype: str | None) -> int:
     from lmforge.models import load_hf_pretrained, save_model_checkpoint
+    from lmforge.models.common.dtypes import dtype_name, parse_dtype
+    from lmforge.models.hf_io import hf_compute_dtype
     from lmforge.utils.atomic import atomic_dir
 
     _check_destination(dst, "--to", form)
-    model = load_hf_pretrained(src, dtype=dtype)
+    recover_publish(src)
+    compute = dtype_name(parse_dtype(dtype, "--dtype")) if dtype else None
+    # The weights are kept as the directory holds them (read in float32: the master weights a run
+    # starts from); --dtype, else config.json's dtype, is the model's compute_dtype.
+    model = load_hf_pretrained(src, dtype="float32")
+    section = {**model.config.section, "compute_dtype": compute or hf_compute_dtype(src)}
     # Written aside and renamed into place: a failure leaves what was at --to untouched.
     with atomic_dir(dst) as tmp:
         if form == "safetensors":
-            save_model_checkpoint(model, tmp)
+            save_model_checkpoint(model, tmp, section=section)
         else:
             from lmforge.train.checkpoint import Checkpointable, CheckpointManager
 
-            manager = CheckpointManager(
-                tmp, no_save_optim=True, save_max=0, config_dict={"model": model.config.section}
-            )
+            manager = CheckpointManager(tmp, no_save_optim=True, save_max=0, config_dict={"model": section})
             if not manager.save(Checkpointable(model=model), step=0):
                 raise CheckpointError(f"{src} holds non-finite weights; nothing was written to {dst}.")
             manager.close()
@@ -167,7 +210,7 @@ def _copy_tokenizer_files(src: Path, dst: Path) -> None:
             shutil.copyfile(src / name, dst / name)
 
 
-def _model_section_for(ckpt: Path, config: str | None, key: str = "model") -> dict | None:
+def model_section_for(ckpt: Path, config: str | None, key: str = "model") -> dict | None:
     """The ``model`` section (required) or another section (``lora_config``; None when absent) of the run."""
     import yaml
 
@@ -200,13 +243,15 @@ def _model_section_for(ckpt: Path, config: str | None, key: str = "model") -> di
 
 
 def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
-    from lmforge.models import build_model, load_model_checkpoint, save_hf_pretrained
+    from lmforge.models import save_hf_pretrained
+    from lmforge.models.common.dtypes import dtype_name, parse_dtype
     from lmforge.models.hf_shards import parse_size
-    from lmforge.models.io import SECTION_FILE
     from lmforge.utils.atomic import atomic_dir
 
     parse_size(args.max_shard_size)  # a bad size is refused before anything is loaded
+    export_dtype = parse_dtype(args.dtype, "--dtype") if args.dtype else None
     _check_destination(dst, "--to-hf", "hf")
+    recover_publish(src)
     if not src.is_dir():
         raise CheckpointError(f"--from {src}: no such checkpoint directory.")
     chat_template = None
@@ -220,21 +265,9 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
         except OSError as exc:
             raise ConfigError(f"--chat-template {args.chat_template}: cannot read it ({exc}).") from None
     tokenizer = None if args.no_tokenizer else _tokenizer_for(src, args)  # found before any loading
-    lora = None
-    if (src / SECTION_FILE).is_file():
-        model = load_model_checkpoint(src)
-    else:
-        from lmforge.train.checkpoint import load_model_weights
-
-        model = build_model(_model_section_for(src, args.config), device="meta")
-        lora = _model_section_for(src, args.config, "lora_config")
-        if lora is not None:
-            from lmforge.models.lora import apply_lora
-
-            apply_lora(model, lora)  # so that the checkpoint's adapters are read, not dropped
-        model.to_empty(device="cpu")
-        model.init_weights()
-        load_model_weights(src, model)
+    if chat_template is None and tokenizer is not None:
+        chat_template = _run_chat_template(src, args.config)  # the template the run trained with
+    model, lora, out_dtype = _load_for_export(src, args.config, export_dtype)
     if args.peft and lora is None:
         raise ConfigError(
             f"--peft: {src} was not trained with lora_config, so it has no adapters to write; drop --peft."
@@ -251,9 +284,14 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
         merge_lora(model)
     with atomic_dir(dst) as tmp:  # a failure leaves what was at --to-hf untouched
         files = save_hf_pretrained(
-            model, tmp, tokenizer=tokenizer, chat_template=chat_template, max_shard_size=args.max_shard_size
+            model,
+            tmp,
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+            max_shard_size=args.max_shard_size,
+            dtype=out_dtype,
         )
-    what = f"{len(files)} safetensors file(s)" + (
+    what = f"{len(files)} safetensors file(s) in {dtype_name(out_dtype)}" + (
         f", tokenizer from {tokenizer}" if tokenizer else ", no tokenizer"
     )
     if lora is not None:
@@ -262,6 +300,83 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
     if args.peft:
         print(f"PEFT LoRA adapter -> {args.peft}")
     return 0
+
+
+def _load_for_export(src: Path, config: str | None, export_dtype: Any) -> tuple[Any, dict | None, Any]:
+    """(model with its float32 weights, the run's lora_config or None, the dtype to write).
+
+    The weights are read in float32 (a training checkpoint holds the fp32 masters) and cast once, on
+    writing, to --dtype, else to the run's compute dtype (float32 for ``auto``, which depends on the
+    machine)."""
+    import torch
+
+    from lmforge.models import build_model, build_model_config, load_model_checkpoint
+    from lmforge.models.io import SECTION_FILE
+
+    if (src / SECTION_FILE).is_file():
+        from lmforge.models.io import saved_compute_dtype
+
+        return load_model_checkpoint(src, dtype=torch.float32), None, export_dtype or saved_compute_dtype(src)
+    from lmforge.train.checkpoint import load_model_weights
+
+    section = model_section_for(src, config)
+    if "hf_config" not in section:  # a written-out section fine-tuned from a Hugging Face directory
+        carried = _base_hf_config(model_section_for(src, config, "checkpoint"))
+        section = {**section, "hf_config": carried} if carried else section
+    typed = build_model_config(section)
+    out_dtype = export_dtype or (torch.float32 if typed.compute_dtype_auto else typed.compute_dtype)
+    model = build_model({**section, "compute_dtype": "float32"}, device="meta")
+    lora = model_section_for(src, config, "lora_config")
+    if lora is not None:
+        from lmforge.models.lora import apply_lora
+
+        apply_lora(model, lora)  # so that the checkpoint's adapters are read, not dropped
+    model.to_empty(device="cpu")
+    model.init_weights()
+    load_model_weights(src, model)
+    return model, lora, out_dtype
+
+
+def _base_hf_config(checkpoint: dict | None) -> dict | None:
+    """The config.json keys lmforge does not model (token ids, ...) of the Hugging Face directory the run
+    started from (``checkpoint.load_path``), so that the export writes them back; None without one."""
+    import json
+
+    from lmforge.errors import LmforgeError
+    from lmforge.models.hf_io import HF_CONFIG_KEY, section_from_hf_config
+
+    load_path = (checkpoint or {}).get("load_path")
+    config_json = Path(load_path) / "config.json" if isinstance(load_path, str) and load_path else None
+    if config_json is None or not config_json.is_file():
+        return None
+    try:
+        hf_cfg = json.loads(config_json.read_text(encoding="utf-8"))
+        return section_from_hf_config(hf_cfg).get(HF_CONFIG_KEY) if isinstance(hf_cfg, dict) else None
+    except (OSError, ValueError, LmforgeError) as exc:
+        print(f"note: the keys of {config_json} beyond the model's structure are not carried over ({exc})")
+        return None
+
+
+def _run_chat_template(src: Path, config: str | None) -> str | None:
+    """``train_dataset.dataloader.chat_template`` of the run (``--config``, else the checkpoint's
+    config.yaml), as template text; None when the run set none (the tokenizer's own is exported)."""
+    from lmforge.config import read_raw
+    from lmforge.data.text_format import BUILTIN_TEMPLATES
+    from lmforge.train.checkpoint import CONFIG_FILE, resolve_checkpoint
+
+    if config is None:
+        header = resolve_checkpoint(src)
+        saved = header.path / CONFIG_FILE if header is not None and header.kind == "dcp" else None
+        if saved is None or not saved.is_file():
+            return None
+        config = str(saved)
+    raw, _ = read_raw(config)
+    dataset = raw.get("train_dataset")
+    loader = dataset.get("dataloader") if isinstance(dataset, dict) else None
+    template = loader.get("chat_template") if isinstance(loader, dict) else None
+    if not isinstance(template, str) or not template:
+        return None
+    return BUILTIN_TEMPLATES.get(template, template)
 
 
 def _tokenizer_for(src: Path, args: argparse.Namespace) -> Path:

@@ -1,8 +1,11 @@
 """``lmforge eval``: the validation loss and perplexity of a checkpoint, once.
 
-The model comes from ``model`` of the config, its weights from ``--checkpoint`` (an lmforge
-checkpoint: a save_path with its tracker file or one ``iteration_XXXXXXXX`` directory; or a Hugging
-Face model directory); the data is the ``valid`` split of ``eval_dataset`` (or of ``train_dataset``),
+The config is ``--config`` (the run's train.yaml), else the ``config.yaml`` saved inside the
+checkpoint, so ``lmforge eval --checkpoint DIR`` works on its own for a pretraining, SFT or LoRA
+checkpoint; ``--set`` overrides either. The model comes from its ``model`` (and ``lora_config``)
+section, its weights from ``--checkpoint`` (an lmforge checkpoint: a save_path with its tracker file
+or one ``iteration_XXXXXXXX`` directory; or a Hugging Face model directory, with ``--config``); the
+data is the ``valid`` split of ``eval_dataset`` (or of ``train_dataset``),
 ``training.local_batch_size`` samples per batch, ``eval_steps`` batches (``--eval-steps``; default:
 the whole split). One process.
 
@@ -39,7 +42,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--config",
         metavar="FILE",
-        help="the run's train.yaml (optional with --tasks: the checkpoint's config.yaml is used)",
+        help="train.yaml for the model and the validation data (default: the config.yaml saved with the "
+        "checkpoint)",
     )
     add_set_option(parser, "eval_steps=50")
     parser.add_argument("--eval-steps", type=int, default=None, metavar="N", help="batches to evaluate")
@@ -83,16 +87,13 @@ def _load_model(
 
 
 def run(args: argparse.Namespace) -> int:
-    from lmforge.config import load_config
     from lmforge.errors import ConfigError
 
     if args.tasks:
         return _run_tasks(args)
-    if not args.config:
-        raise ConfigError("lmforge eval needs --config FILE (the run's train.yaml) for the validation loss.")
     from lmforge.train.callbacks.validation import build_eval_loader, eval_settings, evaluate
 
-    config = load_config(args.config, args.overrides)
+    config = _run_config(Path(args.checkpoint), args.config, args.overrides)
     settings = eval_settings(config)
     steps = args.eval_steps if args.eval_steps is not None else settings.steps
     if steps is not None and steps <= 0:
@@ -100,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
     from lmforge.utils.device import parse_device
 
     device = torch.device(parse_device(args.device) or ("cuda" if torch.cuda.is_available() else "cpu"))
+    loader = build_eval_loader(config)  # data problems are found before the model is built
     model = _load_model(Path(args.checkpoint), config.model, device, getattr(config, "lora_config", None))
-    loader = build_eval_loader(config)
     result = evaluate(model, loader, max_batches=steps, device=device)
     if args.json:
         print(
@@ -116,25 +117,119 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_config(checkpoint: Path, config: str | None, overrides: Any) -> Any:
+    """``--config`` when given, else the ``config.yaml`` the run saved with the checkpoint (the whole
+    train.yaml: model, LoRA, data); ``--set`` applies to either."""
+    from lmforge.config import load_config
+    from lmforge.errors import CheckpointError, ConfigError
+    from lmforge.train.checkpoint import CONFIG_FILE, resolve_checkpoint
+
+    if config:
+        return load_config(config, overrides)
+    from lmforge.utils.atomic import recover_dir
+
+    recover_dir(checkpoint)
+    header = resolve_checkpoint(checkpoint)
+    if header is None:
+        raise CheckpointError(f"No checkpoint found at {checkpoint}: the directory is missing or empty.")
+    saved = header.path / CONFIG_FILE
+    if header.kind == "hf" or not saved.is_file():
+        raise ConfigError(
+            f"{header.path} has no {CONFIG_FILE} (the training config lmforge saves with each checkpoint); give "
+            "the run's train.yaml with --config FILE for the model and the validation data."
+        )
+    try:
+        return load_config(saved, overrides)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{saved} (the checkpoint's own config) cannot be used for the validation loss: {exc} Give the "
+            "run's train.yaml with --config FILE, or fix it with --set."
+        ) from None
+
+
+def _task_model(header: Any, cfg: Any, args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
+    """(model with the checkpoint's weights, LoRA adapters included; tokenizer path or None)."""
+    from lmforge.train.builder import find_tokenizer
+
+    tokenizer_path = Path(args.tokenizer) if args.tokenizer else None
+    if header.kind == "hf":
+        return _load_model(header.path, None, device), tokenizer_path or header.path
+    if cfg is not None:
+        model = _load_model(header.path, cfg.model, device, getattr(cfg, "lora_config", None))
+    else:  # a model-only config.yaml, as `lmforge convert --from-hf` writes
+        from lmforge.cli.convert import model_section_for
+
+        model = _load_model(header.path, model_section_for(header.path, None), device)
+    if tokenizer_path is None:
+        saved = header.path / "tokenizer.json"
+        fallback = find_tokenizer(cfg) if cfg is not None else None
+        tokenizer_path = saved if saved.is_file() else fallback
+    return model, tokenizer_path
+
+
 RESULTS_FILE = "lm_eval_results.json"
+# How long `eval --tasks` waits to learn whether the Hugging Face Hub answers at all.
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def _hub_unreachable(tasks: list[str], include_path: str | None) -> str | None:
+    """The Hub's address when registry tasks may need it and it does not answer within
+    ``HUB_PROBE_TIMEOUT_S`` (then the datasets libraries are put in offline mode, so that a dataset
+    missing from the cache fails at once instead of after their retries and timeouts); else None."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if all(t.endswith(".jsonl") for t in tasks) and not include_path:
+        return None  # local files only: no network (lm_eval_harness sets offline mode itself)
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    url = urlparse(endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    if os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "TRUE", "yes"):
+        return endpoint  # the user's own offline mode: a missing dataset is the same clear error
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+        return None
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ["HF_DATASETS_OFFLINE"] = "1"
+        return endpoint
+
+
+def _is_missing_download(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a download that offline mode or the network refused."""
+    seen = 0
+    while exc is not None and seen < 10:
+        name = type(exc).__name__
+        text = str(exc)
+        if isinstance(exc, (ConnectionError, TimeoutError)) or name in (
+            "OfflineModeIsEnabled",
+            "LocalEntryNotFoundError",
+            "DatasetNotFoundError",
+            "ConnectError",
+            "ConnectTimeout",
+        ):
+            return True
+        if "offline" in text.lower() or "Couldn't reach" in text or "couldn't find" in text.lower():
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _run_tasks(args: argparse.Namespace) -> int:
     from lmforge.config import load_config
     from lmforge.data.tokenizer import find_eod_id, load_tokenizer
     from lmforge.errors import CheckpointError, ConfigError, DataError
-    from lmforge.models import build_model, load_hf_pretrained
-    from lmforge.train.builder import find_tokenizer
     from lmforge.train.callbacks.lm_eval_harness import (
         evaluate_tasks,
         flat_results,
         require_lm_eval,
         split_tasks,
     )
-    from lmforge.train.checkpoint import CONFIG_FILE, load_model_weights, resolve_checkpoint
+    from lmforge.train.checkpoint import CONFIG_FILE, resolve_checkpoint
 
     require_lm_eval()
-    split_tasks(args.tasks)
+    offline = _hub_unreachable(split_tasks(args.tasks), args.include_path)
     for name, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be a positive number, got {value}.")
@@ -152,37 +247,33 @@ def _run_tasks(args: argparse.Namespace) -> int:
             cfg = load_config(header.path / CONFIG_FILE, args.overrides)
         except ConfigError:
             cfg = None  # a model-only config.yaml, as `lmforge convert --from-hf` writes
-    tokenizer_path = Path(args.tokenizer) if args.tokenizer else None
-    if header.kind == "hf":
-        model = load_hf_pretrained(header.path, device=device)
-        tokenizer_path = tokenizer_path or header.path
-    else:
-        from lmforge.cli.convert import _model_section_for
-
-        section = cfg.model if cfg is not None else _model_section_for(header.path, None)
-        model = build_model(section, device=device)
-        load_model_weights(header.path, model)
-        if tokenizer_path is None:
-            saved = header.path / "tokenizer.json"
-            fallback = find_tokenizer(cfg) if cfg is not None else None
-            tokenizer_path = saved if saved.is_file() else fallback
+    model, tokenizer_path = _task_model(header, cfg, args, device)
     if tokenizer_path is None:
         raise DataError(
             f"no tokenizer found for {header.path}: pass --tokenizer PATH (a tokenizer.json or a directory)."
         )
     tokenizer = load_tokenizer(tokenizer_path)
     mc = model.config
-    results = evaluate_tasks(
-        model,
-        tokenizer,
-        args.tasks,
-        eot_id=find_eod_id(tokenizer, tokenizer_path),
-        max_length=int(getattr(mc, "seq_length", None) or mc.max_position_embeddings),
-        limit=args.limit,
-        num_fewshot=args.num_fewshot,
-        include_path=args.include_path,
-        batch_size=args.batch_size,
-    )
+    try:
+        results = evaluate_tasks(
+            model,
+            tokenizer,
+            args.tasks,
+            eot_id=find_eod_id(tokenizer, tokenizer_path),
+            max_length=int(getattr(mc, "seq_length", None) or mc.max_position_embeddings),
+            limit=args.limit,
+            num_fewshot=args.num_fewshot,
+            include_path=args.include_path,
+            batch_size=args.batch_size,
+        )
+    except Exception as exc:  # noqa: BLE001 (datasets / huggingface_hub raise many kinds of network errors)
+        if offline is None or not _is_missing_download(exc):
+            raise
+        raise DataError(
+            f"--tasks {args.tasks}: a task's dataset is not in the local Hugging Face cache and {offline} cannot be "
+            "reached (offline); run it once with network access to cache it, or use a local .jsonl task "
+            "(docs/guide.md)."
+        ) from None
     step = header.global_step
     record = {
         "checkpoint": str(header.path),

@@ -39,7 +39,11 @@ def register(subparsers: Any) -> None:
     )
     add_set_option(parser, "training.steps=5000")
     parser.add_argument(
-        "-o", "--output", default="lr.png", metavar="PNG", help="the plot to write (default: lr.png)"
+        "-o",
+        "--output",
+        default="lr.png",
+        metavar="PNG",
+        help="the plot to write; its extension picks the format, none means .png (default: lr.png)",
     )
     parser.add_argument(
         "--csv",
@@ -99,7 +103,15 @@ _PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff",
 def _check_outputs(args: argparse.Namespace) -> None:
     from lmforge.utils.atomic import check_output_file
 
+    if Path(args.output).is_dir():
+        raise ConfigError(
+            f"-o/--output {args.output!r} is a directory; give the plot's file name (e.g. -o lr.png; a name with no "
+            "extension gets .png)."
+        )
     suffix = Path(args.output).suffix.lstrip(".").lower()
+    if not suffix:  # as matplotlib itself does: the default format's extension, and say so
+        args.output = f"{args.output}.png"
+        suffix = "png"
     if suffix not in _PLOT_FORMATS:
         raise ConfigError(
             f"-o/--output {args.output!r}: the plot's format comes from its extension, and "

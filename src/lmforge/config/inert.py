@@ -88,4 +88,11 @@ def collect_warnings(raw: Mapping[str, Any], cfg: Any) -> list[str]:
             "parallelism.sequence_parallel: False is overridden: sequence parallel is always on when "
             f"tensor_parallel > 1 (here {cfg.parallelism.tensor_parallel}), as the spec says."
         )
+    present, pretrained = _lookup(raw, "model.from_pretrained")
+    if present and not cfg.checkpoint.load_path:
+        warnings.append(
+            f"model.from_pretrained = {pretrained!r} gives the model's structure only, and checkpoint.load_path "
+            "is empty: the run starts from freshly initialised weights. To fine-tune, set checkpoint.load_path "
+            f"to {pretrained!r} with checkpoint.no_load_optim: true."
+        )
     return warnings

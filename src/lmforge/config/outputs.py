@@ -1,10 +1,15 @@
 """Where a run writes: ``output_dir`` and the output paths placed under it, and ``--output-dir``.
 
 ``--output-dir DIR`` moves every output of the run: ``output_dir`` becomes DIR and each output path
-that the file places under its own ``output_dir`` (``checkpoint.save_path``, ``checkpoint.load_path``
-when it resumes from there, ``monitor.tensorboard.output_dir``, ``monitor.wandb.dir``,
-``profiler.output_path``) keeps its place relative to it. Paths elsewhere are the user's explicit
-choice and stay. Two runs of one file with different ``--output-dir`` therefore never mix their files.
+that the file places under its own ``output_dir`` (``checkpoint.save_path``,
+``monitor.tensorboard.output_dir``, ``monitor.wandb.dir``, ``profiler.output_path``) keeps its place
+relative to it. Paths elsewhere are the user's explicit choice and stay. Two runs of one file with
+different ``--output-dir`` therefore never mix their files.
+
+``checkpoint.load_path`` is an input, not an output: it names the weights the run starts from (an
+earlier run's checkpoint, a Hugging Face directory), and stays exactly as written even when it lies
+under the file's ``output_dir`` (moving it would start a fine-tune from whatever is, or is not, at the
+new place).
 """
 
 from __future__ import annotations
@@ -13,10 +18,9 @@ import os
 from pathlib import PurePath
 from typing import Any
 
-# (section, key) of every path a run writes (or resumes from) that may sit under output_dir.
+# (section, key) of every path a run writes that may sit under output_dir.
 OUTPUT_PATHS: tuple[tuple[str, ...], ...] = (
     ("checkpoint", "save_path"),
-    ("checkpoint", "load_path"),
     ("monitor", "tensorboard", "output_dir"),
     ("monitor", "wandb", "dir"),
     ("profiler", "output_path"),
@@ -69,6 +73,8 @@ def output_locations(cfg: Any) -> list[tuple[str, str]]:
             cfg.monitor.tensorboard.output_dir or os.path.join(run, "tensorboard"),
         ),
     ]
+    if cfg.checkpoint.load_path:  # an input, printed so that --output-dir's effect on it shows: none
+        rows.append(("weights loaded from (checkpoint.load_path, never moved)", cfg.checkpoint.load_path))
     if cfg.checkpoint.enable_save:
         rows.append(("checkpoints", cfg.checkpoint.save_path))
     else:

@@ -26,6 +26,7 @@ SectionSchema = Callable[[Any, str, Mapping[str, Any]], Any]
 _SCHEMAS: dict[str, dict[str, SectionSchema]] = {}
 _NOUNS: dict[str, str] = {}
 _PROVIDERS: dict[str, list[Callable[[], None]]] = {}
+_EXPANDERS: dict[str, Callable[[Any], Any]] = {}
 
 
 def register_section_schema(
@@ -78,3 +79,16 @@ def typed_section(section: str, value: Any, node: Any, path: str, cfg: Mapping[s
         noun = _NOUNS.get(section, "type")
         raise ValueError(f"{path}.type: unknown {noun} {value!r}{hint}. Valid types: {', '.join(known)}.")
     return known[value](node, path, cfg)
+
+
+def register_section_expander(section: str, expander: Callable[[Any], Any]) -> None:
+    """Make ``expander(raw) -> raw`` run on ``section``'s raw mapping before it is validated (the model
+    section's ``from_pretrained``, which models/ expands from a config.json)."""
+    _EXPANDERS[section] = expander
+
+
+def expand_section(section: str, raw: Any) -> Any:
+    """``raw`` as the registered expander of ``section`` rewrites it (unchanged when none is)."""
+    _schemas(section)  # runs the providers, which register the expander
+    expander = _EXPANDERS.get(section)
+    return raw if expander is None else expander(raw)

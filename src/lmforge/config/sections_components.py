@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import Field, PrivateAttr, model_validator
 
 from lmforge.config.base import Float, OpenSection, Section, check_positive
-from lmforge.config.registry import typed_section
+from lmforge.config.registry import expand_section, typed_section
 
 # --------------------------------------------------------------------------------------------------
 # optimizer and lr_scheduler
@@ -124,6 +124,12 @@ class ModelConfig(OpenSection):
     # The resolved structure and model class the registered schema of ``model_type`` made of this
     # section (lmforge.config.registry); None when the section was validated on its own.
     _typed: Any = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand(cls, data: Any) -> Any:
+        # model.from_pretrained: DIR takes the section from DIR/config.json (models/ registers it).
+        return expand_section("model", data)
 
     @property
     def typed(self) -> Any:

@@ -7,8 +7,9 @@ Row kinds, recognised per row by their columns (names configurable):
   tokenizer's ``chat_template`` from tokenizer_config.json, or ``chat_template`` in the YAML: a
   template string or the built-in name ``chatml``). Only the assistant turns are trained on.
 * ``prompt`` / ``response`` (and the Alpaca ``instruction`` / ``input`` / ``output``): one user turn
-  and one assistant turn, formatted like ``messages``; without any template the prompt and the
-  response are concatenated and only the response is trained on.
+  and one assistant turn, formatted like ``messages``; without any template the prompt, then
+  ``PLAIN_SEPARATOR`` (a blank line, ``"\\n\\n"``), then the response, and only the response is
+  trained on.
 
 How the mask is found: the template is rendered for the first i turns and for the first i+1; the
 difference is turn i's text. For an assistant turn, the generation prompt (``add_generation_prompt``,
@@ -47,26 +48,48 @@ class FormatSettings:
     eod: int = 0
 
 
+# Between a prompt and its response when no chat template applies (a prompt/response or Alpaca row
+# and no template in the YAML or with the tokenizer): part of the prompt, never trained on.
+# `lmforge generate --chat` puts the same text after a prompt without a template.
+PLAIN_SEPARATOR = "\n\n"
+TEMPLATE_FILE = "chat_template.jinja"
+SANDBOX_REFUSAL = "sandbox refuses"
+
+
 def tokenizer_chat_template(tokenizer_path: str) -> tuple[str | None, str, str]:
-    """(chat_template, bos_token, eos_token) from the tokenizer_config.json next to the tokenizer."""
+    """(chat_template, bos_token, eos_token) of the tokenizer files next to the tokenizer.
+
+    The template is tokenizer_config.json's ``chat_template``, else the ``chat_template.jinja`` file
+    (where transformers 4.43+ and 5 save it); the special tokens come from tokenizer_config.json, which
+    is read strictly (``data/tokenizer.py``: a bounded JSON object whose tokens are strings)."""
     from lmforge.data.tokenizer import read_tokenizer_config, special_token
 
     base = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
+    config = os.path.join(base, "tokenizer_config.json")
     info = read_tokenizer_config(base)
     template = info.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
+    jinja = os.path.join(base, TEMPLATE_FILE)
+    if not template and os.path.isfile(jinja):
+        try:
+            with open(jinja, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"{jinja} is not a readable text file: {exc}") from None
     if template is not None and not isinstance(template, str):
         raise DataError(
-            f"{os.path.join(base, 'tokenizer_config.json')}: chat_template must be a string (a Jinja template) or "
-            f"a list of {{name, template}} objects, found {type(template).__name__}. Fix the file, or set "
-            "train_dataset.dataloader.chat_template."
+            f"{config}: chat_template must be a string (a Jinja template) or a list of {{name, template}} "
+            f"objects, found {type(template).__name__}. Fix the file, or set train_dataset.dataloader.chat_template."
         )
-    return template, special_token(info, "bos_token"), special_token(info, "eos_token")
+    return template or None, special_token(info, "bos_token"), special_token(info, "eos_token")
 
 
 def compile_template(template: str):
+    """The template in jinja2's immutable sandbox (no attribute access to Python internals, no
+    mutation of its arguments); syntax errors and what the sandbox refuses are ``DataError``."""
+    from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -75,15 +98,27 @@ def compile_template(template: str):
         raise DataError(f"chat template: {message}")
 
     env.globals["raise_exception"] = raise_exception
-    from jinja2 import TemplateError
-
     try:
         return env.from_string(template)
     except TemplateError as exc:
+        raise DataError(f"the chat template is not a valid Jinja template: {exc}") from None
+
+
+def render_template(template: Any, **context: Any) -> str:
+    """Render a compiled template; an operation the sandbox refuses (a template reaching for Python
+    internals) or a template error is a ``DataError``, never a traceback."""
+    from jinja2 import TemplateError
+    from jinja2.exceptions import SecurityError
+
+    try:
+        return template.render(**context)
+    except SecurityError as exc:
         raise DataError(
-            f"the chat template is not a valid Jinja template ({type(exc).__name__}: {str(exc)[:200]}); fix it "
-            "(tokenizer_config.json's chat_template or train_dataset.dataloader.chat_template)."
+            f"the chat template tried an operation the {SANDBOX_REFUSAL} ({exc}); lmforge renders templates in "
+            "jinja2's immutable sandbox. Use a template that only formats the messages."
         ) from None
+    except TemplateError as exc:
+        raise DataError(f"the chat template failed to render: {exc}") from None
 
 
 class RowFormatter:
@@ -96,20 +131,13 @@ class RowFormatter:
 
     # -- pieces: (text, trained) ------------------------------------------------------------
     def _render(self, messages: list[dict[str, Any]], generation: bool) -> str:
-        from jinja2 import TemplateError
-
-        try:
-            return self.template.render(
-                messages=messages,
-                add_generation_prompt=generation,
-                bos_token=self.s.bos_token,
-                eos_token=self.s.eos_token,
-            )
-        except TemplateError as exc:  # the sandbox's SecurityError included: an unsafe template
-            raise DataError(
-                f"the chat template failed to render a conversation ({type(exc).__name__}: {str(exc)[:200]}); "
-                "lmforge renders templates in Jinja's sandbox and refuses what it forbids. Use another template."
-            ) from None
+        return render_template(
+            self.template,
+            messages=messages,
+            add_generation_prompt=generation,
+            bos_token=self.s.bos_token,
+            eos_token=self.s.eos_token,
+        )
 
     def chat_pieces(self, messages: Any, where: str) -> list[tuple[str, bool]]:
         key = self.s.messages_key
@@ -122,7 +150,8 @@ class RowFormatter:
             text_value(m["content"], where, f"{key}[{i}].content")
         if self.template is None:
             if [m["role"] for m in messages] == ["user", "assistant"]:
-                return [(messages[0]["content"], False), (messages[1]["content"], True)]
+                prompt = messages[0]["content"] + PLAIN_SEPARATOR  # strings: checked above
+                return [(prompt, False), (messages[1]["content"], True)]
             raise DataError(
                 f"{where}: a conversation needs a chat template: the tokenizer's tokenizer_config.json has "
                 "none; set train_dataset.dataloader.chat_template (a Jinja template or 'chatml')."

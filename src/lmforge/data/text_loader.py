@@ -141,9 +141,10 @@ def check_text_loader(loader: dict[str, Any]) -> dict[str, Any]:
         from .text_format import compile_template
 
         try:
-            compile_template(template)
+            compiled = compile_template(template)
         except Exception as exc:  # jinja2's TemplateSyntaxError
             raise ConfigError(f"{KEY}.chat_template is not a valid Jinja template: {exc}") from None
+        _probe_template(compiled)
     pad_length = loader.get("eod_pad_length", 128)
     if isinstance(pad_length, bool) or not isinstance(pad_length, int) or pad_length < 1:
         raise ConfigError(f"{KEY}.eod_pad_length must be a positive integer; got {pad_length!r}.")
@@ -159,6 +160,20 @@ def check_text_loader(loader: dict[str, Any]) -> dict[str, Any]:
         "template": template,
         "eod_pad_length": pad_length,
     }
+
+
+def _probe_template(compiled: Any) -> None:
+    """Render a two-turn conversation now, so that a template the sandbox refuses is found at load
+    (``lmforge check``), not by the loader's workers after the model is built."""
+    from .text_format import SANDBOX_REFUSAL, render_template
+
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    try:
+        render_template(compiled, messages=probe, add_generation_prompt=False, bos_token="", eos_token="")
+    except DataError as exc:
+        if SANDBOX_REFUSAL in str(exc):
+            raise ConfigError(f"{KEY}.chat_template: {exc}") from None
+        # other template errors depend on the conversation: they are reported with the row that fails
 
 
 def text_seq_length(loader: dict[str, Any], seq_length: int | None) -> int:

@@ -23,15 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from lmforge.errors import CheckpointError
 from lmforge.models.common.init import _as_range, _global_indices, canonical_name
 from lmforge.models.common.transformer_config import TransformerConfig
+from lmforge.models.hf_checks import check_unused, open_safetensors
 from lmforge.models.lora import is_lora_param_name
-from lmforge.utils.logging import get_logger
-
-_log = get_logger("lmforge.models")
 
 _ROW_BITS = 40
 _ROW_MASK = (1 << _ROW_BITS) - 1
@@ -41,25 +38,41 @@ def weight_files(path: Path) -> dict[str, Path]:
     """Tensor name → the safetensors file that holds it (from the index, or the single file)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(
-                f"{index} is not a safetensors index (a 'weight_map' object): {exc}"
-            ) from None
-        files = {name: path / file for name, file in weight_map.items()}
-        for file in sorted(set(files.values())):
-            if not file.exists():
-                raise CheckpointError(f"{file} is listed in the safetensors index but does not exist.")
-        return files
+        return _indexed_files(path, index)
     single = path / "model.safetensors"
     if not single.exists():
         raise CheckpointError(
             f"{path} has neither model.safetensors nor model.safetensors.index.json; lmforge reads Hugging Face "
             "checkpoints in safetensors format only."
         )
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    with contextlib.ExitStack() as stack:
+        return dict.fromkeys(open_safetensors(single, stack).keys(), single)
+
+
+def _indexed_files(path: Path, index: Path) -> dict[str, Path]:
+    """The index's ``weight_map``: tensor names to file names that lie in ``path`` itself."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"{index} is not a safetensors index (a JSON object with a 'weight_map' object): {exc!r}"
+        ) from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(
+            f"{index}: 'weight_map' must be a non-empty object of tensor names to safetensors file names."
+        )
+    files = {}
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or Path(file).name != file or not file.endswith(".safetensors"):
+            raise CheckpointError(
+                f"{index}: tensor '{name}' is placed in {file!r}; the index may name only .safetensors "
+                "files of its own directory."
+            )
+        files[name] = path / file
+    for file in sorted(set(files.values())):
+        if not file.exists():
+            raise CheckpointError(f"{file} is listed in the safetensors index but does not exist.")
+    return files
 
 
 def read_slice(handle: Any, name: str, index: tuple[slice, ...]) -> torch.Tensor:
@@ -75,12 +88,7 @@ class _Directory:
     def __init__(self, files: dict[str, Path], stack: contextlib.ExitStack) -> None:
         self.names = sorted(files)
         self.number = {n: i for i, n in enumerate(self.names)}
-        handles = {}
-        for f in sorted(set(files.values())):
-            try:
-                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
-            except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types)
-                raise CheckpointError(f"{f} is not a readable safetensors file ({exc}).") from None
+        handles = {f: open_safetensors(f, stack) for f in sorted(set(files.values()))}
         self.handle = {n: handles[files[n]] for n in self.names}
         self.shape = {}
         for n in self.names:
@@ -216,9 +224,7 @@ def _load(model: torch.nn.Module, path: Path, cfg: TransformerConfig, from_hf: A
         directory = _Directory(files, stack)
         ids = directory.row_ids()
         mapped = from_hf(ids, cfg)
-        leftover = sorted(k for k in ids if not k.endswith("rotary_emb.inv_freq"))
-        if leftover:
-            _log.warning("%s: %d tensors not used: %s", path, len(leftover), ", ".join(leftover[:8]))
+        check_unused(path, ids)  # what from_hf did not take
         targets = _targets(model)
         # MTP layers and LoRA adapters (lmforge.models.lora) are not in a Hugging Face base model;
         # buffers not in the mapping are derived ones (rope tables, counters).

@@ -49,12 +49,26 @@ def _read_json(file: Path) -> dict[str, Any]:
     return data
 
 
+def _source_template(config: dict[str, Any], src_dir: Path) -> str | None:
+    """The source tokenizer's own chat template: tokenizer_config.json's, else chat_template.jinja."""
+    template = config.get("chat_template")
+    if isinstance(template, str):
+        return template
+    if template is None and (src_dir / CHAT_TEMPLATE_FILE).is_file():
+        try:
+            return (src_dir / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"{src_dir / CHAT_TEMPLATE_FILE} is not a readable text file: {exc}") from None
+    return None  # none, or transformers' list of named templates (kept as it is in the config)
+
+
 def write_tokenizer_files(
     source: str | Path, dst: Path, model_max_length: int | None = None, chat_template: str | None = None
 ) -> dict[str, int]:
     """Write the tokenizer files of ``source`` (a tokenizer.json or a directory with one) into ``dst``.
 
-    ``chat_template`` (Jinja text) replaces the source's template. Returns the special-token ids
+    ``chat_template`` (Jinja text) replaces the source's template; the template is written into
+    tokenizer_config.json and chat_template.jinja. Returns the special-token ids
     (``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``, those that exist) for config.json.
     """
     tok_file = Path(tokenizer_file(source))
@@ -71,10 +85,12 @@ def write_tokenizer_files(
         config["model_max_length"] = int(model_max_length)
     if not _token_name(config.get("eos_token")):
         config["eos_token"] = tokenizer.id_to_token(find_eod_id(tokenizer, tok_file))
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    elif "chat_template" not in config and (src_dir / CHAT_TEMPLATE_FILE).is_file():
-        shutil.copyfile(src_dir / CHAT_TEMPLATE_FILE, dst / CHAT_TEMPLATE_FILE)
+    template = chat_template if chat_template is not None else _source_template(config, src_dir)
+    if template is not None:
+        # Both places transformers reads it from: tokenizer_config.json (4.x) and chat_template.jinja
+        # (4.43+ and 5, which prefer the file); the same text in each.
+        config["chat_template"] = template
+        (dst / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
     (dst / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
     ids: dict[str, int] = {}

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from lmforge.config.registry import register_section_schema
+from lmforge.config.registry import register_section_expander, register_section_schema
 from lmforge.models.common.gpt import GPTModel
 from lmforge.models.common.transformer_config import TransformerConfig
+from lmforge.models.pretrained import expand_from_pretrained
 from lmforge.models.registry import families, model_type_aliases, resolve
 
 
@@ -35,3 +36,4 @@ def register() -> None:
     for name in (*families(), *model_type_aliases()):
         register_section_schema("model", name, _typed_model)
     register_section_schema("model", "*", _typed_model)
+    register_section_expander("model", expand_from_pretrained)

@@ -159,11 +159,6 @@ def refuse_unsupported(model: nn.Module, dims: ParallelDims) -> None:
             "parallelism.context_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
             "supported: MTP shifts tokens across the load-balanced sequence chunks. Set one of them off."
         )
-    if dims.pp > 1 and mtp:
-        raise NotSupportedError(
-            "parallelism.pipeline_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
-            "supported yet; set one of them off."
-        )
     if dims.pp > 1 and dims.tp > 1 and getattr(model, "output_layer", "missing") is None:
         raise NotSupportedError(
             "parallelism.pipeline_parallel > 1 with tensor_parallel > 1 and tied word embeddings (model "
@@ -239,6 +234,7 @@ def parallelize(
         dims.check_transformer(cfg, opts)
     refuse_unsupported(model, dims)
     tied_output = getattr(model, "output_layer", "missing") is None  # before pipeline pruning clears it
+    has_mtp = getattr(model, "mtp", None) is not None  # (pruning keeps it on the last stage only)
     stage_specs = None
     if dims.pp > 1:
         pp_mesh = mesh["pp"]
@@ -276,13 +272,20 @@ def parallelize(
             tp_size=dims.tp,
         )
         roots = pipeline.stage_modules
-        if tied_output:  # tied embeddings: see pp_tied
-            from lmforge.parallel.pp_tied import TiedOutput, pair_groups
+        if tied_output or has_mtp:  # the last stage needs the embedding: see pp_tied
+            from lmforge.parallel.pp_tied import LastStageEmbedding, pair_groups
 
             pp_rank = mesh["pp"].get_local_rank()
-            pipeline.attach_tied_output(
-                TiedOutput(
-                    model, pair_groups(mesh.world), pp_rank == 0, pp_rank == dims.pp - 1, compute_dtype
+            pipeline.attach_last_stage_embedding(
+                LastStageEmbedding(
+                    model,
+                    pair_groups(mesh.world),
+                    pp_rank == 0,
+                    pp_rank == dims.pp - 1,
+                    compute_dtype,
+                    tied=tied_output,
+                    tp_rank=mesh["tp"].get_local_rank() if dims.tp > 1 else 0,
+                    tp_size=dims.tp,
                 )
             )
         refuse_direct_calls(model)
@@ -332,4 +335,5 @@ def _layers_of(root: nn.Module, model: nn.Module) -> list[nn.Module]:
 
     if root is model:
         return decoder_layers(model)
-    return list(root.layers)
+    mtp = list(root.mtp.layers) if getattr(root, "mtp", None) is not None else []  # the last stage's
+    return [*root.layers, *mtp]

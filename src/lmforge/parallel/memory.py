@@ -103,6 +103,18 @@ class MemoryEstimate:
 _REST_CONST = 536
 
 
+def _mtp_activation_bytes(
+    config: Any, per_layer_act: float, tokens: float, hidden_size: int, cbytes: int, dims: ParallelDims
+) -> tuple[float, float]:
+    """(activations, what full recompute keeps) of the multi-token-prediction depths, which all run on the
+    last pipeline stage: each a layer's activations plus its input projection's (the two normed halves,
+    their concatenation and the projected hidden states: ~6 hidden-sized tensors per token); with full
+    recompute, each depth's two inputs and its output."""
+    depths = getattr(config, "mtp_num_layers", 0) if isinstance(config, TransformerConfig) else 0
+    per_token = tokens * hidden_size * cbytes / dims.tp
+    return depths * (per_layer_act + 6 * per_token), depths * 3 * per_token
+
+
 def layer_activation_parts_per_token(config: Any, hidden_size: int, cbytes: int) -> dict[str, float]:
     """The attention and MLP shares of :func:`layer_activation_bytes_per_token` (what recomputing the
     whole ``self_attention`` or ``mlp`` module of a layer frees: its input is the norm's output, which
@@ -280,11 +292,13 @@ def estimate_memory(
             key = owner + rest.split(".", 1)[0]
             share = dims.tp * (dims.ep * dims.expert_fsdp_size if _is_expert(name) else dims.fsdp_size)
             layer_local[key] = layer_local.get(key, 0.0) + n / share
+        # The MTP layers all live on the last pipeline stage (parallel/pp.py), the others spread over pp.
+        pp_share = 1 if name.startswith("mtp.") else dims.pp
         if _is_expert(name):
-            local = n / (dims.pp * dims.tp * dims.ep) / dims.expert_fsdp_size
+            local = n / (pp_share * dims.tp * dims.ep) / dims.expert_fsdp_size
             expert_local += local
         else:
-            local = n / (dims.pp * dims.tp) / dims.fsdp_size
+            local = n / (pp_share * dims.tp) / dims.fsdp_size
             if not _is_vocab(name) and "layers." not in name:
                 local = n / dims.fsdp_size  # norms outside the layers: replicated over tp/pp
             dense_local += local
@@ -336,6 +350,7 @@ def estimate_memory(
     config = getattr(model, "config", None)  # checked (with a clear error) by the per-token estimate
     per_token_layer = layer_activation_bytes_per_token(config, hidden_size, cbytes)
     per_layer_act = per_token_layer * tokens / dims.tp
+    mtp_act, mtp_inputs = _mtp_activation_bytes(config, per_layer_act, tokens, hidden_size, cbytes, dims)
     # 1F1B keeps up to pp micro-batches in flight on the first stage; GPipe keeps all of them.
     in_flight = min(dims.pp, accumulation_steps) if dims.pp > 1 else 1
     # Outside the layers: embedding output, final norm (2 copies in 16-bit), on the plain path the logits.
@@ -406,20 +421,22 @@ def estimate_memory(
         loss_left = ((full_tokens if logits_kept else 0) + hidden_size) * vocab_size * cbytes
     first_stage_last = min(layers_here, num_layers) - 1
     mlp_grads_last = mlp_backward_bytes(config, num_layers - 1, full_tokens, hidden_size, cbytes, dims)
-    last_stage = stage_layers_act + recomputed_last_mlp + rest_in_backward + loss_left + mlp_grads_last
+    last_stage = (
+        stage_layers_act + mtp_act + recomputed_last_mlp + rest_in_backward + loss_left + mlp_grads_last
+    )
     if dims.pp > 1:
         # The first stage keeps ``in_flight`` micro-batches of its layers; the last stage one
         # micro-batch plus the loss. The larger of the two.
-        act = int(max(stage_layers_act * in_flight, stage_layers_act + rest + logits_grad))
-        act_rc = int(max(layer_inputs * in_flight, layer_inputs + rest + logits_grad))
+        act = int(max(stage_layers_act * in_flight, stage_layers_act + mtp_act + rest + logits_grad))
+        act_rc = int(max(layer_inputs * in_flight, layer_inputs + mtp_inputs + rest + logits_grad))
         recompute_backward = int(max(layer_inputs * in_flight, layer_inputs + rest) + per_layer_act)
         first_stage = stage_layers_act * in_flight + mlp_backward_bytes(
             config, first_stage_last, full_tokens, hidden_size, cbytes, dims
         )
         mlp_backward = int(max(first_stage, last_stage))
     else:
-        act = int(stage_layers_act + rest + logits_grad)
-        act_rc = int(layer_inputs + rest + logits_grad)
+        act = int(stage_layers_act + mtp_act + rest + logits_grad)
+        act_rc = int(layer_inputs + mtp_inputs + rest + logits_grad)
         recompute_backward = int(layer_inputs + per_layer_act + rest)
         mlp_backward = int(last_stage)
     if accumulation_steps > 1:

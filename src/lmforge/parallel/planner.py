@@ -11,7 +11,8 @@ prints). The step time is a model, not a measurement:
   all-reduce of the gradient shard across replicas; tensor parallel (with sequence parallel) moves
   8 activation tensors per layer per micro-batch; expert parallel 4 all-to-alls of the routed tokens
   per MoE layer; context parallel passes the keys/values around the ring (forward and backward);
-  pipeline parallel sends one activation per micro-batch per stage boundary each way;
+  pipeline parallel sends one activation per micro-batch per stage boundary each way, and with tied
+  embeddings or MTP the embedding weight to the last stage and its gradient back (fp32);
 * bandwidths (overridable): groups inside a node use ``intra_node_gbps`` (default 200 GB/s per GPU,
   NVLink-class effective bus bandwidth), groups that span nodes ``inter_node_gbps`` (default 25 GB/s
   per GPU, a 200-400 Gb/s NIC per GPU);
@@ -72,6 +73,9 @@ class ModelFacts:
     compute_bytes: int
     total_params: int
     expert_params: int = 0  # routed experts' parameters (sharded over ep, gathered over fsdp / ep)
+    # Tied embeddings or MTP: under pp the first stage sends the embedding weight (fp32) to the last
+    # stage each step and gets its gradient back (parallel/pp_tied.py).
+    carried_embedding: bool = False
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,8 @@ def communication_volume(
         out["cp"] = 3 * layers * micro * tokens_mb * 2 * model.kv_dim * c * (layout.cp - 1) / layout.tp
     if layout.pp > 1:
         out["pp"] = 2 * micro * tokens_mb * model.hidden_size * c
+        if model.carried_embedding:
+            out["pp"] += 2 * model.vocab_size * model.hidden_size * 4
     return out
 
 
@@ -253,6 +259,7 @@ def model_facts(cfg: Any) -> tuple[ModelFacts, Any]:
         expert_params=sum(
             p.numel() for n, p in net.named_parameters() if ".experts." in n and "shared_expert" not in n
         ),
+        carried_embedding=bool(mc.tie_word_embeddings or mc.mtp_num_layers),
     )
     return facts, (net, mc)
 

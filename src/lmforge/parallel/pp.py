@@ -2,7 +2,8 @@
 
 Each pipeline rank keeps one pruned copy of the model that holds only its layers (under their global
 names, ``decoder.layers.5`` stays ``decoder.layers.5``, so checkpoints load into any layout), the
-embedding on the first stage and the final norm and output layer on the last. Its virtual stages
+embedding on the first stage and the final norm, output layer and multi-token-prediction (MTP) layers
+on the last. Its virtual stages
 (``pipeline_parallel_interleave_num`` of them, stage ``c·pp + rank``) are :class:`StageModule` s: plain
 modules over slices of that copy, each wrapped in a ``PipelineStage``.
 
@@ -17,7 +18,12 @@ tokens)``. The schedule's loss function (:class:`MicroBatchLossScale`) only back
 micro-batch's ``loss_sum × scale`` with ``scale = 1/N_global`` (times the fp16 loss scale): the
 global-batch token mean of DESIGN §6, with ``scale_grads=False``.
 MoE balancing losses are added to the gradient where they arise (their layer's output), as
-Megatron's auto-scaler. Evaluation runs the stages forward-only, one micro-batch at a time
+Megatron's auto-scaler. MTP (DeepSeek-V3's layout): the last stage runs the model's own
+``mtp_losses`` on its last hidden states after the main loss, with the micro-batch's input ids (a
+keyword argument like the labels) and the embedding weight carried from the first stage
+(:mod:`lmforge.parallel.pp_tied`); their weighted sum enters the gradient with the balancing losses'
+weight (``aux_scale``), exactly as the unpipelined step adds ``aux_loss``, and the per-depth losses
+(``mtp_k_loss``) come back for the log. Evaluation runs the stages forward-only, one micro-batch at a time
 (:meth:`Pipeline.evaluate_batch`). Calling the pruned model directly is refused with a clear message.
 """
 
@@ -31,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.errors import ConfigError, NotSupportedError
+from lmforge.errors import ConfigError
 from lmforge.parallel.pp_layout import stage_layers, stages_of_rank
 
 logger = logging.getLogger(__name__)
@@ -40,7 +46,8 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 IGNORE_INDEX = -100
 # Side inputs every stage receives as keyword arguments of ``schedule.step`` (split per micro-batch).
 STAGE_KWARGS = ("position_ids", "attention_mask", "actual_seq_len")
-# What the last stage's loss needs, given to the stages of the rank that holds it (also split per micro-batch).
+# What the last stage's loss needs, given to the stages of the rank that holds it (also split per micro-batch);
+# with multi-token prediction the input ids too (as ``mtp_input_ids``).
 LOSS_KWARGS = ("labels", "loss_mask")
 
 
@@ -68,12 +75,13 @@ class _AttachAux(torch.autograd.Function):
 
 
 class StageModule(nn.Module):
-    """One virtual stage: embedding (first), a run of decoder layers, final norm + loss (last).
+    """One virtual stage: embedding (first), a run of decoder layers, final norm + loss + MTP (last).
 
     Its submodules are the pruned model's own (one name, one parameter each). The last stage returns
-    ``[CE sum, valid tokens]`` (fp32) of its micro-batch, computed by the model's ``token_loss`` with the
-    model's output weight, or, with tied embeddings, ``tied_output``: the first stage's embedding weight
-    as received for this step (:mod:`lmforge.parallel.pp_tied`). The loss runs inside this forward, not
+    ``[CE sum, valid tokens, mtp_1_loss, ..., mtp_D_loss]`` (fp32) of its micro-batch, computed by the
+    model's ``token_loss`` with the model's output weight, or, with tied embeddings, the first stage's
+    embedding weight as received for this step (``last_embedding``, :mod:`lmforge.parallel.pp_tied`),
+    which the MTP depths also look their tokens up in. The loss runs inside this forward, not
     in the schedule's loss function, so that the output weight is used inside the FSDP2 module that
     holds it (gathered by its pre-forward hook, its gradient reduce-scattered after backward) and the
     logits exist only one chunk at a time.
@@ -86,7 +94,9 @@ class StageModule(nn.Module):
         self.embedding = model.embedding if first else None
         self.final_layernorm = model.decoder.final_layernorm if last else None
         self.output_layer = getattr(model, "output_layer", None) if last else None
-        self.tied_output: nn.Module | None = None  # set on the last stage when embeddings are tied
+        self.mtp = getattr(model, "mtp", None) if last else None
+        # Set on the last stage when it needs the embedding (tied output layer, MTP): see pp_tied.
+        self.last_embedding: nn.Module | None = None
         object.__setattr__(self, "_model", model)  # not a submodule: no second name for its parameters
         self.aux_scale = 0.0  # weight of the MoE balancing losses in this step's objective
         self.loss_grad_scale = 1.0  # the gradient of the last stage's loss sum (MicroBatchLossScale's scale)
@@ -107,15 +117,17 @@ class StageModule(nn.Module):
         actual_seq_len: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
+        mtp_input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states for the next stage, or on the last stage ``[CE sum, valid tokens]``."""
+        """Hidden states for the next stage, or on the last stage ``[CE sum, valid tokens, MTP losses]``."""
         self.calls += 1
+        loss_inputs = (labels, loss_mask, mtp_input_ids)
         if not self.restore_buffers_after_next_call:
-            return self._run(x, position_ids, attention_mask, actual_seq_len, labels, loss_mask)
+            return self._run(x, position_ids, attention_mask, actual_seq_len, *loss_inputs)
         self.restore_buffers_after_next_call = False
         saved = [(b, _local(b).detach().clone()) for b in self.buffers()]
         aux_before = self.aux_sum
-        out = self._run(x, position_ids, attention_mask, actual_seq_len, labels, loss_mask)
+        out = self._run(x, position_ids, attention_mask, actual_seq_len, *loss_inputs)
         self.aux_sum = aux_before
         with torch.no_grad():
             for b, before in saved:
@@ -131,6 +143,7 @@ class StageModule(nn.Module):
         actual_seq_len: torch.Tensor | None,
         labels: torch.Tensor | None,
         loss_mask: torch.Tensor | None,
+        mtp_input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from lmforge.models.common.masks import attention_layout
 
@@ -141,11 +154,9 @@ class StageModule(nn.Module):
         self.moe_layers = 0
         for layer in self.layers:
             h = layer(h, cos, sin, allowed)
-            aux = getattr(getattr(layer, "mlp", None), "last_aux_loss", None)
-            if aux is not None and torch.is_grad_enabled():
+            aux = self._balancing_loss(layer)
+            if aux is not None:
                 h = _AttachAux.apply(h, aux * self.aux_scale)
-                self.aux_sum = self.aux_sum + aux.detach().to(torch.float64)
-                self.moe_layers += 1
         if not self.last:
             return h
         if labels is None:
@@ -154,14 +165,58 @@ class StageModule(nn.Module):
                 "parallel model computes losses only; logits need parallelism.pipeline_parallel: 1)."
             )
         normed = self.final_layernorm(h)
-        if self.tied_output is not None:
-            weight = self.tied_output.weight.to(self.tied_output.compute_dtype)
+        carried = self.last_embedding
+        if carried is not None and carried.tied:
+            weight = carried.output_weight()
         else:
             weight = model._stored_output_weight()  # a DTensor split by vocabulary rows under tp
         # The schedule's loss function backpropagates loss_sum × loss_grad_scale: announced to the chunked loss.
         scale = model.token_loss.grad_scale_kwargs(self.loss_grad_scale)
         loss_sum, count, _ = model.token_loss(normed, weight, labels, loss_mask, **scale)
-        return torch.stack([loss_sum, count.to(loss_sum.dtype)])
+        mtp_losses: list[torch.Tensor] = []
+        if self.mtp is not None:
+            weighted, mtp_losses = self._mtp(h, mtp_input_ids, labels, loss_mask, (cos, sin, allowed), weight)
+            if torch.is_grad_enabled():
+                # The unpipelined step backpropagates aux_loss × aux_scale beside the token-mean loss.
+                loss_sum = _AttachAux.apply(loss_sum, weighted * self.aux_scale)
+        return torch.stack([loss_sum, count.to(loss_sum.dtype), *mtp_losses])
+
+    def _mtp(
+        self,
+        h: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        rope_and_mask: tuple,
+        output_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(weighted MTP losses plus the MTP layers' balancing losses, [mtp_1_loss, ..., mtp_D_loss]).
+
+        The unpipelined model's own ``mtp_losses`` (same shifts, masks, depth weights); the embedding is
+        the first stage's, carried here (the last stage holds no embedding parameter)."""
+        if input_ids is None or self.last_embedding is None:
+            raise RuntimeError("the last pipeline stage runs MTP without its input ids or embedding (a bug)")
+        named: dict[str, torch.Tensor] = {}
+        cos, sin, allowed = rope_and_mask
+        weighted = self._model.mtp_losses(
+            h, input_ids, labels, loss_mask, cos, sin, allowed, named,
+            embed=self.last_embedding.lookup, output_weight=output_weight,
+        )  # fmt: skip
+        for depth in self.mtp.layers:
+            aux = self._balancing_loss(depth.transformer_layer)
+            if aux is not None:
+                weighted = weighted + aux
+        return weighted, [named[f"mtp_{k}_loss"].detach().float() for k in range(1, len(self.mtp.layers) + 1)]
+
+    def _balancing_loss(self, layer: nn.Module) -> torch.Tensor | None:
+        """The MoE balancing loss ``layer`` produced in this forward (counted for the log), or None; only
+        while gradients are recorded (evaluation adds none)."""
+        aux = getattr(getattr(layer, "mlp", None), "last_aux_loss", None)
+        if aux is None or not torch.is_grad_enabled():
+            return None
+        self.aux_sum = self.aux_sum + aux.detach().to(torch.float64)
+        self.moe_layers += 1
+        return aux
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -170,7 +225,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class MicroBatchLossScale:
     """The schedule's loss function: scales the last stage's output, a micro-batch's ``[CE sum over its
-    valid tokens, valid tokens]``, to the micro-batch's part of the step's objective, ``CE sum × scale``.
+    valid tokens, valid tokens, MTP losses]``, to the micro-batch's part of the step's objective,
+    ``CE sum × scale`` (the MTP losses are already in its gradient, see :class:`StageModule`).
 
     ``scale`` (a ``loss_kwargs`` entry of ``schedule.step``) is ``1 / N_global`` times the fp16 loss
     scale, so the micro-batches' backward passes add up to the gradient of the global-batch token mean.
@@ -181,10 +237,17 @@ class MicroBatchLossScale:
     def __init__(self) -> None:
         self.sums: list[torch.Tensor] = []
         self.tokens: list[torch.Tensor] = []
+        self.mtp: list[torch.Tensor] = []  # per micro-batch: [mtp_1_loss, ..., mtp_D_loss]
+
+    def clear(self) -> None:
+        self.sums.clear()
+        self.tokens.clear()
+        self.mtp.clear()
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         self.sums.append(output[0].detach())
         self.tokens.append(output[1].detach())
+        self.mtp.append(output[2:].detach())
         return output[0] * scale
 
 
@@ -218,11 +281,6 @@ def split_for_pipeline(
 ) -> list[tuple[int, list[int]]]:
     """Prune ``model`` in place to this rank's layers; return ``(stage_id, layer_ids)`` of its stages."""
     schedule, interleave = validate_pp_options(opts, pp)
-    if getattr(model, "mtp", None) is not None:
-        raise NotSupportedError(
-            "parallelism.pipeline_parallel > 1 with multi-token prediction (model mtp_num_layers > 0) is not "
-            "supported yet; set one of them off."
-        )
     num_layers = len(model.decoder.layers)
     stages = stage_layers(
         opts["pipeline_parallel_layers_per_stage"], num_layers=num_layers, pp=pp, interleave=interleave
@@ -235,8 +293,11 @@ def split_for_pipeline(
     if 0 not in mine:
         model.embedding.word_embeddings = None
     if n_stages - 1 not in mine:
+        # The MTP layers live on the last stage: they continue from its hidden states (DeepSeek-V3's layout).
         model.decoder.final_layernorm = None
         model.output_layer = None
+        if getattr(model, "mtp", None) is not None:
+            model.mtp = None
     return [(s, stages[s]) for s in mine]
 
 
@@ -273,7 +334,9 @@ class Pipeline:
         self.has_first = any(m.first for m in self.stage_modules)
         self.has_last = any(m.last for m in self.stage_modules)
         self.loss = MicroBatchLossScale()
-        self.tied: Any = None  # pp_tied.TiedOutput when the output layer is the embedding
+        self.tied: Any = None  # pp_tied.LastStageEmbedding when the last stage needs the embedding
+        # MTP depths of the model (on every pipeline rank: their losses are shared with all of them).
+        self.mtp_depth = int(getattr(getattr(model, "config", None), "mtp_num_layers", 0) or 0)
         self._stage_ids = [s for s, _ in stage_specs]
         self._n_stages = n_stages
         self._schedule_name = schedule
@@ -291,12 +354,12 @@ class Pipeline:
                 f"({pp_mesh.size()}); adjust training.global_batch_size."
             )
 
-    def attach_tied_output(self, tied: Any) -> None:
-        """Tied embeddings: the last stage computes its loss from ``tied``'s copy of the weight."""
-        self.tied = tied
+    def attach_last_stage_embedding(self, carried: Any) -> None:
+        """Tied embeddings or MTP: the last stage uses ``carried``'s copy of the embedding weight."""
+        self.tied = carried
         for m in self.stage_modules:
             if m.last:
-                m.tied_output = tied
+                m.last_embedding = carried
 
     @property
     def schedule(self) -> Any:
@@ -352,8 +415,7 @@ class Pipeline:
             m.aux_sum = 0.0
             m.calls = 0
             m.restore_buffers_after_next_call = self._first_step  # the schedule's shape inference
-        self.loss.sums.clear()
-        self.loss.tokens.clear()
+        self.loss.clear()
         kwargs: dict[str, Any] = {
             key: torch.cat([b[key] for b in local]) for key in STAGE_KWARGS if local[0].get(key) is not None
         }
@@ -362,6 +424,8 @@ class Pipeline:
         kwargs["return_outputs"] = False
         if self.has_last:
             kwargs["labels"] = torch.cat([b["labels"] for b in local])
+            if self.mtp_depth:  # the MTP depths look up the shifted input tokens
+                kwargs["mtp_input_ids"] = torch.cat([b["input_ids"] for b in local])
             masks = [b.get("loss_mask") for b in local]
             given = next((m for m in masks if m is not None), None)
             if given is not None:
@@ -379,8 +443,9 @@ class Pipeline:
         """After ``schedule.step``: the tied weight's gradient goes back to the first stage, and
         ``(loss_sum, tokens, aux_losses)`` of this data-parallel rank's micro-batches is returned, the
         same on every pipeline rank: the loss sum and token count from the last stage (summed over
-        context-parallel ranks), ``aux_losses`` the MoE balancing losses of every stage's layers,
-        summed over micro-batches (averaged over cp chunks), for the log, as the model reports them."""
+        context-parallel ranks), ``aux_losses`` the MoE balancing losses of every stage's layers
+        and the last stage's ``mtp_k_loss``, summed over micro-batches (averaged over cp chunks), for
+        the log, as the model reports them."""
         if self.tied is not None:
             self.tied.return_grad()
         if self._first_step and any(m.calls != self.n_micro + 1 for m in self.stage_modules):
@@ -394,10 +459,12 @@ class Pipeline:
         self._first_step = False
         # Only the last n_micro loss calls are the micro-batches (the first step infers shapes with one more).
         sums, tokens = self.loss.sums[-self.n_micro :], self.loss.tokens[-self.n_micro :]
-        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(4 + self.mtp_depth, dtype=torch.float64, device=self.device)
         if self.has_last:
             totals[0] = torch.stack(sums).to(torch.float64).sum()
             totals[1] = torch.stack(tokens).to(torch.float64).sum()
+            if self.mtp_depth:
+                totals[4:] = torch.stack(self.loss.mtp[-self.n_micro :]).to(torch.float64).sum(0)
         for m in self.stage_modules:
             totals[2] += torch.as_tensor(m.aux_sum, device=self.device) / self.cp_size
         totals[3] = sum(m.moe_layers for m in self.stage_modules)
@@ -405,7 +472,9 @@ class Pipeline:
             dist.all_reduce(totals, group=self.cp_group)
         # Loss and tokens are zero outside the last stage, so the sum over pp ranks is its value.
         dist.all_reduce(totals, group=self.pp_group)
-        aux = {"load_balancing_loss": totals[2]} if totals[3] > 0 else {}
+        aux = {f"mtp_{k}_loss": totals[3 + k] for k in range(1, self.mtp_depth + 1)}
+        if totals[3] > 0:
+            aux["load_balancing_loss"] = totals[2]
         return totals[0], totals[1], aux
 
     def _share_totals(self, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -450,8 +519,11 @@ class Pipeline:
                     h.to(self.compute_dtype).contiguous(), group_dst=(sid + 1) % pp, group=self.pp_group
                 )
             else:
-                out = by_id[sid](x, **side, labels=batch["labels"], loss_mask=batch.get("loss_mask"))
-                totals = out.to(torch.float64)
+                mtp_ids = ids if self.mtp_depth else None
+                out = by_id[sid](
+                    x, **side, labels=batch["labels"], loss_mask=batch.get("loss_mask"), mtp_input_ids=mtp_ids
+                )
+                totals = out[:2].to(torch.float64)  # the LM loss (as the unpipelined validation reads it)
         return self._share_totals(totals)
 
 

@@ -66,6 +66,9 @@ def parallel_plan(
         )
         for s, layers in enumerate(stages):
             lines.append(f"  pipeline stage {s} (pp rank {s % dims.pp}): layers {layers[0]}-{layers[-1]}")
+        if cfg.mtp_num_layers:  # the MTP layers go with the last stage (parallel/pp.py)
+            first, last = cfg.num_layers, cfg.num_layers + cfg.mtp_num_layers - 1
+            lines[-1] += f", MTP layer {first}" if first == last else f", MTP layers {first}-{last}"
     ranks = describe_ranks(dims)
     lines += ["  " + r for r in ranks[:MAX_RANK_LINES]]
     if len(ranks) > MAX_RANK_LINES:

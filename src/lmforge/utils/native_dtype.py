@@ -107,12 +107,17 @@ def cpu_speed_ratio(dtype: torch.dtype) -> tuple[float, float]:
 
 
 def cuda_native(dtype: torch.dtype) -> bool:
-    if dtype == torch.bfloat16:
-        try:
-            return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-        except TypeError:  # older signature
-            return bool(torch.cuda.is_bf16_supported())
-    return True  # float32 and float16 run natively on every CUDA device torch supports
+    """Whether the CUDA device computes ``dtype`` natively. Checked on a machine without a usable CUDA
+    device (``check --device cuda`` on a login node) it cannot be asked, and bf16 is assumed: every GPU
+    since Ampere has it, and the run itself decides on its own device."""
+    if dtype != torch.bfloat16:
+        return True  # float32 and float16 run natively on every CUDA device torch supports
+    try:
+        if not torch.cuda.is_available():
+            return True
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except (AssertionError, RuntimeError):  # a CPU-only build, a device that cannot be queried
+        return True
 
 
 def is_native(dtype: torch.dtype, device_type: str) -> bool:

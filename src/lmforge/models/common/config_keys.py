@@ -95,6 +95,12 @@ HF_BOOKKEEPING_KEYS = (
     "output_hidden_states",
     "return_dict",
 )
+# lmforge's keys naming where a model section came from (lmforge.models.pretrained): the Hugging Face
+# directory whose config.json it was taken from, and that file's keys lmforge does not model.
+SOURCE_KEYS = ("from_pretrained", "hf_config")
+# lmforge's keys naming where a model section came from (lmforge.models.pretrained): the Hugging Face
+# directory whose config.json it was taken from, and that file's keys lmforge does not model.
+SOURCE_KEYS = ("from_pretrained", "hf_config")
 INERT_KEYS = {
     "use_attn_mask_compression",
     "use_eod_attn_mask_compression",
@@ -169,7 +175,7 @@ class FamilyKeys:
         return {k: v for k, v in keys.items() if k not in ALIASES or alias_target(k, names) is not None}
 
     def valid_keys(self) -> list[str]:
-        return ["model_type", "architectures", *self.hf, *self.mf_keys(), *HF_BOOKKEEPING_KEYS]
+        return ["model_type", "architectures", *self.hf, *self.mf_keys(), *HF_BOOKKEEPING_KEYS, *SOURCE_KEYS]
 
 
 def unknown_key_error(key: str | list[str], valid: list[str], where: str) -> ConfigError:

@@ -230,7 +230,7 @@ class GPTModel(nn.Module):
         aux_total = loss_sum.new_zeros(())
         aux_losses: dict[str, torch.Tensor] = {}
         if self.mtp is not None:
-            aux_total = aux_total + self._mtp_losses(
+            aux_total = aux_total + self.mtp_losses(
                 hidden, input_ids, labels, loss_mask, cos, sin, allowed, aux_losses
             )
         balance = [m.last_aux_loss for m in moe_layers(self) if m.last_aux_loss is not None]
@@ -259,23 +259,37 @@ class GPTModel(nn.Module):
             **self.token_loss.grad_scale_kwargs(grad_scale),
         )
 
-    def _mtp_losses(
-        self, hidden, input_ids, labels, loss_mask, cos, sin, allowed, aux_losses
+    def mtp_losses(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        allowed,
+        aux_losses: dict[str, torch.Tensor],
+        *,
+        embed=None,
+        output_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Depth k predicts labels[t+k] from hidden state t of depth k-1 and the embedding of input t+k.
 
         The rolled-in tail positions are masked. Adds ``mtp_k_loss`` (plain mean CE) to ``aux_losses``
-        and returns ``mtp_loss_scaling_factor / D · Σ_k mtp_k_loss``.
+        and returns ``mtp_loss_scaling_factor / D · Σ_k mtp_k_loss``. ``embed`` (ids → embeddings) and
+        ``output_weight`` default to this model's embedding and output weight; a pipeline's last stage,
+        which holds neither the embedding nor (when tied) the output weight, passes its own.
         """
+        embed = self.embedding.word_embeddings if embed is None else embed
+        weight = self._stored_output_weight() if output_weight is None else output_weight
         ids, lab = input_ids, labels
         mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
         total = hidden.new_zeros((), dtype=torch.float32)
         depth = len(self.mtp.layers)
         for k, mtp in enumerate(self.mtp.layers, start=1):
             ids, lab, mask = _shift_left(ids, 0), _shift_left(lab, -100), _shift_left(mask, 0.0)
-            emb = self.embedding.word_embeddings(ids)
-            hidden, normed = mtp(hidden, emb, cos, sin, allowed)
-            lsum, n, _ = self._token_loss(normed, lab, mask)
+            hidden, normed = mtp(hidden, embed(ids), cos, sin, allowed)
+            lsum, n, _ = self.token_loss(normed, weight, lab, mask)
             loss_k = lsum / n.clamp(min=1)
             aux_losses[f"mtp_{k}_loss"] = loss_k
             total = total + loss_k
