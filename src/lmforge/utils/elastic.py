@@ -44,6 +44,9 @@ class DistributedStartError(LmforgeError):
 _generation: int | None = None  # this attempt's store generation, once the process group is up
 
 
+QUIET_RANK_GRACE_S = 2.0
+
+
 class ReportedByAnotherRank(LmforgeError):
     """Another rank found the error and reports it; this rank stops without printing it again."""
 
@@ -106,6 +109,9 @@ def raise_on_every_rank(error: LmforgeError | None) -> None:
         return
     if error is not None and dist.get_rank() == failing[0]:
         raise error
+    # torchrun ends the remaining workers as soon as one exits: the reporting rank exits first, so its
+    # message is printed before the launcher's SIGTERM can reach it.
+    time.sleep(QUIET_RANK_GRACE_S)
     raise ReportedByAnotherRank(f"rank {failing[0]} stopped the job: {found[failing[0]]}")
 
 
