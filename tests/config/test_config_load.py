@@ -147,6 +147,15 @@ def test_renamed_keys_of_older_versions_point_to_the_new_name(base_config: dict[
         load_config(base_config)
 
 
+def test_eval_dataset_is_typed_like_train_dataset(base_config: dict[str, Any]) -> None:
+    # No longer passed through: a section shaped wrongly is refused at load, naming its keys (issue 31).
+    base_config["eval_dataset"] = {"anything": [1, 2]}
+    with pytest.raises(
+        ConfigError, match=r"eval_dataset\.dataloader: Field required.*eval_dataset\.anything"
+    ):
+        load_config(base_config)
+
+
 def test_unknown_keys_pass_through_open_sections(base_config: dict[str, Any]) -> None:
     base_config["optimizer"] = {"type": "Muon", "momentum": 0.95, "ns_coefficients": [[[3.4, -4.7, 2.0], 8]]}
     base_config["lr_scheduler"].update(type="CosineWithWarmUpLR", lr_end=0.0)  # typed: a key of this type
@@ -158,7 +167,6 @@ def test_unknown_keys_pass_through_open_sections(base_config: dict[str, Any]) ->
     }
     base_config["model"]["rope_theta"] = 1.0e6  # typed per family: a key of qwen3
     base_config["callbacks"] = [{"type": "MyCallback", "log_interval": 10}]
-    base_config["eval_dataset"] = {"anything": [1, 2]}
     cfg = load_config(base_config)
     assert cfg.optimizer.momentum == 0.95
     assert cfg.optimizer.to_dict()["ns_coefficients"] == [[[3.4, -4.7, 2.0], 8]]
@@ -173,8 +181,6 @@ def test_unknown_keys_pass_through_open_sections(base_config: dict[str, Any]) ->
     assert cfg.model.rope_theta == 1.0e6 and cfg.model.typed.config.rope_theta == 1.0e6
     assert cfg.model.hidden_size == 64
     assert cfg.callbacks[0].log_interval == 10
-    assert cfg.eval_dataset.anything == [1, 2]
-    assert cfg.to_dict()["eval_dataset"] == {"anything": [1, 2]}
     assert cfg.model.extras() == {
         "num_hidden_layers": 4,
         "hidden_size": 64,
@@ -298,7 +304,8 @@ def test_extras_named_like_pydantic_methods(base_config: dict[str, Any]) -> None
 
 def test_unknown_top_level_keys_pass_through_with_a_warning(base_config: dict[str, Any]) -> None:
     base_config["trainig"] = {"steps": 5}
-    base_config["eval_dataset"] = {"x": 1}
+    # Typed like train_dataset (issue 31), and unused without eval_interval: said so.
+    base_config["eval_dataset"] = {"dataloader": dict(base_config["train_dataset"]["dataloader"])}
     cfg = load_config(base_config)
     assert cfg.trainig.steps == 5 and cfg.training.steps == 10
     assert any(

@@ -45,8 +45,10 @@ def test_demo_build_is_complete_and_real_text(demo_dir):
 
 
 def test_demo_is_reproducible_and_skips_a_complete_build(demo_dir, tmp_path, capsys):
-    again = build_demo(str(tmp_path / "again"))
+    stages: list[str] = []  # what `lmforge data demo` prints as it goes (on stderr)
+    again = build_demo(str(tmp_path / "again"), progress=stages.append)
     assert again.built
+    assert [s.split(" ")[0] for s in stages] == ["reading", "training", "tokenizing", "tokenizing", "writing"]
     for name in FILES:
         assert (tmp_path / "again" / name).read_bytes() == (demo_dir / name).read_bytes(), name
     capsys.readouterr()

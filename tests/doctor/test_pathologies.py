@@ -51,7 +51,8 @@ def test_lr_x100(pathology_run):
     found = _findings(pathology_run("lr_x100"))
     assert found and all("learning rate too high" in f.cause for f in found)
     assert any(f.symptom.startswith("loss oscillates") for f in found)
-    assert all(f.keys["lr_scheduler.learning_rate"] == pytest.approx(0.1) for f in found)
+    # lr 1.0 for AdamW: a tenth (0.1) still diverges; the suggestion is in the usual range (<= 1e-2).
+    assert all(0 < f.keys["lr_scheduler.learning_rate"] <= 1e-2 for f in found)
 
 
 def test_fp16_without_loss_scaling(pathology_run):
@@ -113,7 +114,8 @@ def test_live_doctor_warns_once_per_finding(pathology_run):
     lines = [ln for ln in (run / "train.log").read_text().splitlines() if "doctor at step" in ln]
     symptoms = [ln.split("doctor at step", 1)[1].split(".", 1)[0] for ln in lines]
     assert lines and len(symptoms) == len(set(symptoms))  # checks ran at steps 5, 10, 20 and 30
-    assert "lr_scheduler.learning_rate: 0.1" in lines[0]
+    # A tenth of lr 1.0 still diverges, so it is not suggested: the article's 3e-4 is.
+    assert "lr_scheduler.learning_rate: 0.0003" in lines[0]
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     counts = {r["step"]: r["doctor_findings"] for r in metrics if "doctor_findings" in r}
     assert sorted(counts) == [5, 10, 20] and counts[20] == len(lines) - sum("step 30" in ln for ln in lines)

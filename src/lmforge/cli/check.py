@@ -12,11 +12,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from lmforge.cli.check_problems import find_problems, raise_problems
 from lmforge.cli.options import add_set_option
 from lmforge.config import read_raw
-from lmforge.config.load import apply_overrides, split_key, validate_config
-from lmforge.config.outputs import output_locations, with_output_dir
-from lmforge.data.files import missing_data_files
+from lmforge.config.load import apply_overrides, split_key
+from lmforge.config.outputs import follow_output_dir_override, output_locations, with_output_dir
 from lmforge.errors import ConfigError
 
 
@@ -173,22 +173,25 @@ def _load_path_problems(cfg: Any) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lmforge.data.files import missing_data_files  # lmforge.data imports torch: only when checking
     from lmforge.train.preflight import preflight
 
     world = _world_size(args)
     file_raw, source = read_raw(args.config)
     merged = apply_overrides(file_raw, args.overrides)
-    cfg = validate_config(merged, source, log_warnings=False)  # printed below with the others
-    if args.output_dir is not None:
-        cfg = with_output_dir(cfg, args.output_dir)
-    try:
-        plan = preflight(
-            cfg, world, args.device
-        )  # exactly what `lmforge train` runs before building anything
-    except ConfigError as exc:
-        raise ConfigError(
-            str(exc).replace("Invalid configuration", f"Invalid configuration in {source}", 1)
-        ) from None
+
+    def plan_checks(cfg: Any) -> Any:
+        # Exactly what `lmforge train` runs before building anything.
+        cfg = follow_output_dir_override(cfg, file_raw, args.overrides)
+        if args.output_dir is not None:
+            cfg = with_output_dir(cfg, args.output_dir)
+        return cfg, preflight(cfg, world, args.device)
+
+    # Warnings are printed below with the others; every problem of every layer at once.
+    _, checked, problems = find_problems(merged, source, plan_checks)
+    if problems:
+        raise_problems(problems, source)
+    cfg, plan = checked
     set_keys = [item.split("=", 1)[0].strip() for item in args.overrides]
 
     lines = [f"{source}: valid configuration.", "", "Resolved configuration ([file] / [--set] / [default]):"]

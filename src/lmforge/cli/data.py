@@ -80,9 +80,17 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import sys
+    import time
+
     from lmforge.data.demo import build_demo
 
-    s = build_demo(args.output, force=args.force)
+    start = time.perf_counter()
+
+    def progress(stage: str) -> None:  # on stderr: stdout keeps the summary alone
+        print(f"[{time.perf_counter() - start:5.1f} s] {stage} ...", file=sys.stderr, flush=True)
+
+    s = build_demo(args.output, force=args.force, progress=progress)
     if not s.built:
         print(f"{s.output} already holds a complete demo build (use --force to rebuild)")
     else:

@@ -5,7 +5,8 @@ its latest checkpoint's common.json, applies the rules of :mod:`lmforge.train.ca
 prints each finding (symptom, evidence, likely cause, YAML keys to change) or "no problem found" with
 the healthy signs it checked. ``--json`` prints
 ``{"findings": [{"symptom", "evidence", "cause", "keys"}], "checked": [...]}`` (an empty
-``findings`` list means healthy). The exit status is 0 either way (2 for an unreadable run dir).
+``findings`` list means healthy). The exit status is 0 (1 when the run never completed a step, 2 for an
+unreadable run dir).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def register(subparsers: Any) -> None:
         description=(
             "Diagnose a run: reads RUN_DIR/metrics.jsonl, train.log, config.yaml, doctor_facts.json, monitor/ "
             "and the latest checkpoint's metadata; prints each problem found with its evidence, likely cause "
-            "and the YAML keys to change, or the healthy signs checked."
+            "and the YAML keys to change, or the healthy signs checked. Exit 0; 1 when the run never completed "
+            "a step; 2 when RUN_DIR holds no run."
         ),
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir")
@@ -62,4 +64,5 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(diagnosis.to_dict(), indent=2))
     else:
         print(format_report(diagnosis, args.run_dir))
-    return 0
+    # A run that never trained is never "healthy": exit 1 (findings about a run that trained: 0).
+    return 1 if any(f.fatal for f in diagnosis.findings) else 0

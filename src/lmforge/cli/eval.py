@@ -22,9 +22,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `lmforge --help` must not pay for it
+    import torch
 
 from lmforge.cli.options import add_set_option
 
@@ -87,10 +88,13 @@ def _load_model(
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from lmforge.errors import ConfigError
 
     if args.tasks:
         return _run_tasks(args)
+    from lmforge.train.callbacks.logging import readable_number
     from lmforge.train.callbacks.validation import build_eval_loader, eval_settings, evaluate
 
     config = _run_config(Path(args.checkpoint), args.config, args.overrides)
@@ -110,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(
-            f"checkpoint: {args.checkpoint}\nval_loss: {result.loss:.6f}\nval_ppl: {result.perplexity:.4f}\n"
+            f"checkpoint: {args.checkpoint}\nval_loss: {result.loss:.6f}\nval_ppl: {readable_number(result.perplexity)}\n"
             f"tokens: {result.tokens}\nbatches: {result.batches}",
             file=sys.stdout,
         )
@@ -217,6 +221,8 @@ def _is_missing_download(exc: BaseException) -> bool:
 
 
 def _run_tasks(args: argparse.Namespace) -> int:
+    import torch
+
     from lmforge.config import load_config
     from lmforge.data.tokenizer import find_eod_id, load_tokenizer
     from lmforge.errors import CheckpointError, ConfigError, DataError

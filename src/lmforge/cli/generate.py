@@ -18,9 +18,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `lmforge --help` must not pay for it
+    import torch
 
 
 def register(subparsers: Any) -> None:
@@ -168,6 +169,8 @@ def _chat_template(args: argparse.Namespace, cfg: Any, tokenizer_path: Path) -> 
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch  # here, not at the top: `lmforge --help` must not import it
+
     from lmforge.data.tokenizer import find_eod_id, load_tokenizer
     from lmforge.errors import ConfigError, DataError
     from lmforge.train.generation import chat_prompt_text, sample_tokens

@@ -54,9 +54,11 @@ def load_config(
     ``overrides`` are ``"dotted.key=yaml value"`` strings (as given to ``--set``) or a mapping of
     dotted keys to values; they are applied in order and validated like the file.
     """
-    raw, source = read_raw(path_or_dict)
-    raw = apply_overrides(raw, overrides)
-    return validate_config(raw, source)
+    from lmforge.config.outputs import follow_output_dir_override
+
+    file_raw, source = read_raw(path_or_dict)
+    raw = apply_overrides(file_raw, overrides)
+    return follow_output_dir_override(validate_config(raw, source), file_raw, overrides or [])
 
 
 def read_raw(path_or_dict: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], str]:

@@ -4,7 +4,8 @@
 that the file places under its own ``output_dir`` (``checkpoint.save_path``,
 ``monitor.tensorboard.output_dir``, ``monitor.wandb.dir``, ``profiler.output_path``) keeps its place
 relative to it. Paths elsewhere are the user's explicit choice and stay. Two runs of one file with
-different ``--output-dir`` therefore never mix their files.
+different ``--output-dir`` therefore never mix their files. ``--set output_dir=DIR`` does the same,
+except for the paths that command line also sets.
 
 ``checkpoint.load_path`` is an input, not an output: it names the weights the run starts from (an
 earlier run's checkpoint, a Hugging Face directory), and stays exactly as written even when it lies
@@ -15,6 +16,7 @@ new place).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import PurePath
 from typing import Any
 
@@ -55,12 +57,30 @@ def _set(node: Any, keys: tuple[str, ...], old: str, new: str) -> Any:
     return node.model_copy(update={keys[0]: _set(child, keys[1:], old, new)})
 
 
-def with_output_dir(cfg: Any, new_dir: str | os.PathLike) -> Any:
-    """``cfg`` (a ``TrainConfig``) with every output moved to ``new_dir`` (see the module docstring)."""
-    old, new = cfg.output_dir or DEFAULT_OUTPUT_DIR, str(new_dir)
+def with_output_dir(
+    cfg: Any, new_dir: str | os.PathLike, *, old_dir: str | None = None, keep: frozenset[str] = frozenset()
+) -> Any:
+    """``cfg`` (a ``TrainConfig``) with every output moved to ``new_dir`` (see the module docstring),
+    from ``old_dir`` (default: ``cfg.output_dir``); the dotted keys in ``keep`` stay as they are."""
+    old, new = old_dir or cfg.output_dir or DEFAULT_OUTPUT_DIR, str(new_dir)
     for keys in OUTPUT_PATHS:
-        cfg = _set(cfg, keys, old, new)
+        if ".".join(keys) not in keep:
+            cfg = _set(cfg, keys, old, new)
     return cfg.model_copy(update={"output_dir": new})
+
+
+def follow_output_dir_override(cfg: Any, file_raw: Any, overrides: Any) -> Any:
+    """``--set output_dir=X`` moves what ``--output-dir X`` moves: the paths the file places under its
+    own ``output_dir`` follow it, except those the same command line also sets (explicit, kept)."""
+    if isinstance(overrides, Mapping):
+        keys = [str(k) for k in overrides]
+    else:
+        items = [overrides] if isinstance(overrides, str) else list(overrides or [])
+        keys = [str(item).split("=", 1)[0].strip() for item in items]
+    if "output_dir" not in keys:
+        return cfg
+    old = file_raw.get("output_dir") if isinstance(file_raw.get("output_dir"), str) else None
+    return with_output_dir(cfg, cfg.output_dir, old_dir=old or DEFAULT_OUTPUT_DIR, keep=frozenset(keys))
 
 
 def output_locations(cfg: Any) -> list[tuple[str, str]]:
@@ -85,7 +105,10 @@ def output_locations(cfg: Any) -> list[tuple[str, str]]:
     if cfg.profiler.enable_profiling:
         rows.append(("profiler traces", cfg.profiler.output_path or os.path.join(run, "profile")))
     if cfg.monitor.wandb.enable:
-        rows.append(("W&B run files (monitor.wandb)", os.path.join(cfg.monitor.wandb.dir or run, "wandb")))
+        wandb_dir = (
+            cfg.monitor.wandb.dir or os.environ.get("WANDB_DIR") or run
+        )  # the YAML wins over the variable
+        rows.append(("W&B run files (monitor.wandb)", os.path.join(wandb_dir, "wandb")))
     if cfg.monitor.mlflow.enable:
         default = f"sqlite:///{os.path.join(run, 'mlflow.db')} (+ mlartifacts/)"
         uri = cfg.monitor.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from lmforge.config.base import ConfigNode, Float, OpenSection, Section
 from lmforge.config.layer_spec import check_layer_range, parse_layer_specs
@@ -21,12 +21,18 @@ from lmforge.config.sections_components import (
     OptimizerConfig,
     TrainDatasetConfig,
 )
+from lmforge.config.sections_eval import (
+    eval_dataset_messages,
+    inherit_eval_dataset,
+    refuse_eval_without_validation_set,
+)
 from lmforge.config.sections_parallel import (
     ParallelismConfig,
     RecomputeCommConfig,
     RecomputeConfig,
     SwapConfig,
 )
+from lmforge.config.sections_recovery import RecoveryConfig
 from lmforge.config.sections_run import (
     CallbackConfig,
     CheckpointConfig,
@@ -62,6 +68,7 @@ __all__ = [
     "ProfilerConfig",
     "RecomputeCommConfig",
     "RecomputeConfig",
+    "RecoveryConfig",
     "Section",
     "SwapConfig",
     "TensorboardConfig",
@@ -100,10 +107,15 @@ class TrainConfig(OpenSection):
     # eval_steps micro-batches per rank (null: the whole validation split).
     eval_interval: int = 0
     eval_steps: int | None = None
+    # Its own validation data, typed like train_dataset; a TextDataLoader one inherits what it does not
+    # set from train_dataset (config/sections_eval.py).
+    eval_dataset: TrainDatasetConfig | None = None
     # lmforge's own speed sections (docs/config.md "lmforge's own keys")
     compile: CompileConfig = Field(default_factory=CompileConfig)
     float8: Float8Config = Field(default_factory=Float8Config)
     mfu: MfuConfig = Field(default_factory=MfuConfig)
+    # lmforge's own: roll back to the newest safe checkpoint on a spike or divergence (train/recovery/)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
 
     # Warnings found while loading (inert fields, ...); see lmforge.config.config_warnings.
     _warnings: tuple[str, ...] = PrivateAttr(default=())
@@ -121,6 +133,25 @@ class TrainConfig(OpenSection):
         if isinstance(data, dict) and "checkpoint" not in data:
             data = {**data, "checkpoint": {"enable_save": False}}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_dataset_inherits(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("eval_dataset") is not None:
+            data = {
+                **data,
+                "eval_dataset": inherit_eval_dataset(data["eval_dataset"], data.get("train_dataset")),
+            }
+        return data
+
+    @field_validator("eval_dataset", mode="wrap")
+    @classmethod
+    def _name_eval_dataset_keys(cls, value: Any, handler: Any) -> Any:
+        # The dataloader schemas name their keys under train_dataset; here they are eval_dataset's.
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            raise ValueError("; ".join(eval_dataset_messages(exc))) from None
 
     @field_validator("lr_scheduler", mode="after")
     @classmethod
@@ -166,6 +197,7 @@ class TrainConfig(OpenSection):
                 "eval_steps must be a positive int (micro-batches per evaluation) or absent for the whole "
                 f"validation split, got {self.eval_steps}"
             )
+        refuse_eval_without_validation_set(self)
         return self
 
     @model_validator(mode="after")
@@ -243,4 +275,5 @@ SECTION_CLASSES: dict[str, type[Section]] = {
     "compile": CompileConfig,
     "float8": Float8Config,
     "mfu": MfuConfig,
+    "recovery": RecoveryConfig,
 }

@@ -1,14 +1,17 @@
 """``monitor.wandb`` and ``monitor.mlflow``: experiment trackers (lmforge extension keys).
 
 Off unless ``enable: true``; the packages are optional extras (``lmforge[wandb]``, ``lmforge[mlflow]``).
-See docs/observability.md.
+A key left unset (``null``, the default) takes the tracker's own environment variable, as its users
+expect (``WANDB_PROJECT``, ``WANDB_MODE``, ``MLFLOW_TRACKING_URI``, ...), else lmforge's default; a key
+set in the YAML wins over the variable (lmforge.train.callbacks.trackers resolves them). See
+docs/observability.md.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import model_validator
 
 from lmforge.config.base import Section, check_positive
 
@@ -22,40 +25,36 @@ def _check_tags(tags: Any, path: str) -> None:
 
 
 class WandbConfig(Section):
+    # null (or "", as older dumps write it): the environment variable named, else the default after it
+    # (lmforge.train.callbacks.trackers resolves them).
     enable: bool = False
-    project: str = "lmforge"
-    entity: str = ""  # team or user; empty: the account's default
-    run_name: str = ""  # empty: the name of output_dir
-    tags: list[str] | dict[str, Any] = Field(default_factory=list)
-    offline: bool = False  # W&B's offline mode: written under dir, uploaded later with `wandb sync`
-    dir: str = ""  # empty: output_dir
+    project: str | None = None  # $WANDB_PROJECT, else "lmforge"
+    entity: str | None = None  # $WANDB_ENTITY, else the account's default team or user
+    run_name: str | None = None  # $WANDB_NAME, else the name of output_dir
+    tags: list[str] | dict[str, Any] | None = None  # $WANDB_TAGS (comma-separated), else none
+    offline: bool | None = None  # $WANDB_MODE (online, offline, disabled), else online
+    dir: str | None = None  # $WANDB_DIR, else output_dir
     log_interval: int = 1
 
     @model_validator(mode="after")
     def _check(self) -> WandbConfig:
-        _check_tags(self.tags, "monitor.wandb.tags")
+        if self.tags is not None:
+            _check_tags(self.tags, "monitor.wandb.tags")
         check_positive(self.log_interval, "monitor.wandb.log_interval")
-        if self.enable and not self.project:
-            raise ValueError(
-                "monitor.wandb.project must name a W&B project when monitor.wandb.enable is true"
-            )
         return self
 
 
 class MlflowConfig(Section):
     enable: bool = False
-    tracking_uri: str = ""  # empty: $MLFLOW_TRACKING_URI, else a file store in <output_dir>/mlruns
-    project: str = "lmforge"  # the MLflow experiment
-    run_name: str = ""  # empty: the name of output_dir
-    tags: list[str] | dict[str, Any] = Field(default_factory=list)
+    tracking_uri: str | None = None  # $MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlflow.db
+    project: str | None = None  # the experiment: $MLFLOW_EXPERIMENT_NAME / _ID, else "lmforge"
+    run_name: str | None = None  # the name of output_dir
+    tags: list[str] | dict[str, Any] | None = None
     log_interval: int = 1
 
     @model_validator(mode="after")
     def _check(self) -> MlflowConfig:
-        _check_tags(self.tags, "monitor.mlflow.tags")
+        if self.tags is not None:
+            _check_tags(self.tags, "monitor.mlflow.tags")
         check_positive(self.log_interval, "monitor.mlflow.log_interval")
-        if self.enable and not self.project:
-            raise ValueError(
-                "monitor.mlflow.project must name an MLflow experiment when monitor.mlflow.enable is true"
-            )
         return self

@@ -137,6 +137,7 @@ def build_dataloader(
             seq_length,
             consumed_samples,
             workers,
+            seed,
         )
     dataset = _megatron_dataset(typed, phase, vocab_size)
     if dataset is None:
@@ -189,13 +190,20 @@ def _build_text_dataloader(
     seq_length: int | None,
     consumed_samples: int,
     workers: int,
+    seed: int = 0,
 ) -> Any:
     from .text_loader import TextDataLoader, parse_text_loader
 
     # The keys were checked at load; this reads the tokenizer and checks that every source exists.
     settings = parse_text_loader(typed.loader, seq_length=seq_length, vocab_size=vocab_size)
+    if phase == "valid" and (settings.valid_paths or settings.validation_split):
+        from .text_validation import TextValidationLoader
+
+        return TextValidationLoader(
+            settings, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size
+        )
     if phase != "train":
-        return None  # one stream: the text loader has no valid/test split
+        return None  # no validation set named (valid_data_path / validation_split), no test split
     workers = min(workers, os.cpu_count() or 1)
     return TextDataLoader(
         settings,
@@ -204,6 +212,7 @@ def _build_text_dataloader(
         dp_size=dp_size,
         num_workers=workers if workers > 1 else 0,
         consumed_samples=consumed_samples,
+        seed=seed,
     )
 
 

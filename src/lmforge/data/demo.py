@@ -153,9 +153,11 @@ def write_chat_demo(chapters: list[str], path: str, limit: int = CHAT_CONVERSATI
     return count
 
 
-def build_demo(output: str = DEFAULT_OUTPUT, *, force: bool = False, log=print) -> DemoSummary:
-    """Write tokenizer.json, train.{bin,idx}, valid.{bin,idx} (and a README) into ``output``."""
+def build_demo(output: str = DEFAULT_OUTPUT, *, force: bool = False, log=print, progress=None) -> DemoSummary:
+    """Write tokenizer.json, train.{bin,idx}, valid.{bin,idx} (and a README) into ``output``.
+    ``progress(stage)`` is told each stage as it starts (the CLI prints them: the build takes a while)."""
     start = time.perf_counter()
+    stage = progress or (lambda message: None)
     from lmforge.utils.atomic import check_output_dir
 
     check_output_dir(output, "--output")
@@ -164,6 +166,7 @@ def build_demo(output: str = DEFAULT_OUTPUT, *, force: bool = False, log=print) 
             info = json.load(f)
         return DemoSummary(output, False, **info["counts"], seconds=time.perf_counter() - start)
     source = kjv_path()
+    stage(f"reading the King James Bible ({source})")
     source_sha = _sha256(source)
     if source_sha != KJV_SHA256:
         log(
@@ -176,6 +179,7 @@ def build_demo(output: str = DEFAULT_OUTPUT, *, force: bool = False, log=print) 
     manifest = os.path.join(output, MANIFEST)
     if os.path.exists(manifest):
         os.remove(manifest)  # an interrupted rebuild must not look complete
+    stage(f"training an {VOCAB_SIZE // 1024}k BPE tokenizer on {len(train_texts):,} chapters")
     tokenizer = train_tokenizer(train_texts)
     eod = tokenizer.token_to_id(EOD_TOKEN)
     assert eod == 0, "the first special token of the trainer gets id 0"
@@ -183,6 +187,7 @@ def build_demo(output: str = DEFAULT_OUTPUT, *, force: bool = False, log=print) 
     dtype = optimal_token_dtype(tokenizer.get_vocab_size())
     counts = {}
     for name, texts in (("train", train_texts), ("valid", valid_texts)):
+        stage(f"tokenizing and writing {name}.bin/.idx ({len(texts):,} chapters)")
         encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
         total = 0
         with IndexedDatasetWriter(os.path.join(output, name), dtype) as writer:
@@ -192,6 +197,7 @@ def build_demo(output: str = DEFAULT_OUTPUT, *, force: bool = False, log=print) 
                 total += ids.size
         counts[f"{name}_documents"] = len(texts)
         counts[f"{name}_tokens"] = total
+    stage("writing chat.jsonl (conversations for the SFT walk-through)")
     chat = write_chat_demo(train_texts, os.path.join(output, "chat.jsonl"))
     with open(os.path.join(output, "README.md"), "w", encoding="utf-8") as f:
         f.write(

@@ -2,7 +2,7 @@
 
 Mapped: ``load_func`` (``load_dataset`` on local files / ``load_from_disk``), ``path``, ``data_files``,
 ``streaming`` and ``split: train`` (lmforge always streams), ``create_attention_mask``,
-``create_compressed_eod_mask``, ``compressed_eod_mask_length``, ``shuffle: false``, and the handlers
+``create_compressed_eod_mask``, ``compressed_eod_mask_length``, ``shuffle``, and the handlers
 ``AlpacaInstructDataHandler`` (instruction / input / output columns, or ``prompt_key``),
 ``PackingHandler`` (``pack_strategy: pack`` → whole documents, ``truncate`` → concatenated) and
 ``remove_columns``. ``tokenizer`` (``pretrained_model_dir`` / ``tokenizer_file``) and ``seq_length``
@@ -83,7 +83,7 @@ def translate_hf_loader(loader: dict[str, Any]) -> dict[str, Any]:
                 raise ConfigError(f"{KEY}.split: only the 'train' split is read; got {value!r}.")
             continue
         if key == "shuffle":
-            out["shuffle"] = value  # TextDataLoader refuses true with its reason
+            out["shuffle"] = value  # TextDataLoader shuffles within windows of shuffle_buffer documents
         elif key == "create_attention_mask":
             if value:
                 columns.append("attention_mask")
@@ -101,6 +101,9 @@ def translate_hf_loader(loader: dict[str, Any]) -> dict[str, Any]:
             "prompt_key",
             "response_key",
             "chat_template",
+            "shuffle_buffer",
+            "valid_data_path",  # lmforge's validation set keys, as for TextDataLoader
+            "validation_split",
         ):
             out[key] = value
         else:
@@ -109,7 +112,8 @@ def translate_hf_loader(loader: dict[str, Any]) -> dict[str, Any]:
         verb = "has" if len(unsupported) == 1 else "have"
         raise ConfigError(
             f"{', '.join(f'{KEY}.{k}' for k in unsupported)} of HFDataLoader {verb} no equivalent in lmforge. "
-            "Supported HFDataLoader keys: load_func, path, data_files, streaming, split, shuffle, "
+            "Supported HFDataLoader keys: load_func, path, data_files, streaming, split, shuffle, shuffle_buffer, "
+            "valid_data_path, validation_split, "
             "create_attention_mask, create_compressed_eod_mask, compressed_eod_mask_length, use_broadcast_data, "
             "tokenizer, seq_length, handler; or write the section as type: TextDataLoader (docs/data.md)."
         )

@@ -268,6 +268,16 @@ class MegatronDataLoader:
                 )
 
     # -- position ---------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int | None:
+        """The pass over the data of the last batch, 1-based (the step log line shows it), when the
+        dataset is one pass of its documents (a GPTDataset built without a sample count); None for a
+        blend or a dataset sized to ``sizes``, whose passes are not the data's epochs."""
+        if getattr(self.dataset, "num_samples", 0) is not None:
+            return None
+        step = max(self.consumed_samples // self.samples_per_step - 1, 0)
+        return step // self.steps_per_epoch + 1
+
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": int(self.consumed_samples)}
 

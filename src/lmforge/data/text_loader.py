@@ -44,6 +44,8 @@ log = get_logger("lmforge.data")
 
 KEY = "train_dataset.dataloader"
 TEXT_TYPE = "TextDataLoader"
+# shuffle: documents are permuted within windows of this many (memory holds one window of raw rows).
+DEFAULT_SHUFFLE_BUFFER = 10_000
 CHUNK_DOCUMENTS = 256  # documents per encode_batch call / task sent to a tokenization worker
 COLUMNS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask", "actual_seq_len")
 _KEYS = {
@@ -63,14 +65,28 @@ _KEYS = {
     "eod_mask_loss",
     "eod_pad_length",
     "shuffle",
+    "shuffle_buffer",
+    "valid_data_path",
+    "validation_split",
     "python_multiprocessing",  # declared by the typed section; workers are always processes here
 }
+# Multiplicative (Fibonacci) hashing of the document index: the held-out documents are spread evenly
+# through each source, the same on every rank and run, without knowing how long the source is.
+_GOLDEN = 2654435761
+
+
+def held_out(index: int, fraction: float) -> bool:
+    """Whether document ``index`` of a source belongs to the validation share ``fraction`` of it."""
+    return ((index * _GOLDEN) % 2**32) < fraction * 2**32
 
 
 @dataclass(frozen=True)
 class TextLoaderSettings:
     paths: list[str]
     weights: list[float]
+    valid_paths: list[str]  # valid_data_path: the validation set's own sources
+    validation_split: float  # the share of data_path's documents held out for validation (0: none)
+    shuffle_buffer: int | None  # shuffle: the window of documents permuted each epoch; None: file order
     tokenizer: str
     seq_length: int
     columns: list[str]
@@ -94,11 +110,13 @@ def check_text_loader(loader: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(loader) - _KEYS)
     if unknown:
         raise ConfigError(unknown_keys_message(KEY, unknown, sorted(_KEYS), TEXT_TYPE))
-    if loader.get("shuffle"):
+    if not isinstance(loader.get("shuffle", False), bool):
+        raise ConfigError(f"{KEY}.shuffle must be true or false; got {loader['shuffle']!r}.")
+    window = loader.get("shuffle_buffer", DEFAULT_SHUFFLE_BUFFER)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConfigError(
-            f"{KEY}.shuffle: true is not supported by {TEXT_TYPE} (it streams the sources in order, which is "
-            "what makes resume exact without re-reading them); shuffle the data beforehand, e.g. with "
-            "datasets' Dataset.shuffle(seed).save_to_disk(...)."
+            f"{KEY}.shuffle_buffer must be a positive number of documents (each window of that many "
+            f"consecutive documents is shuffled; default {DEFAULT_SHUFFLE_BUFFER}); got {window!r}."
         )
     if loader.get("data_path") is None:
         raise ConfigError(
@@ -106,6 +124,7 @@ def check_text_loader(loader: dict[str, Any]) -> dict[str, Any]:
             "pairs ['0.7', 'a.jsonl.gz', '0.3', 'b.parquet']."
         )
     blend = parse_blend(loader["data_path"], f"{KEY}.data_path")
+    valid = _check_validation_keys(loader)
     tokenizer = loader.get("tokenizer")
     if isinstance(tokenizer, dict):
         tokenizer = tokenizer.get("tokenizer_file") or tokenizer.get("path") or tokenizer.get("vocab_file")
@@ -154,12 +173,41 @@ def check_text_loader(loader: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{KEY}.{name} must be a token id (an integer >= 0); got {value!r}.")
     return {
         "blend": blend,
+        "valid": valid,
         "tokenizer": tokenizer,
         "columns": columns,
         "pack": pack,
         "template": template,
         "eod_pad_length": pad_length,
     }
+
+
+def _check_validation_keys(loader: dict[str, Any]) -> tuple[list[str], float]:
+    """``valid_data_path`` (the validation set's own files) or ``validation_split`` (a share of
+    ``data_path``'s documents held out of training), at most one of them."""
+    paths, split = loader.get("valid_data_path"), loader.get("validation_split")
+    if paths is not None and split is not None:
+        raise ConfigError(
+            f"{KEY}.valid_data_path and {KEY}.validation_split are both set; give the validation set its "
+            "own files (valid_data_path) or hold a share of data_path out for it (validation_split), not both."
+        )
+    if split is not None and (
+        isinstance(split, bool) or not isinstance(split, (int, float)) or not 0 < split < 1
+    ):
+        raise ConfigError(
+            f"{KEY}.validation_split must be a fraction between 0 and 1 (e.g. 0.05: one document in 20 of "
+            f"data_path is held out of training for validation); got {split!r}."
+        )
+    if paths is None:
+        return [], float(split or 0.0)
+    if isinstance(paths, str):
+        paths = [paths]
+    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
+        raise ConfigError(
+            f"{KEY}.valid_data_path must be a list of files / globs / save_to_disk directories (the validation "
+            f"set, read in full at every evaluation); got {paths!r}."
+        )
+    return list(paths), 0.0
 
 
 def _probe_template(compiled: Any) -> None:
@@ -226,9 +274,17 @@ def parse_text_loader(
     )
     for path in blend.prefixes:
         TextSource(path, f"{KEY}.data_path")  # the files exist and have a known format
+    valid_paths, validation_split = parsed["valid"]
+    for path in valid_paths:
+        TextSource(path, f"{KEY}.valid_data_path")
     return TextLoaderSettings(
         paths=blend.prefixes,
         weights=blend.weights or [1.0 / len(blend.prefixes)] * len(blend.prefixes),
+        valid_paths=valid_paths,
+        validation_split=validation_split,
+        shuffle_buffer=int(loader.get("shuffle_buffer", DEFAULT_SHUFFLE_BUFFER))
+        if loader.get("shuffle")
+        else None,
         tokenizer=os.fspath(tokenizer),
         seq_length=seq,
         columns=list(columns),
@@ -241,7 +297,13 @@ def parse_text_loader(
 
 
 class _SourceStream:
-    """Tokenized documents of one source for one rank, from a packing position, epoch after epoch."""
+    """Tokenized documents of one source for one rank, from a packing position, epoch after epoch.
+
+    A position's ``doc`` is a place in the epoch's order of the source's documents: the file order,
+    or with ``shuffle`` a permutation of each window of ``shuffle_buffer`` consecutive documents,
+    seeded by (seed, epoch, window) — so a resume rebuilds the same order from the position alone.
+    Which rank reads a document, and whether it is held out for validation, go by its row index in
+    the file, the same in every epoch."""
 
     def __init__(
         self,
@@ -251,48 +313,84 @@ class _SourceStream:
         pool: Any,
         local: RowFormatter | None,
         ahead: int,
+        held_out_share: float = 0.0,
+        shuffle: tuple[int, int] | None = None,
     ):
         self.source, self.dp_rank, self.dp_size = source, dp_rank, dp_size
         self.pool, self.local, self.ahead = pool, local, ahead
+        self.held_out_share = held_out_share  # validation_split: these documents are never trained on
+        self.shuffle = shuffle  # (seed, window) or None
 
-    def _chunks(self, start: int) -> Iterator[list[tuple[int, dict[str, Any]]]]:
-        first = start + (self.dp_rank - start) % self.dp_size
+    def _ordered(self, epoch: int, start: int) -> Iterator[tuple[int, int, dict[str, Any]]]:
+        """``(place in the epoch's order, row index, row)`` from place ``start`` on."""
+        if self.shuffle is None:
+            first = start + (self.dp_rank - start) % self.dp_size  # the first row this rank reads
+            for index, row in self.source.rows(first):
+                yield index, index, row
+            return
+        seed, window = self.shuffle
+        base = start - start % window
+        buffer: list[tuple[int, dict[str, Any]]] = []
+
+        def emit() -> Iterator[tuple[int, int, dict[str, Any]]]:
+            order = np.random.default_rng([seed, epoch, base // window]).permutation(len(buffer))
+            for j, i in enumerate(order):
+                if base + j >= start:
+                    yield base + j, *buffer[i]
+
+        for index, row in self.source.rows(base):
+            buffer.append((index, row))
+            if len(buffer) == window:
+                yield from emit()
+                base, buffer = base + window, []
+        if buffer:
+            yield from emit()
+
+    def _chunks(self, epoch: int, start: int) -> Iterator[tuple[list[int], list[tuple[int, dict[str, Any]]]]]:
+        places: list[int] = []
         chunk: list[tuple[int, dict[str, Any]]] = []
-        for index, row in self.source.rows(first):
+        for place, index, row in self._ordered(epoch, start):
             if index % self.dp_size != self.dp_rank:
                 continue
+            if self.held_out_share and held_out(index, self.held_out_share):
+                continue
+            places.append(place)
             chunk.append((index, row))
             if len(chunk) == CHUNK_DOCUMENTS:
-                yield chunk
-                chunk = []
+                yield places, chunk
+                places, chunk = [], []
         if chunk:
-            yield chunk
+            yield places, chunk
 
     def _locations(self, chunk: list[tuple[int, dict[str, Any]]]) -> list[str]:
-        return [self.source.where(index) for index, _ in chunk]
+        return [self.source.where(index) for index, _ in chunk]  # file:line, for refusals of bad values
 
-    def _encoded(self, start: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    def _encoded(self, epoch: int, start: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         name = self.source.path
         if self.pool is None:
-            for chunk in self._chunks(start):
-                yield from self.local.encode_rows(chunk, name, self._locations(chunk))
+            for places, chunk in self._chunks(epoch, start):
+                encoded = self.local.encode_rows(chunk, name, self._locations(chunk))
+                for place, (_, ids, mask) in zip(places, encoded):
+                    yield place, ids, mask
             return
         pending: collections.deque = collections.deque()
-        chunks = self._chunks(start)
-        for chunk in chunks:
-            pending.append(self.pool.apply_async(encode_in_worker, ((chunk, name, self._locations(chunk)),)))
+        for places, chunk in self._chunks(epoch, start):
+            task = (chunk, name, self._locations(chunk))
+            pending.append((places, self.pool.apply_async(encode_in_worker, (task,))))
             if len(pending) >= self.ahead:
-                yield from pending.popleft().get()
+                places_done, result = pending.popleft()
+                yield from ((p, ids, mask) for p, (_, ids, mask) in zip(places_done, result.get()))
         while pending:
-            yield from pending.popleft().get()
+            places_done, result = pending.popleft()
+            yield from ((p, ids, mask) for p, (_, ids, mask) in zip(places_done, result.get()))
 
     def __call__(self, position: PackPosition) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
         epoch, start = position.epoch, position.doc
         while True:
             found = False
-            for index, ids, mask in self._encoded(start):
+            for place, ids, mask in self._encoded(epoch, start):
                 found = True
-                yield epoch, index, ids, mask
+                yield epoch, place, ids, mask
             if not found and start == 0:
                 raise DataError(
                     f"{self.source.path} has no document for data-parallel rank {self.dp_rank} of {self.dp_size}."
@@ -312,8 +410,10 @@ class TextDataLoader:
         dp_size: int = 1,
         num_workers: int = 0,
         consumed_samples: int = 0,
+        seed: int = 0,
     ) -> None:
         self.s = settings
+        self.seed = seed  # training.seed: the shuffle's permutations
         self.local_batch_size = local_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.num_workers = num_workers
@@ -351,7 +451,16 @@ class TextDataLoader:
         ahead = max(2 * self.num_workers, 2)
         self._packers = [
             Packer(
-                _SourceStream(src, self.dp_rank, self.dp_size, self._pool, local, ahead),
+                _SourceStream(
+                    src,
+                    self.dp_rank,
+                    self.dp_size,
+                    self._pool,
+                    local,
+                    ahead,
+                    self.s.validation_split,
+                    shuffle=None if self.s.shuffle_buffer is None else (self.seed, self.s.shuffle_buffer),
+                ),
                 self.s.seq_length,
                 strategy=self.s.pack,
                 pad=self.s.pad,
@@ -390,6 +499,12 @@ class TextDataLoader:
             )
         self.consumed_samples += self.local_batch_size * self.dp_size
         return collate({c: np.stack([r[c] for r in rows]) for c in self.s.columns})
+
+    @property
+    def epoch(self) -> int:
+        """The pass over the data this rank is in, 1-based (with several sources: the one furthest
+        behind; every source has been read completely ``epoch - 1`` times)."""
+        return min(p.epoch for p in self.positions) + 1
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

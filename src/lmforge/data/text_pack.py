@@ -91,7 +91,12 @@ class Packer:
         starts: list[int] = []
         pos = 0
         while pos < n:
-            _, _, ids, dmask = self._doc()
+            try:
+                _, _, ids, dmask = self._doc()
+            except StopIteration:  # a finite stream (a validation set) ended: its last row is padded
+                if pos == 0:
+                    raise
+                break
             off = self.position.offset
             remaining, space = ids.size - off, n - pos
             if self.strategy == "whole" and remaining > space and pos > 0:

@@ -190,9 +190,11 @@ class TextSource:
 
     def where(self, index: int) -> str:
         """Where row ``index`` is, for messages: ``file:line`` (JSON lines: a row is a line) or ``file row i``.
-        Called for rows already read, so the lengths of the files before it are known."""
+        The lengths of the files before it are counted once when not known yet."""
         offset = 0
         for i, file in enumerate(self.files):
+            if self._lengths[i] is None and i < len(self.files) - 1:
+                self._lengths[i] = _file_length(file)  # counted once (rows may be read out of order)
             length = self._lengths[i]
             if length is None or index < offset + length or i == len(self.files) - 1:
                 local = index - offset

@@ -14,7 +14,8 @@ leaves ranks out of the mesh. Here every degree must divide exactly, and the err
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 from lmforge.config.sections_parallel import ParallelismConfig
@@ -270,10 +271,14 @@ class ParallelDims:
 
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
-        world["dp_replicate", "dp_shard"]._flatten("dp")
-        world["dp_shard", "cp"]._flatten("dp_shard_cp")
-        world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        world["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")  # ranks routing distinct tokens
+        # The flattened meshes are kept as _flatten returns them: slicing them from the root mesh later
+        # is deprecated in torch (a UserWarning on every run).
+        flattened = {
+            "dp": world["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": world["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+            "dp_cp_tp": world["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp"),  # distinct tokens
+        }
         expert = None
         if self.ep > 1:
             # Expert layers re-split the same ranks: (pp, dp_replicate, dp_shard·cp/ep, ep, tp).
@@ -290,7 +295,7 @@ class ParallelDims:
                 (self.pp, self.dp_replicate, self.dp_shard, self.cp // self.ulysses, self.ulysses, self.tp),
                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_uly", "tp"),
             )
-        return ParallelMesh(dims=self, world=world, expert=expert, cp_split=cp_split)
+        return ParallelMesh(dims=self, world=world, expert=expert, cp_split=cp_split, flattened=flattened)
 
 
 @dataclass
@@ -302,14 +307,15 @@ class ParallelMesh:
     # "dp_cp" and "dp_cp_tp"
     expert: Any = None  # DeviceMesh ("pp", "dp_replicate", "edp_shard", "ep", "tp"), only when ep > 1
     cp_split: Any = None  # DeviceMesh with cp as ("cp_ring", "cp_uly"), only for hybrid Ulysses
+    flattened: dict[str, Any] = field(default_factory=dict)  # "dp", "dp_shard_cp", ... as _flatten made them
 
     def __getitem__(self, name: str) -> Any:
-        return self.world[name]
+        return self.flattened[name] if name in self.flattened else self.world[name]
 
     @property
     def dp_rank(self) -> int:
         """Which data shard this rank reads (tp, cp and pp peers read the same one)."""
-        return self.world["dp"].get_local_rank()
+        return self["dp"].get_local_rank()
 
     @property
     def dp_size(self) -> int:
@@ -318,8 +324,12 @@ class ParallelMesh:
     def fsdp_mesh(self) -> Any:
         """1-D (pure FSDP) or 2-D (HSDP: replicate × shard) mesh for non-expert parameters."""
         if self.dims.dp_replicate > 1:
-            return self.world["dp_replicate", "dp_shard_cp"]
-        return self.world["dp_shard_cp"]
+            # A real and a flattened dimension together: torch has no other way to this 2-D mesh than
+            # slicing the root (deprecated, with a warning that would repeat on every HSDP run).
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+                return self.world["dp_replicate", "dp_shard_cp"]
+        return self["dp_shard_cp"]
 
     def expert_fsdp_mesh(self) -> Any:
         if self.expert is None:

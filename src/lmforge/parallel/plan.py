@@ -366,6 +366,10 @@ def _check_model_structure(
         for key, pattern in patterns:
             if not unmatched(names, [pattern]):
                 continue
+            if key == "optimizer.weight_decay_exclude" and "bias" in pattern:
+                # Excluding biases is the standard list (the spec's recipes: ["*norm*", "*bias*"]) and
+                # is met on a model built without them (bias is a per-model option): nothing to flag.
+                continue
             hint = (
                 f" It is a substring of parameter names; for the original's substring rule write "
                 f"'*{pattern}*'."

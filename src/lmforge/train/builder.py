@@ -186,10 +186,11 @@ def build_training_model(
     return model, ctx
 
 
-def _claim_run_dirs(rank: int, run_dir: Path, checkpoint: Any) -> None:
+def _claim_run_dirs(rank: int, run_dir: Path, cfg: Any) -> None:
     """Rank 0 refuses now, before anything is written, an unusable output_dir or one that another run
-    uses (the trainer holds the locks while it runs). A collective: only rank 0 checks, so the other
-    ranks stop quietly with its error instead of failing in the next collective."""
+    uses (the trainer holds the locks while it runs), and an unreachable tracker store. A collective:
+    only rank 0 checks, so the other ranks stop quietly with its error instead of failing in the next
+    collective."""
     from lmforge.utils.atomic import check_output_dir
     from lmforge.utils.elastic import raise_on_every_rank
     from lmforge.utils.run_lock import lock_dirs, run_dirs
@@ -198,9 +199,14 @@ def _claim_run_dirs(rank: int, run_dir: Path, checkpoint: Any) -> None:
     if rank == 0:
         try:
             check_output_dir(run_dir, "output_dir")
-            for lock in lock_dirs(run_dirs(run_dir, checkpoint)):
+            for lock in lock_dirs(run_dirs(run_dir, cfg.checkpoint)):
                 lock.release()
             run_dir.mkdir(parents=True, exist_ok=True)
+            from lmforge.train.callbacks.tracker_settings import open_tracker_stores
+
+            open_tracker_stores(
+                cfg.monitor, run_dir
+            )  # an unreachable MLflow store fails before the model exists
         except LmforgeError as exc:
             problem = exc
     raise_on_every_rank(problem)
@@ -241,7 +247,7 @@ def build_trainer(
         raise ConfigError(empty_load_path)
     ctx = distributed_env(device, float(cfg.parallelism.process_group_timeout))
     run_dir = Path(cfg.output_dir or "./output")
-    _claim_run_dirs(ctx.rank, run_dir, cfg.checkpoint)
+    _claim_run_dirs(ctx.rank, run_dir, cfg)
     # Logging first, so that model / optimizer construction messages reach train.log too.
     setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)
     for note in plan.warnings_beyond(getattr(cfg, "warnings", ())):  # load_config logged those

@@ -20,6 +20,13 @@ def check_callbacks(cfg: Any) -> None:
         check_callback(item, i)
 
 
+def check_trackers(cfg: Any) -> None:
+    """An enabled tracker that could not start (package, settings, W&B login) is refused now."""
+    from lmforge.train.callbacks.tracker_settings import check_trackers as check
+
+    check(cfg.monitor, cfg.output_dir or "./output")
+
+
 def check_cpu_offload_on_one_process(section: Any, device_type: str) -> str | None:
     """``parallelism.cpu_offload`` is FSDP2's CPUOffloadPolicy, applied on every world size (one process
     is wrapped by FSDP2 too, lmforge.train.builder), so on one accelerator it offloads. On one CPU process
@@ -63,9 +70,12 @@ def compute_dtype_report(model_config: Any, device_type: str) -> tuple[str, str 
 def preflight(cfg: Any, world_size: int, device: str | None = None) -> RunPlan:
     """The run plan of ``cfg`` for ``world_size`` processes on ``device`` (``--device``; None: CUDA when
     available); one ConfigError naming every problem."""
+    from lmforge.train.recovery.checks import check_recovery
     from lmforge.utils.device import run_device_type
 
-    plan = RunPlan.from_config(cfg, world_size, extra_checks=(check_callbacks,))
+    plan = RunPlan.from_config(
+        cfg, world_size, extra_checks=(check_callbacks, check_recovery, check_trackers)
+    )
     device_type = run_device_type(device)
     notes = []
     if not plan.dims.is_parallel:

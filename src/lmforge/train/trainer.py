@@ -31,7 +31,6 @@ from lmforge.train.checkpoint import (
     Checkpointable,
     CheckpointManager,
     load_checkpoint,
-    read_tracker,
     recover_save_path,
 )
 from lmforge.train.checkpoint.resume import checkpoint_to_load
@@ -142,6 +141,9 @@ class Trainer:
         self._run_started = 0.0
         self._run_tokens = 0
         self._resumed_from: str | None = None
+        from lmforge.train.recovery import build_recovery
+
+        self._recovery = build_recovery(config, self._checkpoint_manager)  # None unless recovery.enable
 
     # -- construction helpers -----------------------------------------------------------------
 
@@ -183,6 +185,10 @@ class Trainer:
                 files_to_copy=files_to_copy,
             )
             self.callbacks.add(CheckpointCallback(manager, int(ck.get("save_interleaved_steps", 1000))))
+
+    @property
+    def checkpoint_manager(self) -> CheckpointManager | None:
+        return self._checkpoint_manager
 
     def checkpointable(self) -> Checkpointable:
         return Checkpointable(self.model, self.optimizer, self.scheduler, self.dataloader, self.state)
@@ -282,12 +288,11 @@ class Trainer:
                         self.state.global_step,
                     )
         self._record_lora_base(header)
-        self.state.max_steps = int(self.config.training.steps)
+        self.after_restore()
+        if self._recovery is not None:
+            self._recovery.start(self.state)
         scaler = self.step_fn.loss_scaler
         if scaler is not None:
-            if self.state.loss_scaler:
-                scaler.load_state_dict(self.state.loss_scaler)  # resume: the scale of the checkpoint
-            self.state.loss_scaler = scaler.state_dict()
             logger.info(
                 "model.compute_dtype float16: dynamic loss scaling from %g (x%g after %d clean updates, x%g "
                 "on overflow)",
@@ -296,6 +301,15 @@ class Trainer:
                 scaler.growth_interval,
                 scaler.backoff_factor,
             )
+
+    def after_restore(self) -> None:
+        """After a checkpoint was loaded into the live objects (resume, or recovery's rollback)."""
+        self.state.max_steps = int(self.config.training.steps)
+        scaler = self.step_fn.loss_scaler
+        if scaler is not None:
+            if self.state.loss_scaler:
+                scaler.load_state_dict(self.state.loss_scaler)  # the scale of the checkpoint
+            self.state.loss_scaler = scaler.state_dict()
         self._data_iter: Iterator | None = None
         self._epoch_open = False
         # Micro-batches this rank has consumed (the data position in loader steps).
@@ -358,15 +372,25 @@ class Trainer:
 
     def _loop(self) -> None:
         state, kw = self.state, self._hook_kwargs
-        while state.global_step < state.max_steps:
+        recovery = self._recovery
+        while state.global_step < state.max_steps or (
+            recovery is not None and recovery.vote_at_end(self.ctx)
+        ):
             if self._stop_agreed():
                 break
+            if recovery is not None and recovery.agreed is not None:
+                recovery.roll_back(self)  # (or, when it cannot, the trainer stops at the next agreement)
+                continue
             self.callbacks.call("on_step_begin", self.config, state, **kw())
             t0 = time.perf_counter()
             state.global_batch_size = self.batches.global_batch_at(state.consumed_samples)
             state.num_accumulation_steps = self.batches.accumulation_steps_at(state.consumed_samples)
             micro = [self._next_micro_batch() for _ in range(state.num_accumulation_steps)]
-            result = self.step_fn(micro)
+            if recovery is None:
+                result = self.step_fn(micro)
+            else:
+                with recovery.scaled_lr(state, self.optimizer, self.scheduler):
+                    result = self.step_fn(micro)
             if self.step_fn.loss_scaler is not None:
                 state.loss_scaler = self.step_fn.loss_scaler.state_dict()
             if self.ctx.device.type == "cuda":
@@ -376,6 +400,12 @@ class Trainer:
             state.global_step += 1
             self._account(result)
             metrics = self._metrics(result, step_time, micro[0])
+            policy = self.step_fn.skip_policy
+            anomaly = (
+                recovery.observe(state, result, policy.max_consecutive) if recovery is not None else None
+            )
+            if anomaly is not None:
+                metrics["anomaly"] = anomaly.reason
             if self._compile_watch is not None:
                 metrics["compile_s"] = self._compile_watch.after_step(state.global_step)
             self.callbacks.call(
@@ -388,9 +418,8 @@ class Trainer:
                 metrics=metrics,
                 **kw(),
             )
-            policy = self.step_fn.skip_policy
             limit = policy.max_consecutive
-            if limit > 0 and state.consecutive_skips >= limit:
+            if recovery is None and limit > 0 and state.consecutive_skips >= limit:
                 why = (
                     f"monitor.health_checkpoint.global_norm_skip_time = {limit}"
                     if policy.spike_skipping
@@ -493,12 +522,16 @@ class Trainer:
         """
         if self.stopping:
             return True
+        votes = [1 if self.stop_requested else 0, self._stop_signal]
+        if self._recovery is not None:  # recovery's rollback vote rides on the same all-reduce
+            votes += self._recovery.vote_values()
         if self.ctx.distributed:
-            flag = torch.tensor([1 if self.stop_requested else 0, self._stop_signal], device=self.ctx.device)
+            flag = torch.tensor(votes, dtype=torch.int64, device=self.ctx.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            agreed, signum = bool(int(flag[0].item())), int(flag[1].item())
-        else:
-            agreed, signum = self.stop_requested, self._stop_signal
+            votes = [int(v) for v in flag.tolist()]
+        agreed, signum = bool(votes[0]), votes[1]
+        if self._recovery is not None:
+            self._recovery.agree(votes[2:])
         if not agreed:
             return False
         if signum and self._stop_signal != signum:  # the strongest signal any rank received
@@ -536,52 +569,14 @@ class Trainer:
     # -- the end ------------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
-        s = self.state
-        elapsed = time.perf_counter() - self._run_started if self._run_started else 0.0
-        if self.stop_reason and self.stop_reason.startswith("diverged"):
-            status = "stopped: too many consecutive skipped steps"
-        elif self.stopping:
-            status = f"stopped early ({self.stop_reason})"
-        else:
-            status = "completed"
-        ck = self.checkpoint_cfg
-        latest = (
-            read_tracker(ck["save_path"]) if ck.get("enable_save", True) and ck.get("save_path") else None
-        )
-        out = {
-            "status": status,
-            "steps": f"{s.global_step}/{s.max_steps}",
-            "time": _fmt_seconds(elapsed),
-            "tokens (this run)": f"{self._run_tokens:,}",
-            "tokens/s (this run)": f"{self._run_tokens / elapsed:,.0f}" if elapsed > 0 else "n/a",
-            "final loss": f"{s.last_loss:.6f}",
-            "best loss": f"{s.best_loss:.6f}",
-            "skipped steps": s.skipped_steps,
-            "resumed from": self._resumed_from or "-",
-            "checkpoints": f"{ck.get('save_path')} (latest: iteration {latest})"
-            if latest is not None
-            else "-",
-            "metrics": str(self.output_dir / "metrics.jsonl"),
-        }
-        if self.final_save is not None:  # the save after the loop (train/callbacks/checkpointing.py)
-            step, seconds = self.final_save
-            out["final checkpoint save"] = f"step {step}, {seconds:.2f} s"
+        from lmforge.train.summary import run_summary
 
-        for key in ("log", "curves"):
-            if key in self.artifacts:
-                out[key] = self.artifacts[key]
-        return out
+        return run_summary(self)
 
 
 def _loss_scaler_for(model: nn.Module) -> LossScaler | None:
     """fp16 compute needs dynamic loss scaling; bf16 and fp32 do not (fp32's exponent range)."""
     return LossScaler() if getattr(model, "compute_dtype", None) == torch.float16 else None
-
-
-def _fmt_seconds(seconds: float) -> str:
-    m, s = divmod(seconds, 60)
-    h, m = divmod(int(m), 60)
-    return f"{h:d}:{m:02d}:{s:05.2f}"
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -25,6 +25,7 @@ HOOKS = (
     "on_epoch_end",
     "on_step_begin",
     "on_step_end",
+    "on_rollback",  # lmforge's: recovery restored a checkpoint (kwargs: rollback, the metrics.jsonl record)
 )
 
 
@@ -41,6 +42,7 @@ class TrainerCallback:
     def on_epoch_end(self, args: Any, state: Any, **kwargs: Any) -> None: ...
     def on_step_begin(self, args: Any, state: Any, **kwargs: Any) -> None: ...
     def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None: ...
+    def on_rollback(self, args: Any, state: Any, **kwargs: Any) -> None: ...
 
 
 class CallbackHandler:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
 import time
+from pathlib import Path
 from typing import Any
 
 from lmforge.train.callbacks.base import TrainerCallback
+from lmforge.train.callbacks.logging import readable_number
 from lmforge.train.callbacks.validation import EvalResult, build_eval_loader, eval_settings, evaluate
 from lmforge.utils.logging import get_logger
 
@@ -63,10 +67,10 @@ class EvaluationCallback(TrainerCallback):
         result = self.run(model, kwargs)
         self.history.append((step, result))
         log.info(
-            "validation: step %d, val_loss: %.6f, val_ppl: %.4f, tokens: %d, batches: %d, time: %.1fs",
+            "validation: step %d, val_loss: %.6f, val_ppl: %s, tokens: %d, batches: %d, time: %.1fs",
             step,
             result.loss,
-            result.perplexity,
+            readable_number(result.perplexity),
             result.tokens,
             result.batches,
             time.perf_counter() - start,
@@ -74,3 +78,81 @@ class EvaluationCallback(TrainerCallback):
         metrics = kwargs.get("metrics")
         if isinstance(metrics, dict):
             metrics.update(result.as_metrics())
+
+
+BEST_FILE = "best_validation.json"
+
+
+class BestValidationCallback(TrainerCallback):
+    """The best validation loss so far, and its checkpoint, as the Hugging Face Trainer's
+    ``best_metric`` / ``best_model_checkpoint``: written to ``<output_dir>/best_validation.json`` at each
+    new best, shown in the summary, and that checkpoint is never removed by ``checkpoint.save_max``
+    rotation. A best step gets a checkpoint only when one is saved at it (``save_interleaved_steps`` a
+    multiple of ``eval_interval``, or the end of the run)."""
+
+    order = 82  # after EvaluationCallback (25) put val_loss in the metrics and CheckpointCallback (80) saved
+
+    def __init__(self, output_dir: Any) -> None:
+        self.path = Path(output_dir) / BEST_FILE
+        self.best: dict[str, Any] | None = None
+
+    def on_train_begin(self, args: Any, state: Any, **kwargs: Any) -> None:
+        # A resumed run continues the record of the run it resumes (a fresh start begins a new one).
+        step = int(state.global_step)
+        if step > 0 and self.path.is_file():
+            best = json.loads(self.path.read_text())
+            if isinstance(best, dict) and int(best.get("step", step + 1)) <= step:
+                self.best = best
+                manager = getattr(kwargs.get("trainer"), "checkpoint_manager", None)
+                if manager is not None and best.get("checkpoint"):
+                    manager.keep = Path(best["checkpoint"])
+
+    def on_step_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        metrics = kwargs.get("metrics") or {}
+        loss = metrics.get("val_loss")
+        step = int(state.global_step)
+        if (
+            isinstance(loss, float)
+            and math.isfinite(loss)
+            and (self.best is None or loss < self.best["val_loss"])
+        ):
+            self.best = {
+                "step": step,
+                "val_loss": loss,
+                "val_ppl": metrics.get("val_ppl"),
+                "checkpoint": None,
+            }
+            if "checkpoint_save_s" in metrics:  # saved at this very step
+                self._keep(kwargs.get("trainer"), step)
+            self._write(kwargs.get("trainer"))
+
+    def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
+        trainer = kwargs.get("trainer")
+        if self.best is None:
+            return
+        final = getattr(trainer, "final_save", None)
+        if self.best["checkpoint"] is None and final is not None and final[0] == self.best["step"]:
+            self._keep(trainer, self.best["step"])
+            self._write(trainer)
+        where = self.best["checkpoint"] or "no checkpoint was saved at that step"
+        if trainer is not None:
+            trainer.artifacts["best validation"] = (
+                f"val_loss {self.best['val_loss']:.6f} at step {self.best['step']} ({where})"
+            )
+
+    def _keep(self, trainer: Any, step: int) -> None:
+        manager = getattr(trainer, "checkpoint_manager", None)
+        if manager is None:
+            return
+        from lmforge.train.checkpoint import iteration_dir_name
+
+        manager.keep = manager.save_path / iteration_dir_name(step)
+        self.best["checkpoint"] = str(manager.keep)
+
+    def _write(self, trainer: Any) -> None:
+        if getattr(getattr(trainer, "ctx", None), "rank", 0) != 0:
+            return
+        from lmforge.utils.atomic import write_text_atomic
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.path, json.dumps(self.best, indent=2) + "\n")

@@ -145,7 +145,7 @@ def evaluate_tasks(
                 "a task directory with --include-path, or a local .jsonl file (docs/guide.md)."
             )
         lm = LmforgeLM(model, tokenizer, eot_id=eot_id, max_length=max_length, batch_size=batch_size)
-        with _preserved_rng():  # the harness seeds random / numpy / torch: training must not notice
+        with _preserved_rng(), _no_git_probe():  # the harness seeds random / numpy / torch
             out = simple_evaluate(
                 model=lm,
                 tasks=names,
@@ -166,6 +166,19 @@ def evaluate_tasks(
             and k != "sample_len"
         }
     return results
+
+
+@contextlib.contextmanager
+def _no_git_probe():
+    """The harness records ``git describe`` of the working directory in its results; outside a git
+    repository git prints "fatal: not a git repository" on the user's terminal. That commit is not
+    the model's provenance anyway (lmforge records the checkpoint), so it is not asked for."""
+    from unittest import mock
+
+    import lm_eval.evaluator
+
+    with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
+        yield
 
 
 @contextlib.contextmanager

@@ -90,6 +90,14 @@ class MetricsCallback(TrainerCallback):
         self._file.write(json.dumps(_jsonable(kwargs["metrics"])) + "\n")
         self._file.flush()
 
+    def on_rollback(self, args: Any, state: Any, **kwargs: Any) -> None:
+        # The records of the undone steps stay (they show the anomaly); the event line marks where the
+        # run went back to, and the steps after to_step are written again.
+        if self._file is None:
+            return
+        self._file.write(json.dumps(_jsonable(kwargs["rollback"])) + "\n")
+        self._file.flush()
+
     def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
         if self._file is not None:
             self._file.close()

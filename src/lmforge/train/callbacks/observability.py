@@ -15,11 +15,12 @@ from typing import Any
 from lmforge.config.load import as_section
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.callbacks.doctor.live import doctor_callback
-from lmforge.train.callbacks.evaluation import EvaluationCallback
+from lmforge.train.callbacks.evaluation import BestValidationCallback, EvaluationCallback
 from lmforge.train.callbacks.max_logits import MaxLogitsMonitor
 from lmforge.train.callbacks.monitor import MemoryCallback, MoeMonitorCallback, TrainStateMonitorCallback
 from lmforge.train.callbacks.monitor_hooks import norm_filters
 from lmforge.train.callbacks.profiler import ProfilerCallback
+from lmforge.train.callbacks.progress import ProgressBarCallback
 from lmforge.train.callbacks.tensorboard import TensorBoardCallback
 from lmforge.train.callbacks.trackers import tracker_callbacks
 
@@ -38,6 +39,7 @@ def observability_callbacks(
 ) -> list[TrainerCallback]:
     monitor = as_section("monitor", _get(config, "monitor"))
     callbacks: list[TrainerCallback] = [
+        ProgressBarCallback(),  # on a terminal only
         MemoryCallback(device),
         TensorBoardCallback(monitor.tensorboard, output_dir),
     ]
@@ -58,7 +60,7 @@ def observability_callbacks(
         callbacks.append(ProfilerCallback(profiler, output_dir, rank))
     evaluation = EvaluationCallback.from_config(config)
     if evaluation is not None:
-        callbacks.append(evaluation)
+        callbacks += [evaluation, BestValidationCallback(output_dir)]
     callbacks.extend(tracker_callbacks(monitor, output_dir))
     listed = [as_section("callbacks", c).type for c in (_get(config, "callbacks") or [])]
     if getattr(model, "track_max_logits", False) and "MaxLogitsMonitor" not in listed:

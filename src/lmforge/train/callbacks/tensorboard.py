@@ -14,6 +14,7 @@ Tags keep the original's names: ``loss``, ``learning-rate``, ``grad-norm``, ``it
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -135,6 +136,16 @@ class TensorBoardCallback(TrainerCallback):
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
             self.writer.add_scalar(f"{tag} vs samples", value, samples)
+
+    def on_rollback(self, args: Any, state: Any, **kwargs: Any) -> None:
+        # A marker at the step where recovery detected the anomaly (train/recovery/): the step it went
+        # back to as a scalar, and the whole event as text.
+        if self.writer is None:
+            return
+        event = kwargs["rollback"]
+        self.writer.add_scalar("recovery/rollback-to-step", event["to_step"], event["step"])
+        self.writer.add_text("recovery/rollback", json.dumps(event), event["step"])
+        self.writer.flush()
 
     def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
         if self.writer is not None:

@@ -11,7 +11,6 @@ optional extras: a missing one is a ConfigError naming the extra, raised when th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -22,17 +21,13 @@ from typing import Any
 from lmforge.config.load import as_section
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks.base import TrainerCallback, logger
+from lmforge.train.callbacks.tracker_settings import (
+    mlflow_settings,
+    require_package,
+    wandb_settings,
+)
 
 RUNS_FILE = "tracker_runs.json"
-
-
-def require_package(module: str, extra: str, key: str) -> None:
-    """A ConfigError naming the extra to install when ``module`` cannot be imported."""
-    if importlib.util.find_spec(module) is None:
-        raise ConfigError(
-            f"{key} is true but the '{module}' package is not installed; install it with "
-            f"pip install 'lmforge[{extra}]' (or set {key}: false)."
-        )
 
 
 def step_scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -48,10 +43,6 @@ def step_scalars(metrics: dict[str, Any]) -> dict[str, float]:
 
 def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
-
-
-def _tag_list(tags: list | dict) -> list[str]:
-    return list(tags) if isinstance(tags, list) else [f"{k}:{v}" for k, v in tags.items()]
 
 
 def _tag_dict(tags: list | dict) -> dict[str, str]:
@@ -70,7 +61,6 @@ class TrackerCallback(TrainerCallback):
         require_package(self.module, self.name, f"monitor.{self.name}.enable")
         self.output_dir = Path(output_dir)
         self.log_interval = int(self.cfg.get("log_interval") or 1)
-        self.run_name = self.cfg.get("run_name") or self.output_dir.resolve().name
         self.active = False
         self.run_id: str | None = None
 
@@ -111,6 +101,19 @@ class TrackerCallback(TrainerCallback):
         if scalars:
             self.log(scalars, step)
 
+    def on_rollback(self, args: Any, state: Any, **kwargs: Any) -> None:
+        # Recovery rolled back (train/recovery/): an event at the detection step, whatever log_interval says.
+        if not self.active:
+            return
+        event = kwargs["rollback"]
+        self.log(
+            {
+                "recovery/rollback_to_step": float(event["to_step"]),
+                "recovery/rollbacks": float(event["rollback"]),
+            },
+            int(event["step"]),
+        )
+
     def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
         if not self.active:
             return
@@ -138,14 +141,15 @@ class WandbCallback(TrackerCallback):
         return self.run.id
 
     def _init(self, wandb: Any, resume_id: str | None, config: dict[str, Any]) -> Any:
+        s = wandb_settings(self.cfg, self.output_dir)  # the YAML, else WANDB_* variables, else defaults
         return wandb.init(
-            project=self.cfg.get("project") or "lmforge",
-            entity=self.cfg.get("entity") or None,
-            name=self.run_name,
-            tags=_tag_list(self.cfg.get("tags") or []),
+            project=s.project,
+            entity=s.entity,
+            name=s.name,
+            tags=s.tags,
             config=config,
-            dir=str(self.cfg.get("dir") or self.output_dir),
-            mode="offline" if self.cfg.get("offline") else "online",
+            dir=s.dir,
+            mode=s.mode,
             id=resume_id,
             resume="allow" if resume_id else None,
             settings=wandb.Settings(silent=True, console="off"),
@@ -171,32 +175,23 @@ class MlflowCallback(TrackerCallback):
         require_package("sqlalchemy", "mlflow", "monitor.mlflow.enable")
 
     def tracking_uri(self) -> str:
-        uri = self.cfg.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
-        # MLflow's recommended local store (its file store is in maintenance mode).
-        return uri or f"sqlite:///{(self.output_dir / 'mlflow.db').resolve()}"
+        return mlflow_settings(self.cfg, self.output_dir).tracking_uri
 
     def start(self, resume_id: str | None, config: dict[str, Any], step: int) -> str:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(tracking_uri=self.tracking_uri())
+        settings = mlflow_settings(self.cfg, self.output_dir)  # the YAML, else MLFLOW_* variables
+        self.client = MlflowClient(tracking_uri=settings.tracking_uri)
         if resume_id:
             self.client.update_run(resume_id, status="RUNNING")
             run_id = resume_id
             known = self.client.get_run(run_id).data.params
         else:
-            project = self.cfg.get("project") or "lmforge"
-            exp = self.client.get_experiment_by_name(project)
-            exp_id = (
-                exp.experiment_id
-                if exp is not None
-                else self.client.create_experiment(
-                    project, artifact_location=(self.output_dir / "mlartifacts").resolve().as_uri()
-                )
-            )
+            exp_id = self._experiment_id(settings)
             run = self.client.create_run(
-                exp_id, run_name=self.run_name, tags=_tag_dict(self.cfg.get("tags") or [])
+                exp_id, run_name=settings.run_name, tags=_tag_dict(self.cfg.get("tags") or [])
             )
             run_id, known = run.info.run_id, {}
         # Parameters are immutable in MLflow: a resumed run adds the keys it did not have; the whole
@@ -206,6 +201,21 @@ class MlflowCallback(TrackerCallback):
             self.client.log_batch(run_id, params=params[i : i + self._BATCH])
         self.client.log_dict(run_id, config, f"config-step-{step}.json" if resume_id else "config.json")
         return run_id
+
+    def _experiment_id(self, settings: Any) -> str:
+        if settings.experiment_name is None:  # MLFLOW_EXPERIMENT_ID: an experiment that exists
+            try:
+                return self.client.get_experiment(settings.experiment_id).experiment_id
+            except Exception:
+                raise ConfigError(
+                    f"MLFLOW_EXPERIMENT_ID={settings.experiment_id!r}: no such experiment in "
+                    f"{settings.tracking_uri}; set monitor.mlflow.project to name one (it is created if new)."
+                ) from None
+        exp = self.client.get_experiment_by_name(settings.experiment_name)
+        if exp is not None:
+            return exp.experiment_id
+        artifacts = (self.output_dir / "mlartifacts").resolve().as_uri()
+        return self.client.create_experiment(settings.experiment_name, artifact_location=artifacts)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric

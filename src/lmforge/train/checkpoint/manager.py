@@ -115,6 +115,9 @@ class CheckpointManager:
         self.rank = dist.get_rank() if _distributed() else 0
         self.world_size = dist.get_world_size() if _distributed() else 1
         self.saved_this_run: list[Path] = []
+        # Set by recovery (train/recovery/): a checkpoint it may still roll back to is kept beyond save_max.
+        self.protect: Callable[[Path], bool] | None = None
+        self.keep: Path | None = None  # the best validation checkpoint: never rotated away
         # Set by the trainer for a LoRA run (train/checkpoint/lora.py): where the frozen base came from.
         # With it, checkpoints hold the adapters, buffers and optimizer state only, not the base.
         self.lora_base: dict[str, Any] | None = None
@@ -295,8 +298,14 @@ class CheckpointManager:
         # save_max < 1 would make the original delete the checkpoint it just wrote; here it keeps all.
         if self.save_max < 1:
             return
-        while len(self.saved_this_run) > self.save_max:
-            oldest = self.saved_this_run.pop(0)
+        # Never rotated away: a checkpoint recovery may still roll back to (train/recovery/), and the best
+        # validation checkpoint (kept beside save_max others).
+        removable = [
+            p for p in self.saved_this_run if p != self.keep and (self.protect is None or not self.protect(p))
+        ]
+        while len(removable) > self.save_max:
+            oldest = removable.pop(0)
+            self.saved_this_run.remove(oldest)
             logger.info(
                 "The current number of weights is: %d, more than 'keep_checkpoint_max': %d. "
                 "So, the oldest directory: '%s' will be removed!",

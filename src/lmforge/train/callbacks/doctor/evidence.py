@@ -36,6 +36,8 @@ class RunEvidence:
     # rank -> local losses (monitor/train_state_rank*.jsonl, monitor.train_state.local_loss)
     rank_losses: dict[int, list[float]] = field(default_factory=dict)
     checkpoint: dict[str, Any] | None = None  # the latest checkpoint's common.json
+    # metrics.jsonl's {"event": "rollback", ...} lines (train/recovery/), in order
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     cache: dict[str, Any] = field(default_factory=dict, repr=False)  # values the rules derive once
 
@@ -115,6 +117,24 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def split_rollbacks(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the step records of the run as it finally went, the rollback events).
+
+    A rollback to step ``t`` undoes the steps after ``t`` that were recorded before it; the curve rules
+    judge the steps that made the final model (the rollback rule reports the undone ones).
+    """
+    steps: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    for r in records:
+        if r.get("event") == "rollback":
+            events.append(r)
+            to_step = int(r.get("to_step", 0))
+            steps = [m for m in steps if int(m.get("step", 0)) <= to_step]
+        elif "event" not in r:
+            steps.append(r)
+    return steps, events
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     from lmforge.config.yaml_io import read_yaml_file
 
@@ -154,7 +174,7 @@ def read_run_dir(path: str | Path) -> RunEvidence:
     ev = RunEvidence()
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
-        ev.metrics = _read_jsonl(metrics)
+        ev.metrics, ev.rollbacks = split_rollbacks(_read_jsonl(metrics))
         ev.sources.append(str(metrics))
     log = run_dir / "train.log"
     if log.is_file():

@@ -78,6 +78,7 @@ class DoctorCallback(TrainerCallback):
         self.tail: deque[dict[str, Any]] = deque(maxlen=_TAIL)
         self.reported: set[tuple[str, str]] = set()
         self.findings: list[Finding] = []  # every finding reported so far (for tests and tools)
+        self.rollbacks: list[dict[str, Any]] = []  # recovery's rollback events of this run
         self._start: dict[str, torch.Tensor] = {}
         self._params: dict[str, torch.Tensor] = {}
         self._moe_previous: dict[int, torch.Tensor] = {}
@@ -96,6 +97,9 @@ class DoctorCallback(TrainerCallback):
         optimizer = kwargs.get("optimizer")
         if model is not None:
             self.facts = self._parameter_facts(model, optimizer)
+            per_epoch = _samples_per_epoch(trainer)
+            if per_epoch:
+                self.facts["train_samples_per_epoch"] = per_epoch  # for the repeated-data rule
             self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
             self._start = {n: _sample(p) for n, p in self._params.items()}
         self._write_files()
@@ -169,6 +173,14 @@ class DoctorCallback(TrainerCallback):
             # every numeric field of the step's metrics.
             metrics["doctor_findings"] = len(self.findings)
 
+    def on_rollback(self, args: Any, state: Any, **kwargs: Any) -> None:
+        # Recovery undid the steps after to_step (train/recovery/): the rules judge the run as it goes on.
+        event = kwargs["rollback"]
+        to_step = int(event["to_step"])
+        self.rollbacks.append(dict(event))
+        self.head = [r for r in self.head if int(r.get("step", 0)) <= to_step]
+        self.tail = deque((r for r in self.tail if int(r.get("step", 0)) <= to_step), maxlen=_TAIL)
+
     def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
         self.check(int(state.global_step))
 
@@ -200,9 +212,16 @@ class DoctorCallback(TrainerCallback):
         self.facts["not_updated_checked_at_step"] = step
 
     def evidence(self) -> RunEvidence:
-        return RunEvidence(metrics=[*self.head, *self.tail], config=self.config, facts=self.facts)
+        return RunEvidence(
+            metrics=[*self.head, *self.tail],
+            config=self.config,
+            facts=self.facts,
+            rollbacks=list(self.rollbacks),
+        )
 
     def check(self, step: int) -> list[Finding]:
+        if not self.head:
+            return []  # no step of this process yet (e.g. resumed at the last step): nothing to judge live
         self._update_not_updated(step)
         diagnosis = diagnose(self.evidence())
         new = []
@@ -228,6 +247,17 @@ class DoctorCallback(TrainerCallback):
         if self._rank == 0 and self.output_dir is not None and self.output_dir.is_dir():
             (self.output_dir / FACTS_FILE).write_text(json.dumps(self.facts, indent=1) + "\n")
         return new
+
+
+def _samples_per_epoch(trainer: Any) -> int | None:
+    """Samples in one pass over the training set (the loader's micro-batches per epoch x micro-batch samples)."""
+    loader = getattr(trainer, "dataloader", None)
+    batches = getattr(trainer, "batches", None)
+    try:
+        micro = len(loader)
+    except TypeError:
+        return None
+    return int(micro) * int(batches.samples_per_micro_step) if micro and batches is not None else None
 
 
 def _show(value: Any) -> str:

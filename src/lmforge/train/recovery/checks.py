@@ -1,0 +1,26 @@
+"""What ``recovery.enable: true`` needs from the rest of the file, checked before anything is built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmforge.errors import ConfigError
+
+
+def check_recovery(cfg: Any) -> None:
+    """A rollback restores a checkpoint that this run wrote, with its optimizer state."""
+    recovery = getattr(cfg, "recovery", None)
+    if recovery is None or not recovery.enable:
+        return
+    ck = cfg.checkpoint
+    if not ck.get("enable_save", True) or not ck.get("save_path"):
+        raise ConfigError(
+            "recovery.enable: true rolls back to a checkpoint of this run, but checkpoint.enable_save is false "
+            "or checkpoint.save_path is empty; set checkpoint.enable_save: true with a save_path (and a "
+            "save_interleaved_steps that leaves a checkpoint to return to), or recovery.enable: false."
+        )
+    if ck.get("no_save_optim", False):
+        raise ConfigError(
+            "recovery.enable: true restores the optimizer state with the weights, but checkpoint.no_save_optim "
+            "is true, so checkpoints hold none; set checkpoint.no_save_optim: false or recovery.enable: false."
+        )

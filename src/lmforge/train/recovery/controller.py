@@ -1,0 +1,252 @@
+"""Self-healing training: detect on every rank together, roll back to the newest safe checkpoint, go on.
+
+The trainer delegates to :class:`Recovery` at four points: after each step (``observe``), in the stop
+agreement before each step (``vote_values`` / ``agree``: one all-reduce carries both votes), when a
+rollback is agreed (``roll_back``, through the resume code path of train/checkpoint) and around each step
+(``scaled_lr``). Checkpoint rotation asks ``protects`` before deleting a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lmforge.train.checkpoint import (
+    iteration_dir_name,
+    load_checkpoint,
+    resolve_checkpoint,
+    write_tracker,
+)
+from lmforge.train.recovery.detector import Anomaly, AnomalyDetector
+from lmforge.train.recovery.safe_checkpoint import complete_iterations, newest_safe
+from lmforge.utils.logging import get_logger
+
+logger = get_logger("lmforge.train.recovery")
+
+_NO_ONSET = -(2**62)  # the vote's "no anomaly here" (votes are reduced with MAX over -onset)
+STATE_KEY = "recovery"  # TrainState.extra[STATE_KEY]: rollbacks so far, end of the lowered-lr window
+
+
+class Recovery:
+    """The ``recovery:`` section at work in one trainer (one per rank)."""
+
+    def __init__(self, section: Any, save_path: str | Path) -> None:
+        self.section = section
+        self.save_path = Path(save_path)
+        self.detector = AnomalyDetector()
+        self.pending: Anomaly | None = None  # seen on this rank, not yet agreed
+        self.agreed: Anomaly | None = None  # agreed by every rank: roll back before the next step
+        self.rollbacks = 0
+        self.lr_scaled_until = 0  # steps up to this one train at lr x lr_scale
+        self.events: list[dict[str, Any]] = []
+
+    # -- state that survives restarts (in the checkpoint's trainer state) -----------------------------
+
+    def start(self, state: Any) -> None:
+        saved = state.extra.get(STATE_KEY) or {}
+        self.rollbacks = int(saved.get("rollbacks", 0))
+        self.lr_scaled_until = int(saved.get("lr_scaled_until", 0))
+
+    def _remember(self, state: Any) -> None:
+        state.extra[STATE_KEY] = {"rollbacks": self.rollbacks, "lr_scaled_until": self.lr_scaled_until}
+
+    # -- detection ------------------------------------------------------------------------------------
+
+    def observe(self, state: Any, result: Any, skip_limit: int) -> Anomaly | None:
+        """Judge the step just done (every rank sees the same reduced loss; the vote decides)."""
+        if self.pending is None:
+            self.pending = self.detector.observe(
+                int(state.global_step),
+                float(result.loss),
+                bool(result.skipped),
+                int(state.consecutive_skips),
+                skip_limit,
+            )
+        return self.pending
+
+    def vote_values(self) -> list[int]:
+        return [1 if self.pending else 0, -self.pending.onset if self.pending else _NO_ONSET]
+
+    def agree(self, values: list[int]) -> None:
+        """The reduced vote (MAX over ranks): any rank's anomaly, at the earliest onset any rank saw."""
+        if not values[0]:
+            return
+        onset = -int(values[1])
+        reason = self.pending.reason if self.pending is not None else "an anomaly detected on another rank"
+        self.agreed = Anomaly(reason, onset)
+
+    def vote_at_end(self, ctx: Any) -> bool:
+        """After the last step: does any rank want a rollback? (collective, so every rank loops or not)"""
+        want = self.pending is not None and self.agreed is None
+        if ctx.distributed:
+            flag = torch.tensor([1 if want else 0], device=ctx.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            want = bool(int(flag.item()))
+        return want
+
+    # -- rotation -------------------------------------------------------------------------------------
+
+    def protects(self, path: Path) -> bool:
+        """Whether ``path`` is the checkpoint a rollback would restore now (rotation keeps it)."""
+        # The next step's loss may still spike: the newest verified weights are safe for it.
+        onsets = [(self.detector.newest_verified_step() or 0) + 2]
+        best = self.detector.best_step()
+        if best is not None:
+            onsets.append(best + 1)  # a divergence rolls back to before the lowest loss
+        if self.pending is not None:
+            onsets.append(self.pending.onset)
+        if self.agreed is not None:
+            onsets.append(self.agreed.onset)
+        keep = newest_safe(complete_iterations(self.save_path), min(onsets))
+        return keep is not None and path.name == iteration_dir_name(keep)
+
+    # -- the lowered learning rate after a rollback ---------------------------------------------------
+
+    @contextlib.contextmanager
+    def scaled_lr(self, state: Any, optimizer: Any, scheduler: Any) -> Iterator[None]:
+        factor = float(self.section.lr_scale)
+        if factor == 1.0 or state.global_step + 1 > self.lr_scaled_until:
+            yield
+            return
+        groups = optimizer.param_groups
+        before = [float(g["lr"]) for g in groups]
+        _set_lrs(groups, [lr * factor for lr in before])
+        scheduled = getattr(scheduler, "last_epoch", None)
+        try:
+            yield
+        finally:
+            # A step that updated moved the scheduler, which set the next lr itself; a skipped one did
+            # not, and its group lrs are still the lowered ones.
+            if scheduler is None or getattr(scheduler, "last_epoch", None) == scheduled:
+                _set_lrs(groups, before)
+
+    # -- the rollback ---------------------------------------------------------------------------------
+
+    def roll_back(self, trainer: Any) -> dict[str, Any] | None:
+        """Restore every rank from the newest safe checkpoint; None (and the trainer stopping) when it cannot."""
+        anomaly, self.agreed, self.pending = self.agreed, None, None
+        assert anomaly is not None
+        state = trainer.state
+        detected = int(state.global_step)
+        t0 = time.perf_counter()
+        if self.rollbacks >= int(self.section.max_rollbacks):
+            return self._give_up(
+                trainer, anomaly, f"recovery.max_rollbacks ({self.section.max_rollbacks}) is reached"
+            )
+        manager = trainer._checkpoint_manager
+        manager.wait()  # an asynchronous save in flight is finished (and may be the one restored)
+        to_step = _agreed_step(newest_safe(complete_iterations(self.save_path), anomaly.onset), trainer.ctx)
+        if to_step is None:
+            return self._give_up(
+                trainer, anomaly, f"no checkpoint of step <= {anomaly.onset - 2} exists in {self.save_path}"
+            )
+        skip = self.section.data == "skip"
+        loader = trainer.dataloader
+        detected_position = loader.state_dict() if skip and hasattr(loader, "state_dict") else None
+        detected_consumed, tokens_before = int(state.consumed_samples), int(state.tokens_seen)
+        header = resolve_checkpoint(self.save_path / iteration_dir_name(to_step))
+        load_checkpoint(header, trainer.checkpointable(), no_load_optim=False, hf_loader=trainer.hf_loader)
+        restored_consumed = int(state.consumed_samples)
+        if skip:
+            state.consumed_samples = detected_consumed
+        if detected_position is not None and hasattr(loader, "load_state_dict"):
+            loader.load_state_dict(detected_position)
+        elif not hasattr(loader, "load_state_dict"):  # a loader without a position to restore: a new one
+            trainer.dataloader = trainer.dataloader_factory(int(state.consumed_samples))
+        trainer.after_restore()
+        self.rollbacks += 1
+        self.detector.forget_after(to_step)
+        self.lr_scaled_until = to_step + int(self.section.lr_scale_steps)
+        self._remember(state)
+        if trainer.ctx.rank == 0:
+            write_tracker(self.save_path, to_step)  # the damaged newer checkpoints are no longer "latest"
+        samples = (
+            [restored_consumed, detected_consumed - 1] if detected_consumed > restored_consumed else None
+        )
+        event: dict[str, Any] = {
+            "event": "rollback",
+            "step": detected,
+            "to_step": to_step,
+            "reason": anomaly.reason,
+            "skipped_samples": samples if skip else None,
+            "replayed_samples": None if skip else samples,
+            "onset": anomaly.onset,
+            "data": self.section.data,
+            "rollback": self.rollbacks,
+            "max_rollbacks": int(self.section.max_rollbacks),
+            "lost_tokens": tokens_before - int(state.tokens_seen),
+            "restore_s": round(time.perf_counter() - t0, 4),
+            "lr_scale": float(self.section.lr_scale),
+            "lr_scaled_until": self.lr_scaled_until,
+        }
+        self.events.append(event)
+        logger.warning(
+            "recovery: %s. Rolled back every rank from step %d to the checkpoint of step %d (%s, rollback %d of "
+            "%d); %s samples %s.",
+            anomaly.reason,
+            detected,
+            to_step,
+            header.path,
+            self.rollbacks,
+            self.section.max_rollbacks,
+            "skipping" if skip else "replaying",
+            f"{samples[0]}..{samples[1]}" if samples else "(none)",
+        )
+        trainer.callbacks.call("on_rollback", trainer.config, state, rollback=event, **trainer._hook_kwargs())
+        return event
+
+    def _give_up(self, trainer: Any, anomaly: Anomaly, why: str) -> None:
+        safe = newest_safe(complete_iterations(self.save_path), anomaly.onset)
+        where = (
+            f"the newest checkpoint from before it is {self.save_path / iteration_dir_name(safe)}: resume from it "
+            "(checkpoint.load_path)"
+            if safe is not None
+            else "no checkpoint from before it exists: save earlier (checkpoint.save_interleaved_steps) and start again"
+        )
+        trainer.stop_reason = (
+            f"diverged: {anomaly.reason}; {why}, after {self.rollbacks} rollback(s). Training stops; {where}, with "
+            "a lower lr_scheduler.learning_rate, recovery.lr_scale < 1 or recovery.data: skip, or check the data "
+            "around that step."
+        )
+        trainer.stop_requested = trainer.stopping = True
+        logger.error("%s", trainer.stop_reason[len("diverged: ") :])
+        return None
+
+
+def _set_lrs(groups: list[dict[str, Any]], lrs: list[float]) -> None:
+    for group, lr in zip(groups, lrs, strict=True):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def _agreed_step(step: int | None, ctx: Any) -> int | None:
+    """The oldest of the ranks' choices (each rank lists the checkpoint directory it can see)."""
+    if not ctx.distributed:
+        return step
+    value = torch.tensor([-1 if step is None else step], dtype=torch.int64, device=ctx.device)
+    none = torch.tensor([1 if step is None else 0], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    dist.all_reduce(none, op=dist.ReduceOp.MAX)
+    return None if int(none.item()) else int(value.item())
+
+
+def build_recovery(config: Any, manager: Any) -> Recovery | None:
+    """The ``recovery:`` section at work in a trainer, or None when it is off."""
+    section = getattr(config, "recovery", None)
+    if section is None or not section.enable:
+        return None
+    from lmforge.train.recovery.checks import check_recovery
+
+    check_recovery(config)  # (preflight refused it already for a run built from a YAML)
+    recovery = Recovery(section, config.checkpoint.get("save_path"))
+    if manager is not None:
+        manager.protect = recovery.protects
+    return recovery
