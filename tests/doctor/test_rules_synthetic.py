@@ -158,3 +158,43 @@ def test_lora_frozen_base_is_intended_but_a_stuck_adapter_is_not(tmp_path):
     (run / "doctor_facts.json").write_text(json.dumps(facts))
     (f,) = diagnose(read_run_dir(run)).findings
     assert "lora_B" in f.evidence and "linear_fc1.weight" not in f.evidence.replace("lora_B.weight", "")
+
+
+def test_an_emulated_16_bit_compute_dtype_is_a_finding_with_the_key_to_change(tmp_path):
+    from lmforge.train.callbacks.doctor.evidence import FACTS_FILE
+
+    note = (
+        "model.compute_dtype = bfloat16: this CPU has no native bfloat16 matmuls and emulates them: a "
+        "128x128 matmul measured 40x slower than in float32 here"
+    )
+    run = _write_run(tmp_path, _healthy(step_time=9.5))
+    (run / FACTS_FILE).write_text(json.dumps({"compute_dtype": "bfloat16", "compute_dtype_emulated": note}))
+    (f,) = diagnose(read_run_dir(run)).findings
+    assert f.symptom.startswith("slow training") and note in f.evidence and "9.5" in f.evidence
+    assert f.keys == {"model.compute_dtype": "auto"}
+    # The same run where the live doctor found bf16 native: no finding, and it says so.
+    (run / FACTS_FILE).write_text(json.dumps({"compute_dtype": "bfloat16"}))
+    diagnosis = diagnose(read_run_dir(run))
+    assert diagnosis.findings == []
+    assert any(
+        c.startswith("emulated_compute_dtype: model.compute_dtype bfloat16 is native")
+        for c in diagnosis.checked
+    )
+
+
+def test_the_live_doctor_records_an_emulated_compute_dtype(monkeypatch):
+    import torch
+
+    from lmforge.train.callbacks.doctor import live
+    from lmforge.utils import native_dtype
+
+    monkeypatch.setattr(native_dtype, "cpu_capability", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(native_dtype, "cpu_speed_ratio", lambda dtype: (1.0, 0.02))
+    model = torch.nn.Linear(4, 4)
+    model.compute_dtype = torch.bfloat16
+    facts = live.DoctorCallback._parameter_facts(object.__new__(live.DoctorCallback), model, None)
+    assert "50x slower" in facts["compute_dtype_emulated"]
+    model.compute_dtype = torch.float32
+    assert "compute_dtype_emulated" not in live.DoctorCallback._parameter_facts(
+        object.__new__(live.DoctorCallback), model, None
+    )

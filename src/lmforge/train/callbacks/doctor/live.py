@@ -134,6 +134,14 @@ class DoctorCallback(TrainerCallback):
         device = next((p.device for _, p in params), None)
         if device is not None and device.type == "cuda":
             facts["device_memory_bytes"] = int(torch.cuda.get_device_properties(device).total_memory)
+        compute = getattr(model, "compute_dtype", None)
+        if device is not None and isinstance(compute, torch.dtype):
+            from lmforge.utils.native_dtype import emulation_warning
+
+            # Measured on the run's own device: the offline doctor may read the run on another machine.
+            note = emulation_warning(compute, device.type)
+            if note is not None:
+                facts["compute_dtype_emulated"] = note
         experts = getattr(model, "tokens_per_expert", None)
         if callable(experts):
             counts = experts()

@@ -168,7 +168,14 @@ def _eps_value(ev: RunEvidence) -> float | None:
 
 
 def _compute_dtype(ev: RunEvidence) -> str:
-    value = ev.section("model").get("compute_dtype") or ev.facts.get("compute_dtype") or "bfloat16"
+    # What the model computed in (doctor_facts.json) wins over the config's `auto`, which names no dtype.
+    asked = ev.section("model").get("compute_dtype")
+    value = (
+        (asked if str(asked).lower() != "auto" else None)
+        or ev.facts.get("compute_dtype")
+        or asked
+        or "bfloat16"
+    )
     value = str(value).lower().replace("torch.", "")
     return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}.get(value, value)
 

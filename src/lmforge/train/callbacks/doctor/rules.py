@@ -34,7 +34,12 @@ from lmforge.train.callbacks.doctor.rules_progress import (
     warmup_never_ends,
     weight_decay_too_high,
 )
-from lmforge.train.callbacks.doctor.rules_resources import moe_routing, out_of_memory, rank_differences
+from lmforge.train.callbacks.doctor.rules_resources import (
+    emulated_compute_dtype,
+    moe_routing,
+    out_of_memory,
+    rank_differences,
+)
 from lmforge.train.callbacks.doctor.rules_run import loss_flat, no_steps, repeated_data, rollbacks
 from lmforge.train.callbacks.doctor.rules_stability import (
     clipping_most_steps,
@@ -71,6 +76,7 @@ RULES: list[Rule] = [
     Rule("eps_too_small", "NaN / Inf", "config optimizer eps + compute dtype", eps_too_small),
     Rule("nonfinite_values", "NaN / Inf", "metrics loss, grad_norm, skip_reason", nonfinite_values),
     Rule("out_of_memory", "out of memory", "train.log", out_of_memory),
+    Rule("emulated_compute_dtype", "slow training", "doctor_facts.json", emulated_compute_dtype),
     Rule(
         "moe_routing", "MoE routing collapse / imbalance", "monitor tokens_per_expert or metrics", moe_routing
     ),

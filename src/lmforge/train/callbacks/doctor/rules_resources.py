@@ -1,4 +1,5 @@
-"""Rules of the rows "out of memory", "MoE routing collapse / imbalance" and "differences between ranks"."""
+"""Rules of the rows "out of memory", "slow training", "MoE routing collapse / imbalance" and "differences
+between ranks"."""
 
 from __future__ import annotations
 
@@ -208,4 +209,21 @@ def rank_differences(ev: RunEvidence) -> RuleResult:
         cause="ranks do not train the same model: parameter groups, config or code differ between ranks "
         "(run every rank with the same train.yaml and lmforge version)",
         keys={},
+    )
+
+
+def emulated_compute_dtype(ev: RunEvidence) -> RuleResult:
+    """A 16-bit compute dtype that the run's device only emulates (the live doctor measured it there:
+    doctor_facts.json ``compute_dtype_emulated``): every matmul ran many times slower than in float32."""
+    note = ev.facts.get("compute_dtype_emulated")
+    dtype = ev.facts.get("compute_dtype")
+    if not isinstance(note, str) or not note:
+        return f"model.compute_dtype {dtype} is native on the run's device" if dtype else None
+    times = [r["step_time"] for r in ev.metrics if isinstance(r.get("step_time"), (int, float))]
+    seen = f"; median step time {_fmt(median(times))} s" if times else ""
+    return Finding(
+        symptom="slow training (16-bit compute emulated)",
+        evidence=f"{note}{seen}",
+        cause=f"model.compute_dtype {dtype} on a device without native {dtype} matmuls: they are emulated",
+        keys={"model.compute_dtype": "auto"},
     )
