@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from lmforge.train import checkpoint as ckpt_mod
+from lmforge.train.checkpoint import manager as ckpt_mod
 from lmforge.train.checkpoint import read_tracker
 
 from .conftest import snapshot

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lmforge.errors import CheckpointError
-from lmforge.train import checkpoint as ckpt_mod
+from lmforge.train.checkpoint import manager as ckpt_mod
+from lmforge.train.checkpoint import state_codec
 from lmforge.train.checkpoint.safe_load import (
     UnsafeFileError,
     decode_skeleton,
@@ -18,13 +19,16 @@ from lmforge.train.checkpoint.safe_load import (
     read_dcp_metadata,
 )
 
-from .conftest import payload_pickle, snapshot
+from .conftest import payload_pickle, rerecord_checksums, snapshot
 
 ITER = "iteration_00000002"
 
 
 def _poison_metadata(run, marker, func=None):
     (run / "ckpt" / ITER / ".metadata").write_bytes(payload_pickle(marker, func))
+    # With its checksum updated too: the unpickler must refuse it on its own (checksums catch only
+    # damage, not an attacker who rewrites the record).
+    rerecord_checksums(run / "ckpt" / ITER)
 
 
 def _refused(code, err, marker):
@@ -86,7 +90,7 @@ def _save_with_skeleton(run, monkeypatch, dst, fake_encode):
     )
     trainer = build_trainer(cfg)
     trainer._resume_or_start()
-    monkeypatch.setattr(ckpt_mod, "encode_skeleton", fake_encode)
+    monkeypatch.setattr(state_codec, "encode_skeleton", fake_encode)
     manager = ckpt_mod.CheckpointManager(dst / "ckpt", config_dict=None)
     assert manager.save(trainer.checkpointable(), 2)
     monkeypatch.undo()
@@ -146,7 +150,7 @@ def test_optimizer_item_pickle_payload_refused(run_copy, tmp_path, monkeypatch, 
         return form, sd
 
     monkeypatch.setattr(ckpt_mod, "_optimizer_state_dict", evil)
-    _save_with_skeleton(run_copy, monkeypatch, tmp_path, ckpt_mod.encode_skeleton)
+    _save_with_skeleton(run_copy, monkeypatch, tmp_path, state_codec.encode_skeleton)
     code, _, err = cli(
         "train", "--config", run_copy / "train.yaml", "--set", f"checkpoint.load_path={tmp_path / 'ckpt'}"
     )

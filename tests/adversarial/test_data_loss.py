@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from lmforge.errors import CheckpointError
-from lmforge.train import checkpoint as ckpt_mod
 from lmforge.train.checkpoint import Checkpointable, CheckpointManager, read_tracker, resolve_checkpoint
+from lmforge.train.checkpoint import manager as ckpt_mod
 from lmforge.utils import atomic as atomic_mod
 from lmforge.utils.run_lock import LOCK_FILE
 

@@ -123,9 +123,9 @@ def test_resume_continues_bitwise_without_retokenizing_the_start(tmp_path, tok, 
     seen = []
     original = text_format.RowFormatter.encode_rows
 
-    def counting(self, rows, source):
+    def counting(self, rows, source, locations=None):
         seen.extend(i for i, _ in rows)
-        return original(self, rows, source)
+        return original(self, rows, source, locations)
 
     monkeypatch.setattr(text_format.RowFormatter, "encode_rows", counting)
     resumed = build_dataloader(section, local_batch_size=2, consumed_samples=16)

@@ -10,8 +10,14 @@ from lmforge.cli import main
 from lmforge.train.callbacks.doctor import diagnose, read_run_dir
 
 
+def _is_emulation(finding):
+    # A CPU emulates fp16 (and, without AVX512_BF16/AMX, bf16): that finding is right but depends on the
+    # machine; tests/doctor/test_rules_synthetic.py tests it.
+    return finding.symptom.startswith("slow training (16-bit compute emulated)")
+
+
 def _findings(run_dir):
-    return diagnose(read_run_dir(run_dir)).findings
+    return [f for f in diagnose(read_run_dir(run_dir)).findings if not _is_emulation(f)]
 
 
 def _with_key(findings, key):
@@ -62,7 +68,7 @@ def test_fp16_without_loss_scaling(pathology_run):
 
 def test_fp16_with_the_trainers_loss_scaling_is_healthy(pathology_run):
     diagnosis = diagnose(read_run_dir(pathology_run("fp16_scaled")))
-    assert diagnosis.findings == []
+    assert [f for f in diagnosis.findings if not _is_emulation(f)] == []
     assert any(
         c.startswith("fp16_without_scaling: fp16 compute with dynamic loss scaling")
         for c in diagnosis.checked

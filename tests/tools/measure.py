@@ -6,6 +6,13 @@ when its last reference goes; the same accounting as ``torch.distributed._tools.
 refuses a module called twice per step), plus the model's parameters and buffers that exist before. It
 is independent of lmforge's estimator.
 
+The 16-bit matrix products (matmuls and CPU flash attention, forward and backward) are not computed:
+their outputs are zero tensors of the shape, strides and dtype the operator gives (its meta kernel),
+allocated as the operator would allocate them. Memory is the same (same storages, same lifetimes; a
+test compares the two ways); the values do not matter to it, and zeros keep the step finite (zero
+gradients, an optimizer step that moves nothing but still allocates its states). So the bf16 cases cost
+no time on a CPU that emulates bf16 (~100x slower than float32 there).
+
 A storage's size is re-read at every operator: FSDP2 frees a layer's unsharded parameters by resizing
 their storages to 0 bytes (``untyped_storage().resize_(0)``, no operator the dispatch mode sees) and
 re-grows them at the next all-gather; counting each storage at its size when created kept every layer's
@@ -20,7 +27,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lmforge.config import load_config
 from lmforge.lr import ScheduleLR, build_scheduler
@@ -88,11 +95,42 @@ def estimate(raw: dict[str, Any]) -> Any:
     )
 
 
+_aten = torch.ops.aten
+# Matrix products whose 16-bit outputs are allocated, not computed (see the module docstring).
+UNCOMPUTED_16BIT = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
+_16BIT = (torch.bfloat16, torch.float16)
+
+
+def _zero_outputs(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """The outputs of ``func`` as zero tensors: shapes and strides from its meta kernel, storages
+    allocated here like the kernel's own."""
+
+    def to_meta(x: Any) -> Any:
+        return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+    meta_out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+
+    def real(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu").zero_()
+
+    return tree_map(real, meta_out)
+
+
 class LiveStorageBytes(TorchDispatchMode):
     """Peak of the summed ``nbytes`` of live storages created by operators (plus ``track``-ed tensors)."""
 
-    def __init__(self) -> None:
+    def __init__(self, compute_16bit_matmuls: bool = False) -> None:
         super().__init__()
+        self.compute_16bit_matmuls = compute_16bit_matmuls
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
@@ -132,7 +170,12 @@ class LiveStorageBytes(TorchDispatchMode):
                 self.live[key] = n
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        skip = not self.compute_16bit_matmuls and func in UNCOMPUTED_16BIT
+        if skip and any(isinstance(t, torch.Tensor) and t.dtype in _16BIT for t in tree_flatten(args)[0]):
+            out = _zero_outputs(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         if self.paused:
             return out
         # Sizes changed since the last operator (a resize runs none) are read before the outputs are
@@ -146,7 +189,7 @@ class LiveStorageBytes(TorchDispatchMode):
         return out
 
 
-def measure(raw: dict[str, Any], steps: int = 1) -> int:
+def measure(raw: dict[str, Any], steps: int = 1, compute_16bit_matmuls: bool = False) -> int:
     cfg = load_config(raw)
     torch.manual_seed(0)
     mc = build_model_config(cfg.model)
@@ -161,7 +204,7 @@ def measure(raw: dict[str, Any], steps: int = 1) -> int:
     model, ctx = build_training_model(cfg.model, seed=0, device="cpu", before_fsdp=hook)
     schedule = build_scheduler(cfg.lr_scheduler, int(cfg.training.steps))
     optimizer = build_optimizer(cfg.optimizer, model, schedule)
-    tracker = LiveStorageBytes()
+    tracker = LiveStorageBytes(compute_16bit_matmuls)
     offload = bool(getattr(cfg.optimizer, "offload_states", False))
     if offload:
         # optimizer.offload_states: the states and the update live in host memory.

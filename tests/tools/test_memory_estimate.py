@@ -8,6 +8,8 @@ every case and 10% on most (the issue's bar). The figures are recorded in docs/g
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -157,3 +159,18 @@ def test_one_rank_end_of_backward_counts_the_units_16_bit_gradients():
     finally:
         torch.set_num_threads(threads)
     assert 0.95 <= ratio <= 1.05, ratio
+
+
+@pytest.mark.parametrize(
+    "name", ["adamw_bf16", "muon_bf16", "moe_bf16_top2", "recompute_select_attention_bf16_seq512"]
+)
+def test_16_bit_matmuls_left_uncomputed_change_no_peak(name):
+    """The measurement allocates the 16-bit matrix products' outputs without computing them (so the bf16
+    cases cost nothing on a CPU that emulates bf16): the peak is the same bytes as computing them."""
+    raw = copy.deepcopy(CASES[name])
+    raw["model"] = {
+        **raw["model"],
+        "seq_length": 64,
+        "max_position_embeddings": 64,
+    }  # same code path, cheaper
+    assert measure(raw) == measure(raw, compute_16bit_matmuls=True)

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from lmforge.errors import CheckpointError
-from lmforge.train import checkpoint as ckpt_mod
 from lmforge.train.checkpoint import (
     Checkpointable,
     CheckpointManager,
@@ -16,6 +15,7 @@ from lmforge.train.checkpoint import (
     read_tracker,
     resolve_checkpoint,
 )
+from lmforge.train.checkpoint import manager as ckpt_mod
 from lmforge.train.state import TrainState
 
 from .tiny import TinyLM
@@ -40,7 +40,12 @@ def test_layout_prefix_and_common_json(tmp_path):
     mgr = CheckpointManager(tmp_path, prefix="qwen3", save_max=3)
     assert mgr.save(Checkpointable(model, opt, state=TrainState(consumed_samples=40, global_batch_size=8)), 5)
     it = tmp_path / "iteration_00000005"
-    assert sorted(os.listdir(it)) == [".metadata", "common.json", "qwen3-0000000-0000001_0.distcp"]
+    assert sorted(os.listdir(it)) == [
+        ".metadata",
+        "checksums.json",
+        "common.json",
+        "qwen3-0000000-0000001_0.distcp",
+    ]
     common = json.loads((it / "common.json").read_text())
     for key in (
         "epoch_num",
@@ -151,8 +156,10 @@ def test_hf_directory_needs_no_load_optim(tmp_path):
     assert calls == [tmp_path]
 
 
-def test_missing_or_empty_load_path_starts_from_scratch_and_junk_is_an_error(tmp_path):
-    assert resolve_checkpoint(tmp_path / "nope") is None
+def test_missing_or_empty_load_path_resolve_to_nothing_and_junk_is_an_error(tmp_path):
+    # Nothing there: None, for the caller to refuse in its own terms (train: tests/adversarial/test_resume_pattern.py).
+    assert resolve_checkpoint("") is None and resolve_checkpoint(tmp_path / "nope") is None
+    (tmp_path / ".lmforge.lock").write_text("{}")  # a run lock is not a checkpoint
     assert resolve_checkpoint(tmp_path) is None
     (tmp_path / "junk.txt").write_text("x")
     with pytest.raises(CheckpointError, match="is not a checkpoint"):

@@ -38,7 +38,9 @@ def test_a_layout_1_checkpoint_loads_converted_and_resumes_exactly(family, caplo
     model = build_model(fixture.SECTIONS[family])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     header = resolve_checkpoint(FIXTURES / family)
-    assert "weight_layout" not in header.common
+    # Written before common.json recorded the layout: format lmforge-dcp/1 without the key means layout 1.
+    assert "weight_layout" not in json.loads((header.path / "common.json").read_text())
+    assert header.common["format"] == "lmforge-dcp/1" and header.common["weight_layout"] == 1
     with caplog.at_level(logging.INFO, logger="lmforge.train.checkpoint"):
         load_checkpoint(header, Checkpointable(model=model, optimizer=opt), no_load_optim=False)
     assert "layout 1" in caplog.text and f"converted to layout {WEIGHT_LAYOUT}" in caplog.text

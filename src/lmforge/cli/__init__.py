@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     except LmforgeError as exc:
         if debug:
             traceback.print_exc()
-        print(f"lmforge {args.command}: error: {exc}", file=sys.stderr)
+        if not getattr(exc, "quiet", False):  # quiet: another rank of the job reports it (utils/elastic.py)
+            print(f"lmforge {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except OSError as exc:
         if exc.errno not in USER_ERRNOS:

@@ -165,6 +165,13 @@ def _parallel_plan_lines(cfg: Any, world: int) -> list[str]:
         return parallel_plan(cfg.parallelism, cfg.model, cfg.training, cfg.optimizer, world, cfg.recompute)
 
 
+def _load_path_problems(cfg: Any) -> list[str]:
+    from lmforge.train.checkpoint.resume import load_path_problem
+
+    problem = load_path_problem(cfg.checkpoint)
+    return [] if problem is None else [problem]
+
+
 def run(args: argparse.Namespace) -> int:
     from lmforge.data.files import missing_data_files  # lmforge.data imports torch: only when checking
     from lmforge.train.preflight import preflight
@@ -201,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         list(cfg.warnings)
         + plan.warnings_beyond(cfg.warnings)
         + [f"{m}; training will refuse to start until it does" for m in missing_data_files(cfg.train_dataset)]
+        + [f"{m} (lmforge train refuses to start until it holds one.)" for m in _load_path_problems(cfg)]
     )
     if warnings:
         lines += ["", "Warnings:"] + [f"  - {w}" for w in warnings]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(subparsers) -> None:
@@ -39,21 +40,29 @@ def register(subparsers) -> None:
 
 
 def _preprocess(args: argparse.Namespace) -> int:
-    from lmforge.data.preprocess import preprocess
+    from lmforge.data.preprocess import PreprocessInterrupted, preprocess
     from lmforge.errors import DataError
 
     if args.workers < 1:
         raise DataError(f"--workers must be >= 1; got {args.workers}.")
-    s = preprocess(
-        args.input,
-        args.tokenizer,
-        args.output_prefix,
-        json_key=args.json_key,
-        append_eod=args.append_eod,
-        eod_token=args.eod_token,
-        workers=args.workers,
-        progress=not args.no_progress,
-    )
+    try:
+        s = preprocess(
+            args.input,
+            args.tokenizer,
+            args.output_prefix,
+            json_key=args.json_key,
+            append_eod=args.append_eod,
+            eod_token=args.eod_token,
+            workers=args.workers,
+            progress=not args.no_progress,
+        )
+    except PreprocessInterrupted as stop:
+        print(
+            f"lmforge data preprocess: stopped by signal {stop.signum}; nothing was published (a dataset already "
+            "at the output prefix is unchanged) and the temporary files were removed.",
+            file=sys.stderr,
+        )
+        return 128 + stop.signum
     print(
         f"wrote {s.output_prefix}.{{bin,idx}}: {s.documents:,} documents"
         + (f" ({s.skipped_empty:,} empty skipped)" if s.skipped_empty else "")

@@ -70,18 +70,20 @@ def rank_view() -> dict[str, Any]:
 
     import lmforge
     from lmforge.utils import malloc
+    from lmforge.utils.elastic import launch_env
 
+    launch = launch_env()  # RANK=abc, WORLD_SIZE without MASTER_ADDR, ...: a clear error, exit 2
     cuda = torch.cuda.is_available()
     devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = launch.local_rank
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "rank": int(os.environ.get("RANK", "0")),
+        "rank": launch.rank,
         "local_rank": local_rank,
-        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-        "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+        "world_size": launch.world_size,
+        "local_world_size": launch.local_world_size,
+        "node_rank": launch.node_rank,
         "device": f"cuda:{local_rank}" if cuda else "cpu",
         "visible_devices": devices,
         "cpu_threads": torch.get_num_threads(),

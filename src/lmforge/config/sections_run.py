@@ -45,6 +45,9 @@ class CheckpointConfig(Section):
     # lmforge: load a checkpoint whose parameters differ from the model's (e.g. fewer layers); the
     # parameters skipped either way are listed in the log. Needs no_load_optim: true.
     partial_load: bool = False
+    # lmforge: resume (weights, step, schedule, data position) with a fresh optimizer state; the one way
+    # to resume with another optimizer.type (a checkpoint's state is refused by any other type).
+    reset_optimizer: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> CheckpointConfig:
@@ -57,6 +60,20 @@ class CheckpointConfig(Section):
                 "checkpoint.save_path: save_path must be provided for CheckpointCallback. Set it to the "
                 "directory where iteration_XXXXXXXX/ checkpoints should be written, or set "
                 "checkpoint.enable_save: false (or omit the checkpoint section: no checkpoints are saved)."
+            )
+        if self.reset_optimizer and self.no_load_optim:
+            raise ValueError(
+                "checkpoint.reset_optimizer: true resumes a run without its optimizer state, but "
+                "checkpoint.no_load_optim: true loads the weights only (nothing else is resumed); set one of them."
+            )
+        if (
+            self.reset_optimizer
+            and not self.load_path
+            and (self.auto_resume is False or not self.enable_save)
+        ):
+            raise ValueError(
+                "checkpoint.reset_optimizer: true has nothing to act on: no checkpoint.load_path is set and "
+                "checkpoint.auto_resume cannot resume from save_path. Set load_path, or remove reset_optimizer."
             )
         # Nothing is saved, so there is nothing to resume from; only an explicit true is a mistake.
         if self.auto_resume is True and not self.enable_save:

@@ -5,9 +5,10 @@
   without a dot is resolved as a float here.
 * Mapping nesting deeper than 10 levels is refused before the document is constructed, as in the
   original (sequences do not count).
-* Hostile documents are refused before they are constructed: anchors/aliases that expand to more
-  than ``MAX_EXPANDED_NODES`` nodes (a "billion laughs" bomb) or refer to themselves, and nesting
-  too deep for the parser.
+* Hostile documents are refused before they are constructed: a file over ``MAX_YAML_BYTES`` (before
+  it is read), anchors/aliases that expand to more than ``MAX_EXPANDED_NODES`` nodes (a "billion
+  laughs" bomb) or more than ``MAX_EXPANDED_BYTES`` of scalar text (one large string aliased many
+  times) or refer to themselves, and nesting too deep for the parser.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from lmforge.errors import ConfigError
 
 MAX_MAPPING_DEPTH = 10
 # A real train.yaml has a few hundred nodes; aliases may repeat a section, not multiply it a million times.
-MAX_EXPANDED_NODES = 100_000
+# (Pure-Python parsing costs ~0.1 ms a node on a loaded CPU: 20,000 keep the worst accepted file ~2 s.)
+MAX_EXPANDED_NODES = 20_000
+# A train.yaml is kilobytes (a chat template included); the file and its expansion are bounded so that a
+# hostile or mistaken file is refused in well under a second instead of taking minutes and gigabytes
+# (the resolved config is also written into output_dir and every checkpoint).
+MAX_YAML_BYTES = 256 << 10
+MAX_EXPANDED_BYTES = 1 << 20
 
 
 class ConfigLoader(yaml.SafeLoader):
@@ -81,36 +88,87 @@ def _mapping_depth(node: yaml.Node | None) -> int:
     return deepest
 
 
-def _expanded_size(root: yaml.Node | None, source: str) -> int:
-    """Number of nodes the document has once every alias is expanded (iterative, memoised by node)."""
-    if root is None:
-        return 0
-    size: dict[int, int] = {}
-    open_nodes: set[int] = set()
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, children_done = stack.pop()
-        key = id(node)
-        children: list[yaml.Node] = []
-        if isinstance(node, yaml.MappingNode):
-            children = [n for pair in node.value for n in pair]
-        elif isinstance(node, yaml.SequenceNode):
-            children = list(node.value)
-        if children_done:
-            open_nodes.discard(key)
-            size[key] = min(1 + sum(size[id(c)] for c in children), MAX_EXPANDED_NODES + 1)
-            continue
-        if key in size:
-            continue
-        if key in open_nodes:
-            raise ConfigError(
-                f"{source}: a YAML alias refers to the node that contains it (a recursive structure); "
-                "a train.yaml must be a tree. Remove the self-referencing alias."
+# Collections nested deeper than this (brackets or indentation) are refused before the recursive
+# composer sees them; a train.yaml needs a handful.
+MAX_NESTING = 100
+
+
+class _Bounds:
+    """Sizes of the document as the parser streams it, aliases expanded: refuses as soon as a bound is
+    passed. Iterative over parser events (libyaml's C parser when available: a 1 MB document takes
+    milliseconds), so the recursive pure-Python composer only ever sees bounded documents."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.anchors: dict[str, tuple[int, int, int]] = {}  # anchor -> (nodes, characters, mapping depth)
+        self.open_anchors: set[str] = set()
+        # Open collections: [nodes, characters, mapping depth below, anchor, is a mapping].
+        self.stack: list[list[Any]] = []
+
+    def add(self, item: tuple[int, int, int]) -> None:
+        if not self.stack:
+            self._check(item[0], item[1])
+            return
+        parent = self.stack[-1]
+        parent[0] += item[0]
+        parent[1] += item[1]
+        parent[2] = max(parent[2], item[2])
+        self._check(parent[0], parent[1])
+
+    def _check(self, nodes: int, chars: int) -> None:
+        if nodes > MAX_EXPANDED_NODES or chars > MAX_EXPANDED_BYTES:
+            what = (
+                f"{MAX_EXPANDED_NODES:,} values"
+                if nodes > MAX_EXPANDED_NODES
+                else f"{MAX_EXPANDED_BYTES:,} characters of text"
             )
-        open_nodes.add(key)
-        stack.append((node, True))
-        stack.extend((c, False) for c in children if id(c) not in size)
-    return size[id(root)]
+            raise ConfigError(
+                f"{self.source} expands to more than {what} once its anchors and aliases are resolved (an "
+                "alias-expansion bomb, or a config far larger than any train.yaml); refused before building it. "
+                "Write the repeated sections out, or use fewer nested aliases."
+            )
+
+    def event(self, event: yaml.Event, too_deep: ConfigError) -> None:
+        if isinstance(event, yaml.CollectionStartEvent):
+            self.stack.append([1, 0, 0, event.anchor, isinstance(event, yaml.MappingStartEvent)])
+            if event.anchor:
+                self.open_anchors.add(event.anchor)
+            if len(self.stack) > MAX_NESTING:
+                raise too_deep
+            return
+        anchor = None
+        if isinstance(event, yaml.ScalarEvent):
+            item, anchor = (1, len(event.value), 0), event.anchor
+        elif isinstance(event, yaml.AliasEvent):
+            if event.anchor in self.open_anchors:
+                raise ConfigError(
+                    f"{self.source}: a YAML alias refers to the node that contains it (a recursive structure); "
+                    "a train.yaml must be a tree. Remove the self-referencing alias."
+                )
+            if event.anchor not in self.anchors:
+                return  # an undefined alias: the composer reports it with its line
+            item = self.anchors[event.anchor]
+        elif isinstance(event, yaml.CollectionEndEvent):
+            nodes, chars, depth, anchor, is_mapping = self.stack.pop()
+            item = (nodes, chars, depth + int(is_mapping))
+            if anchor:
+                self.open_anchors.discard(anchor)
+        else:
+            return
+        if anchor:
+            self.anchors[anchor] = item
+        self.add(item)
+
+
+def _check_bounds(text: str, source: str, too_deep: ConfigError) -> None:
+    """Refuse a document whose alias expansion or nesting passes the bounds, before composing it.
+    Syntax errors are left to the composer, which reports them with their line and column."""
+    bounds = _Bounds(source)
+    try:
+        for event in yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+            bounds.event(event, too_deep)
+    except yaml.YAMLError:
+        return
 
 
 def _syntax_error(source: str, exc: yaml.YAMLError) -> ConfigError:
@@ -126,35 +184,34 @@ def _syntax_error(source: str, exc: yaml.YAMLError) -> ConfigError:
 
 
 def parse_yaml_text(text: str, source: str = "<string>") -> Any:
-    """Parse one YAML document with the depth check; syntax errors become ConfigError with a line."""
+    """Parse one YAML document with the size, expansion and depth checks; syntax errors become
+    ConfigError with a line."""
+    if len(text) > MAX_YAML_BYTES:
+        raise ConfigError(
+            f"{source} is longer than {MAX_YAML_BYTES:,} characters (the limit for a train.yaml, which is "
+            "kilobytes); refused without parsing it."
+        )
     too_deep = ConfigError(
         f"{source} is nested too deeply to be a train.yaml (hundreds of levels of brackets or indentation); "
         f"a config needs at most {MAX_MAPPING_DEPTH} levels of mappings."
     )
+    _check_bounds(text, source, too_deep)
+    loader = ConfigLoader(text)  # parsed once: composed, checked, then constructed from the same nodes
     try:
-        node = yaml.compose(text, Loader=ConfigLoader)
+        node = loader.get_single_node()
+        depth = _mapping_depth(node)
+        if depth > MAX_MAPPING_DEPTH:
+            raise ConfigError(
+                f"YAML nesting depth {depth} exceeds the maximum allowed value of {MAX_MAPPING_DEPTH} in {source}: "
+                "a train.yaml never needs more than a few levels of mappings."
+            )
+        return loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         raise _syntax_error(source, exc) from None
     except RecursionError:
         raise too_deep from None
-    if _expanded_size(node, source) > MAX_EXPANDED_NODES:
-        raise ConfigError(
-            f"{source} expands to more than {MAX_EXPANDED_NODES:,} values once its anchors and aliases are "
-            "resolved (an alias-expansion bomb, or a config far larger than any train.yaml); refused before "
-            "building it. Write the repeated sections out, or use fewer nested aliases."
-        )
-    depth = _mapping_depth(node)
-    if depth > MAX_MAPPING_DEPTH:
-        raise ConfigError(
-            f"YAML nesting depth {depth} exceeds the maximum allowed value of {MAX_MAPPING_DEPTH} in {source}: "
-            "a train.yaml never needs more than a few levels of mappings."
-        )
-    try:
-        return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - ConfigLoader is a SafeLoader
-    except yaml.YAMLError as exc:
-        raise _syntax_error(source, exc) from None
-    except RecursionError:
-        raise too_deep from None
+    finally:
+        loader.dispose()
 
 
 def read_yaml_file(path: str | Path) -> Any:
@@ -166,7 +223,14 @@ def read_yaml_file(path: str | Path) -> Any:
             f"Config file not found: {path} ({what}). Pass the path of a train.yaml to --config."
         )
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(MAX_YAML_BYTES + 1)  # never more: a file may grow, or be a device
+        if len(data) > MAX_YAML_BYTES:
+            raise ConfigError(
+                f"Config file {path} is larger than {MAX_YAML_BYTES:,} bytes (the limit for a train.yaml, which "
+                "is kilobytes); refused without parsing it. Check that --config names the YAML file, not data."
+            )
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"Cannot read config file {path}: {exc}") from None
     return parse_yaml_text(text, str(path))

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from lmforge.data.indexed_publish import publish_pair, recover_publish, remove_stale_temporaries
 from lmforge.errors import DataError
-from lmforge.utils.atomic import fsync_dir
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -269,6 +269,10 @@ class IndexedDatasetWriter:
         parent = os.path.dirname(self.prefix)
         if parent:
             os.makedirs(parent, exist_ok=True)
+        # Left by an earlier writer of this prefix that crashed or was killed: finish or undo its publish,
+        # remove its temporaries (data/indexed_publish.py).
+        recover_publish(bin_path(self.prefix), idx_path(self.prefix))
+        remove_stale_temporaries(bin_path(self.prefix), idx_path(self.prefix))
         self._tmp_bin = f"{bin_path(self.prefix)}.tmp-{os.getpid()}"
         self._tmp_idx = f"{idx_path(self.prefix)}.tmp-{os.getpid()}"
         self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize/abort
@@ -342,10 +346,9 @@ class IndexedDatasetWriter:
                 f.write(np.asarray(self._modes, dtype=np.int8).tobytes())
             f.flush()
             os.fsync(f.fileno())
-        # Publish: .bin first, then .idx (the index names the file it describes last).
-        os.replace(self._tmp_bin, bin_path(self.prefix))
-        os.replace(tmp, idx_path(self.prefix))
-        fsync_dir(os.path.dirname(self.prefix) or ".")
+        # Publish: .bin first, then .idx (the index names the file it describes last); the previous pair
+        # is kept aside until both are in place, so a crash leaves one complete pair.
+        publish_pair(self._tmp_bin, tmp, bin_path(self.prefix), idx_path(self.prefix))
         self._finalized = True
 
     def abort(self) -> None:

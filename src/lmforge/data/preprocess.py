@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
 import multiprocessing
 import os
+import signal
+import threading
 import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +23,7 @@ from lmforge.utils.atomic import check_output_file
 from lmforge.utils.tokenizer import find_eod_id, load_tokenizer
 
 from .indexed import IndexedDatasetWriter, optimal_token_dtype
+from .text_values import text_value
 
 BATCH_DOCUMENTS = 256  # documents per encode_batch call / per task sent to a worker
 
@@ -51,7 +56,8 @@ def _open_text(path: str) -> tuple[io.TextIOBase, io.BufferedReader]:
 
 
 def read_documents(path: str, json_key: str, progress=None) -> Iterator[str]:
-    """The ``json_key`` text of every line; a list of strings (sentences) is joined."""
+    """The ``json_key`` text of every line; a list of strings (sentences) is joined. Any other value is
+    refused with the file and line (``data/text_values.py``)."""
     if not os.path.isfile(path):
         raise DataError(f"--input {path}: no such file (expected JSON lines, optionally .gz).")
     stream, raw = _open_text(path)
@@ -93,10 +99,7 @@ def _documents(
             raise DataError(
                 f"{path}:{number} has no key '{json_key}' (it has: {keys}); choose it with --json-key."
             )
-        text = record[json_key]
-        if isinstance(text, list):
-            text = "".join(str(t) for t in text)
-        yield str(text)
+        yield text_value(record[json_key], f"{path}:{number}", json_key, allow_list=True)
 
 
 def _batches(documents: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -110,12 +113,47 @@ def _batches(documents: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+class PreprocessInterrupted(BaseException):
+    """SIGTERM/SIGHUP during preprocess, raised in the main thread so the writer removes what it wrote."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_stop_cleanly() -> Iterator[None]:
+    # By default SIGTERM ends the process at once, leaving PREFIX.bin.tmp-PID behind; as an exception it
+    # unwinds through IndexedDatasetWriter, which deletes its temporaries (a SIGKILL still cannot be
+    # caught: the next writer of the prefix removes what it left, data/indexed_publish.py).
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise PreprocessInterrupted(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 _worker_tokenizer = None
 
 
-def _init_worker(tokenizer_path: str) -> None:
+def _load_tokenizer_here(tokenizer_path: str) -> None:
     global _worker_tokenizer
     _worker_tokenizer = load_tokenizer(tokenizer_path)
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    # Forked workers inherit the parent's handlers; pool.terminate() must end them plainly.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    _load_tokenizer_here(tokenizer_path)
 
 
 def _encode(batch: list[str]) -> list[np.ndarray]:
@@ -154,8 +192,31 @@ def preprocess(
             total=os.path.getsize(input_path), unit="B", unit_scale=True, desc="tokenizing", leave=False
         )
     start = time.perf_counter()
-    documents = tokens = skipped = 0
+    pool = None
     batches = _batches(read_documents(input_path, json_key, bar), BATCH_DOCUMENTS)
+    try:
+        with _signals_stop_cleanly():
+            documents, tokens, skipped, pool = _tokenize_into(
+                prefix, dtype, batches, workers, tokenizer_path, eod
+            )
+    finally:
+        if pool is not None:
+            pool.terminate()
+        if bar is not None:
+            bar.close()
+    return PreprocessSummary(prefix, documents, skipped, tokens, time.perf_counter() - start, dtype.name)
+
+
+def _tokenize_into(
+    prefix: str,
+    dtype: np.dtype,
+    batches: Iterator[list[str]],
+    workers: int,
+    tokenizer_path: str,
+    eod: int | None,
+) -> tuple[int, int, int, Any]:
+    """(documents, tokens, empty documents skipped, the worker pool to end) after writing the pair."""
+    documents = tokens = skipped = 0
     pool = None
     try:
         if workers > 1:
@@ -167,7 +228,7 @@ def preprocess(
             )
             encoded = pool.imap(_encode, batches, chunksize=1)
         else:
-            _init_worker(os.fspath(tokenizer_path))
+            _load_tokenizer_here(os.fspath(tokenizer_path))
             encoded = map(_encode, batches)
         with IndexedDatasetWriter(prefix, dtype) as writer:
             for batch in encoded:
@@ -180,9 +241,8 @@ def preprocess(
                     writer.add_document(ids)
                     documents += 1
                     tokens += ids.size
-    finally:
+    except BaseException:
         if pool is not None:
             pool.terminate()
-        if bar is not None:
-            bar.close()
-    return PreprocessSummary(prefix, documents, skipped, tokens, time.perf_counter() - start, dtype.name)
+        raise
+    return documents, tokens, skipped, pool

@@ -20,13 +20,13 @@ follows every document; it is trained when the document's last token is.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from lmforge.data.text_values import check_unicode, text_value
 from lmforge.errors import DataError
 
 CHATML = (
@@ -60,24 +60,13 @@ def tokenizer_chat_template(tokenizer_path: str) -> tuple[str | None, str, str]:
     """(chat_template, bos_token, eos_token) of the tokenizer files next to the tokenizer.
 
     The template is tokenizer_config.json's ``chat_template``, else the ``chat_template.jinja`` file
-    (where transformers 4.43+ and 5 save it); the special tokens come from tokenizer_config.json."""
+    (where transformers 4.43+ and 5 save it); the special tokens come from tokenizer_config.json, which
+    is read strictly (``data/tokenizer.py``: a bounded JSON object whose tokens are strings)."""
+    from lmforge.utils.tokenizer import read_tokenizer_config, special_token
+
     base = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
     config = os.path.join(base, "tokenizer_config.json")
-    info: dict[str, Any] = {}
-    if os.path.isfile(config):
-        try:
-            with open(config, encoding="utf-8") as f:
-                info = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DataError(f"{config} is not a readable JSON file: {exc}") from None
-        if not isinstance(info, dict):
-            raise DataError(f"{config} must hold a JSON object, got {type(info).__name__}.")
-
-    def token(name: str) -> str:
-        value = info.get(name)
-        value = value.get("content", "") if isinstance(value, dict) else value
-        return value if isinstance(value, str) else ""
-
+    info = read_tokenizer_config(base)
     template = info.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -90,8 +79,11 @@ def tokenizer_chat_template(tokenizer_path: str) -> tuple[str | None, str, str]:
         except (OSError, UnicodeDecodeError) as exc:
             raise DataError(f"{jinja} is not a readable text file: {exc}") from None
     if template is not None and not isinstance(template, str):
-        raise DataError(f"{config}: chat_template must be a Jinja template string.")
-    return template or None, token("bos_token"), token("eos_token")
+        raise DataError(
+            f"{config}: chat_template must be a string (a Jinja template) or a list of {{name, template}} "
+            f"objects, found {type(template).__name__}. Fix the file, or set train_dataset.dataloader.chat_template."
+        )
+    return template or None, special_token(info, "bos_token"), special_token(info, "eos_token")
 
 
 def compile_template(template: str):
@@ -148,14 +140,18 @@ class RowFormatter:
         )
 
     def chat_pieces(self, messages: Any, where: str) -> list[tuple[str, bool]]:
+        key = self.s.messages_key
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in messages
         ):
-            raise DataError(f"{where}: '{self.s.messages_key}' must be a list of {{role, content}} turns.")
+            raise DataError(f"{where}: '{key}' must be a list of {{role, content}} turns.")
+        for i, m in enumerate(messages):  # strings only: never "None" or a repr in the rendered text
+            text_value(m["role"], where, f"{key}[{i}].role")
+            text_value(m["content"], where, f"{key}[{i}].content")
         if self.template is None:
             if [m["role"] for m in messages] == ["user", "assistant"]:
-                prompt = str(messages[0]["content"]) + PLAIN_SEPARATOR
-                return [(prompt, False), (str(messages[1]["content"]), True)]
+                prompt = messages[0]["content"] + PLAIN_SEPARATOR  # strings: checked above
+                return [(prompt, False), (messages[1]["content"], True)]
             raise DataError(
                 f"{where}: a conversation needs a chat template: the tokenizer's tokenizer_config.json has "
                 "none; set train_dataset.dataloader.chat_template (a Jinja template or 'chatml')."
@@ -185,25 +181,34 @@ class RowFormatter:
         s = self.s
         if s.messages_key in row and row[s.messages_key] is not None:
             return self.chat_pieces(row[s.messages_key], where)
-        prompt, response = _prompt_response(row, s)
+        prompt, response = _prompt_response(row, s, where)
         if prompt is not None:
             return self.chat_pieces(
                 [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], where
             )
-        if s.text_key in row and isinstance(row[s.text_key], str):
-            return [(row[s.text_key], True)]
+        if s.text_key in row:
+            return [(text_value(row[s.text_key], where, s.text_key), True)]
         raise DataError(
             f"{where} has neither '{s.text_key}' (text), '{s.messages_key}' (chat) nor '{s.prompt_key}'/"
             f"'{s.response_key}' columns (it has: {', '.join(sorted(row))}); set text_key / messages_key / "
             "prompt_key / response_key in train_dataset.dataloader."
         )
 
+    def _checked_pieces(self, row: dict[str, Any], where: str) -> list[tuple[str, bool]]:
+        # A template can still produce a lone surrogate (from a key it reads that we did not check).
+        return [
+            (check_unicode(text, where, "rendered text"), trained)
+            for text, trained in self.pieces(row, where)
+        ]
+
     # -- tokens ------------------------------------------------------------------------------
     def encode_rows(
-        self, rows: list[tuple[int, dict[str, Any]]], source: str
+        self, rows: list[tuple[int, dict[str, Any]]], source: str, locations: list[str] | None = None
     ) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """``(row index, ids, mask)`` per row; one ``encode_batch`` call for all pieces of all rows."""
-        all_pieces = [self.pieces(row, f"{source} row {i}") for i, row in rows]
+        """``(row index, ids, mask)`` per row; one ``encode_batch`` call for all pieces of all rows.
+        ``locations``: each row's place for error messages (``file:line``), else ``source row i``."""
+        where = locations or [f"{source} row {i}" for i, _ in rows]
+        all_pieces = [self._checked_pieces(row, at) for (_, row), at in zip(rows, where)]
         flat = [text for pieces in all_pieces for text, _ in pieces]
         encodings = self.tokenizer.encode_batch(flat, add_special_tokens=False) if flat else []
         out = []
@@ -226,12 +231,17 @@ class RowFormatter:
         return out
 
 
-def _prompt_response(row: dict[str, Any], s: FormatSettings) -> tuple[str | None, str | None]:
+def _prompt_response(row: dict[str, Any], s: FormatSettings, where: str) -> tuple[str | None, str | None]:
     if s.prompt_key in row and s.response_key in row:
-        return str(row[s.prompt_key]), str(row[s.response_key])
-    if "instruction" in row and "output" in row:  # Alpaca
-        extra = row.get("input") or ""
-        return (f"{row['instruction']}\n\n{extra}" if extra else str(row["instruction"])), str(row["output"])
+        return text_value(row[s.prompt_key], where, s.prompt_key), text_value(
+            row[s.response_key], where, s.response_key
+        )
+    if "instruction" in row and "output" in row:  # Alpaca; a null or empty "input" means none
+        instruction = text_value(row["instruction"], where, "instruction")
+        extra = text_value(row["input"], where, "input") if row.get("input") is not None else ""
+        return (f"{instruction}\n\n{extra}" if extra else instruction), text_value(
+            row["output"], where, "output"
+        )
     return None, None
 
 
@@ -248,8 +258,8 @@ def init_worker(tokenizer_path: str, settings: FormatSettings) -> None:
 
 
 def encode_in_worker(
-    task: tuple[list[tuple[int, dict[str, Any]]], str],
+    task: tuple[list[tuple[int, dict[str, Any]]], str, list[str] | None],
 ) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    rows, source = task
+    rows, source, locations = task
     assert _worker is not None
-    return _worker.encode_rows(rows, source)
+    return _worker.encode_rows(rows, source, locations)

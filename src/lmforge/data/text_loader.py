@@ -362,16 +362,21 @@ class _SourceStream:
         if chunk:
             yield places, chunk
 
+    def _locations(self, chunk: list[tuple[int, dict[str, Any]]]) -> list[str]:
+        return [self.source.where(index) for index, _ in chunk]  # file:line, for refusals of bad values
+
     def _encoded(self, epoch: int, start: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         name = self.source.path
         if self.pool is None:
             for places, chunk in self._chunks(epoch, start):
-                for place, (_, ids, mask) in zip(places, self.local.encode_rows(chunk, name)):
+                encoded = self.local.encode_rows(chunk, name, self._locations(chunk))
+                for place, (_, ids, mask) in zip(places, encoded):
                     yield place, ids, mask
             return
         pending: collections.deque = collections.deque()
         for places, chunk in self._chunks(epoch, start):
-            pending.append((places, self.pool.apply_async(encode_in_worker, ((chunk, name),))))
+            task = (chunk, name, self._locations(chunk))
+            pending.append((places, self.pool.apply_async(encode_in_worker, (task,))))
             if len(pending) >= self.ahead:
                 places_done, result = pending.popleft()
                 yield from ((p, ids, mask) for p, (_, ids, mask) in zip(places_done, result.get()))

@@ -67,10 +67,17 @@ def resolve_files(path: str, key: str) -> list[str]:
 
 def _jsonl_rows(path: str, start: int) -> Iterator[dict[str, Any]]:
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for i, line in enumerate(f):
+    with opener(path, "rb") as f:  # bytes, decoded line by line: an invalid byte is named with its line
+        for i, raw in enumerate(f):
             if i < start:
                 continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{path}:{i + 1} is not valid UTF-8 (byte {exc.start} of the line: {exc.reason}); convert the "
+                    "file to UTF-8 JSON lines."
+                ) from None
             if not line.strip():
                 raise DataError(f"{path}: line {i + 1} is empty; every line must be one JSON object.")
             try:
@@ -147,6 +154,10 @@ def _file_rows(path: str, start: int) -> Iterator[dict[str, Any]]:
     return _jsonl_rows(path, start)
 
 
+def _is_json_lines(path: str) -> bool:
+    return not is_saved_dataset(path) and not path.endswith((".parquet", ".arrow"))
+
+
 def _file_length(path: str) -> int:
     if is_saved_dataset(path):
         import datasets
@@ -176,6 +187,20 @@ class TextSource:
         self.path = path
         self.files = resolve_files(path, key)
         self._lengths: list[int | None] = [None] * len(self.files)
+
+    def where(self, index: int) -> str:
+        """Where row ``index`` is, for messages: ``file:line`` (JSON lines: a row is a line) or ``file row i``.
+        The lengths of the files before it are counted once when not known yet."""
+        offset = 0
+        for i, file in enumerate(self.files):
+            if self._lengths[i] is None and i < len(self.files) - 1:
+                self._lengths[i] = _file_length(file)  # counted once (rows may be read out of order)
+            length = self._lengths[i]
+            if length is None or index < offset + length or i == len(self.files) - 1:
+                local = index - offset
+                return f"{file}:{local + 1}" if _is_json_lines(file) else f"{file} row {local}"
+            offset += length
+        return f"{self.path} row {index}"
 
     def rows(self, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
         """``(row index, row)`` from ``start`` to the end of the source.

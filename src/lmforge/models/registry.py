@@ -132,4 +132,8 @@ def resolve(raw: dict[str, Any]) -> tuple[TransformerConfig, type[GPTModel]]:
     values = resolve_section(raw, family.keys)
     cfg = family.to_transformer_config(values)
     cfg.section = dict(raw)
+    # Dimensions and numeric domains the model relies on, whatever family built the structure.
+    from lmforge.models.common.config_checks import check_transformer_config
+
+    check_transformer_config(cfg)
     return cfg, family.model_classes[arch]

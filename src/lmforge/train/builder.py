@@ -21,7 +21,7 @@ from lmforge.config.schema import TrainConfig
 from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.config.sections_run import LoraConfig
 from lmforge.config.sections_speed import Float8Config
-from lmforge.errors import ConfigError, DataError
+from lmforge.errors import ConfigError, DataError, LmforgeError
 from lmforge.train.callbacks.monitor import ActivationPlanCallback
 from lmforge.train.parallel_seam import ParallelContext, distributed_env
 from lmforge.train.rng import seed_everything
@@ -186,6 +186,32 @@ def build_training_model(
     return model, ctx
 
 
+def _claim_run_dirs(rank: int, run_dir: Path, cfg: TrainConfig) -> None:
+    """Rank 0 refuses now, before anything is written, an unusable output_dir or one that another run
+    uses (the trainer holds the locks while it runs), and an unreachable tracker store. A collective:
+    only rank 0 checks, so the other ranks stop quietly with its error instead of failing in the next
+    collective."""
+    from lmforge.utils.atomic import check_output_dir
+    from lmforge.utils.elastic import raise_on_every_rank
+    from lmforge.utils.run_lock import lock_dirs, run_dirs
+
+    problem = None
+    if rank == 0:
+        try:
+            check_output_dir(run_dir, "output_dir")
+            for lock in lock_dirs(run_dirs(run_dir, cfg.checkpoint)):
+                lock.release()
+            run_dir.mkdir(parents=True, exist_ok=True)
+            from lmforge.train.callbacks.tracker_settings import open_tracker_stores
+
+            open_tracker_stores(
+                cfg.monitor, run_dir
+            )  # an unreachable MLflow store fails before the model exists
+        except LmforgeError as exc:
+            problem = exc
+    raise_on_every_rank(problem)
+
+
 def build_trainer(
     cfg: TrainConfig, *, output_dir: str | os.PathLike | None = None, device: str | None = None
 ) -> Trainer:
@@ -226,10 +252,11 @@ def build_trainer(
 def _checked_plan(cfg: TrainConfig, device: str | None) -> Any:
     """The run plan, or the ConfigError / DataError naming every problem; nothing is built yet."""
     from lmforge.data.files import TRAINING_KEYS, missing_data_files
+    from lmforge.train.checkpoint.resume import load_path_problem
     from lmforge.train.preflight import preflight
-    from lmforge.utils.device import env_int
+    from lmforge.utils.elastic import launch_env
 
-    world_size = env_int("WORLD_SIZE", 1, minimum=1)
+    world_size = launch_env().world_size  # every torchrun variable checked, before anything starts
     _refuse_absurd_model(cfg, device, world_size)
     plan = preflight(cfg, world_size, device)
     missing = missing_data_files(cfg.train_dataset, TRAINING_KEYS)
@@ -238,27 +265,18 @@ def _checked_plan(cfg: TrainConfig, device: str | None) -> Any:
             "; ".join(missing) + ". Nothing was built; create the data (e.g. 'lmforge data preprocess') or "
             "point the path at it."
         )
+    empty_load_path = load_path_problem(cfg.checkpoint)
+    if empty_load_path is not None:
+        raise ConfigError(empty_load_path)
     return plan
 
 
 def _open_run_dir(cfg: TrainConfig, plan: Any, ctx: ParallelContext) -> Path:
-    """The run directory, checked and locked-free on rank 0, with logging into it set up."""
+    """The run directory, claimed by rank 0 (``_claim_run_dirs``), with logging into it set up."""
     from lmforge.train.preflight import compute_dtype_report
 
     run_dir = Path(cfg.output_dir or "./output")
-    if ctx.rank == 0:
-        from lmforge.utils.atomic import check_output_dir
-        from lmforge.utils.run_lock import lock_dirs, run_dirs
-
-        check_output_dir(run_dir, "output_dir")
-        # Refuse now, before anything is written, if another run uses these directories (the
-        # trainer holds the locks while it runs).
-        for lock in lock_dirs(run_dirs(run_dir, cfg.checkpoint)):
-            lock.release()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        from lmforge.train.callbacks.tracker_settings import open_tracker_stores
-
-        open_tracker_stores(cfg.monitor, run_dir)  # an unreachable MLflow store fails before the model exists
+    _claim_run_dirs(ctx.rank, run_dir, cfg)
     # Logging first, so that model / optimizer construction messages reach train.log too.
     setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)
     for note in plan.warnings_beyond(getattr(cfg, "warnings", ())):  # load_config logged those

@@ -60,15 +60,11 @@ def distributed_env(device: str | None = None, timeout_s: float = DEFAULT_TIMEOU
     ``timeout_s`` is ``parallelism.process_group_timeout``: how long a collective (and start-up) may
     wait for the slowest rank before the job fails (and torchrun may restart it).
     """
-    from lmforge.utils.device import env_int, run_device_type
+    from lmforge.utils.device import run_device_type
+    from lmforge.utils.elastic import launch_env
 
-    world = env_int("WORLD_SIZE", 1, minimum=1)
-    rank = env_int("RANK", 0)
-    local_rank = env_int("LOCAL_RANK", 0)
-    if rank >= world:
-        from lmforge.errors import ConfigError
-
-        raise ConfigError(f"The environment variable RANK={rank} must be below WORLD_SIZE={world}.")
+    launch = launch_env()
+    world, rank, local_rank = launch.world_size, launch.rank, launch.local_rank
     use_cuda = run_device_type(device) == "cuda"
     if use_cuda:
         torch.cuda.set_device(local_rank)

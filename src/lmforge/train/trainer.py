@@ -31,9 +31,9 @@ from lmforge.train.checkpoint import (
     Checkpointable,
     CheckpointManager,
     load_checkpoint,
-    resolve_checkpoint,
+    recover_save_path,
 )
-from lmforge.train.checkpoint.resume import auto_resume_path
+from lmforge.train.checkpoint.resume import checkpoint_to_load
 from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext
 from lmforge.train.perf import device_memory_gib, mfu_peak
@@ -225,9 +225,12 @@ class Trainer:
     def _lock_run_dirs(self) -> list[Any]:
         from lmforge.utils.run_lock import lock_dirs, run_dirs
 
-        if self.ctx.rank != 0:
-            return []
-        return lock_dirs(run_dirs(self.output_dir, self.checkpoint_cfg))
+        locks = lock_dirs(run_dirs(self.output_dir, self.checkpoint_cfg)) if self.ctx.rank == 0 else []
+        if locks and self._checkpoint_manager is not None:  # ours now: fix a crashed save's leftovers
+            recover_save_path(self._checkpoint_manager.save_path)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # the other ranks read save_path only once it is consistent
+        return locks
 
     def _fit(self) -> dict[str, Any]:
         self._resume_or_start()
@@ -249,12 +252,9 @@ class Trainer:
         return summary
 
     def _resume_or_start(self) -> None:
-        load_path = self.checkpoint_cfg.get("load_path", "")
-        no_load_optim = bool(self.checkpoint_cfg.get("no_load_optim", False))
-        own = auto_resume_path(self.checkpoint_cfg)
-        if own is not None:  # this job's own checkpoint: continue it completely (optimizer included)
-            load_path, no_load_optim = own, False
-        header = resolve_checkpoint(load_path) if load_path else None
+        header, own = checkpoint_to_load(self.checkpoint_cfg)
+        # This job's own checkpoint (auto-resume) continues completely, optimizer included.
+        no_load_optim = False if own else bool(self.checkpoint_cfg.get("no_load_optim", False))
         consumed = 0
         if header is not None and header.kind == "dcp" and not no_load_optim:
             consumed = int(header.common.get("consumed_samples", 0))
@@ -266,6 +266,7 @@ class Trainer:
                 no_load_optim=no_load_optim,
                 hf_loader=self.hf_loader,
                 partial_load=bool(self.checkpoint_cfg.get("partial_load", False)),
+                reset_optimizer=bool(self.checkpoint_cfg.get("reset_optimizer", False)),
             )
             self._resumed_from = str(header.path)
             if header.kind == "dcp" and not no_load_optim:

@@ -25,11 +25,13 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from lmforge.errors import LmforgeError
+from lmforge.errors import ConfigError, LmforgeError
+from lmforge.utils.device import env_int
 
 NAMESPACE = "lmforge/elastic"
 DEFAULT_TIMEOUT_S = 1800.0  # torch's own default for gloo; NCCL's is 10 minutes
@@ -40,6 +42,77 @@ class DistributedStartError(LmforgeError):
 
 
 _generation: int | None = None  # this attempt's store generation, once the process group is up
+
+
+QUIET_RANK_GRACE_S = 2.0
+
+
+class ReportedByAnotherRank(LmforgeError):
+    """Another rank found the error and reports it; this rank stops without printing it again."""
+
+    quiet = True
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """torchrun's variables of this process, checked (``launch_env``)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+
+
+def launch_env() -> LaunchEnv:
+    """torchrun's environment, every variable checked before anything is started: integers in range,
+    and for more than one process the rendezvous address (``MASTER_ADDR``, ``MASTER_PORT``)."""
+    world = env_int("WORLD_SIZE", 1, 1)
+    rank = env_int("RANK", 0, 0)
+    local_world = env_int("LOCAL_WORLD_SIZE", 1, 1)
+    local_rank = env_int("LOCAL_RANK", 0, 0)
+    node_rank = env_int("GROUP_RANK", 0, 0)
+    if rank >= world:
+        raise ConfigError(f"The environment variable RANK={rank} must be below WORLD_SIZE={world}.")
+    if "LOCAL_WORLD_SIZE" in os.environ and local_rank >= local_world:
+        raise ConfigError(
+            f"The environment variable LOCAL_RANK={local_rank} must be below LOCAL_WORLD_SIZE={local_world}."
+        )
+    if world > 1:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k, "").strip()]
+        if missing:
+            raise ConfigError(
+                f"WORLD_SIZE={world} asks for {world} processes, but {' and '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set: the processes cannot find each other. Start "
+                "them with torchrun (which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), or unset "
+                "WORLD_SIZE to run in one process."
+            )
+        port = env_int("MASTER_PORT", 0, 1)
+        if port > 65535:
+            raise ConfigError(f"The environment variable MASTER_PORT={port} must be a TCP port (1 to 65535).")
+    return LaunchEnv(rank, local_rank, world, local_world, node_rank)
+
+
+def raise_on_every_rank(error: LmforgeError | None) -> None:
+    """A collective: when any rank found an error in a check only it makes (rank 0's output checks, a
+    file only one node sees), the lowest such rank raises its error and every other rank raises
+    :class:`ReportedByAnotherRank` (the CLI exits 2 without printing it again), instead of running into
+    the next collective and dying with the transport's "connection closed" tracebacks."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, None if error is None else str(error))
+    failing = [r for r, message in enumerate(found) if message is not None]
+    if not failing:
+        return
+    if error is not None and dist.get_rank() == failing[0]:
+        raise error
+    # torchrun ends the remaining workers as soon as one exits: the reporting rank exits first, so its
+    # message is printed before the launcher's SIGTERM can reach it.
+    time.sleep(QUIET_RANK_GRACE_S)
+    raise ReportedByAnotherRank(f"rank {failing[0]} stopped the job: {found[failing[0]]}")
 
 
 def restart_count() -> int:

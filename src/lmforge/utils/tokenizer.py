@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from lmforge.errors import DataError
 
@@ -34,20 +35,61 @@ def load_tokenizer(path: str | os.PathLike):
         raise DataError(f"{file} is not a valid Hugging Face tokenizer.json: {exc}") from None
 
 
+MAX_CONFIG_BYTES = 16 << 20  # tokenizer_config.json files are kilobytes; a chat template is text
+
+
+def read_tokenizer_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """``tokenizer_config.json`` of ``directory`` ({} when there is none), checked to be a JSON object."""
+    path = os.path.join(os.fspath(directory), "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return {}
+    problem = None
+    if os.path.getsize(path) > MAX_CONFIG_BYTES:
+        problem = (
+            f"it is {os.path.getsize(path):,} bytes, more than the {MAX_CONFIG_BYTES:,} such a file needs"
+        )
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+            if not isinstance(config, dict):
+                problem = f"it holds {type(config).__name__}, not a JSON object"
+        except UnicodeDecodeError as exc:
+            problem = f"it is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        except (ValueError, RecursionError) as exc:
+            problem = f"it is not valid JSON ({str(exc)[:120]})"
+    if problem:
+        raise DataError(
+            f"{path} cannot be read: {problem}. Fix or remove the file (the tokenizer is read from tokenizer.json; "
+            "this file only names special tokens and the chat template)."
+        )
+    return config
+
+
+def special_token(config: dict[str, Any], name: str) -> str:
+    """A special token's text in a tokenizer config: a string, or an object with a string ``content``."""
+    value = config.get(name)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise DataError(
+            f"tokenizer_config.json: {name} must be a string or an object with a string 'content', found "
+            f"{type(value).__name__} {str(value)[:40]!r}. Fix the file."
+        )
+    return value
+
+
 def find_eod_id(tokenizer, path: str | os.PathLike, eod_token: str | None = None) -> int:
     """The id appended after each document: ``eod_token``, else the config's eos, else a known name."""
     names: list[str] = []
     if eod_token:
         names = [eod_token]
     else:
-        config = os.path.join(os.path.dirname(tokenizer_file(path)), "tokenizer_config.json")
-        if os.path.isfile(config):
-            with open(config, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token")
-            if isinstance(eos, dict):
-                eos = eos.get("content")
-            if isinstance(eos, str):
-                names.append(eos)
+        eos = special_token(read_tokenizer_config(os.path.dirname(tokenizer_file(path))), "eos_token")
+        if eos:
+            names.append(eos)
         names.extend(EOD_CANDIDATES)
     for name in names:
         token_id = tokenizer.token_to_id(name)

@@ -10,13 +10,38 @@ from typing import Any
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.callbacks.registry import register_callback
 from lmforge.utils.atomic import write_text_atomic
+from lmforge.utils.logging import get_logger
+
+logger = get_logger("lmforge.train.callbacks.metrics")
+
+
+def read_metrics_checked(path: str | Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """(the step records of ``path``, the 1-based numbers of the lines that are not one).
+
+    A run killed while appending leaves its last line cut; such a line (or any line that is not a JSON
+    object with an integer ``step``) is skipped, never fatal: the file is an output of the run, and its
+    records are rewritten by the steps that follow a resume.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return [], []
+    records, damaged = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and type(record.get("step", 0)) is int:
+            records.append(record)
+        else:
+            damaged.append(number)
+    return records, damaged
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    path = Path(path)
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics_checked(path)[0]
 
 
 def _jsonable(value: Any) -> Any:
@@ -43,7 +68,17 @@ class MetricsCallback(TrainerCallback):
         self.path = self.path or Path(trainer.output_dir) / "metrics.jsonl"
         # After a resume, records past the resumed step belong to the interrupted run and will be
         # produced again; drop them so the file holds each step once.
-        kept = [r for r in read_metrics(self.path) if int(r.get("step", 0)) <= state.global_step]
+        records, damaged = read_metrics_checked(self.path)
+        if damaged:
+            logger.warning(
+                "%s: dropped %d line(s) that are not a step record (line %s%s); a run killed while writing "
+                "leaves its last line cut. The other records are kept.",
+                self.path,
+                len(damaged),
+                ", ".join(map(str, damaged[:5])),
+                ", ..." if len(damaged) > 5 else "",
+            )
+        kept = [r for r in records if r.get("step", 0) <= state.global_step]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Rewritten aside and renamed: a crash here keeps the previous file.
         write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import LmforgeError
+from lmforge.utils.logging import get_logger
+
+logger = get_logger("lmforge.doctor")
 
 FACTS_FILE = "doctor_facts.json"
 CONFIG_FILE = "config.yaml"
@@ -50,6 +53,51 @@ class RunEvidence:
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 out.append((int(r.get("step", len(out) + 1)), float(v)))
         return out
+
+
+# The fields DoctorCallback writes to doctor_facts.json and their types: a field of another type (a
+# damaged or hand-edited file) is dropped and reported, so that no rule crashes on it.
+_NAMES = (list, str)
+_FACT_TYPES: dict[str, tuple[type, type | None]] = {
+    **{
+        k: _NAMES
+        for k in ("frozen", "not_in_optimizer", "not_updated", "decayed_1d", "duplicated_in_optimizer")
+    },
+    **{k: (str, None) for k in ("compute_dtype", "optimizer_type")},
+    **{
+        k: (int, None)
+        for k in (
+            "parameters",
+            "world_size",
+            "device_memory_bytes",
+            "moe_num_experts",
+            "moe_top_k",
+            "not_updated_checked_at_step",
+        )
+    },
+}
+
+
+def _fact_ok(value: Any, kind: tuple[type, type | None]) -> bool:
+    outer, inner = kind
+    if value is None or isinstance(value, bool) or not isinstance(value, outer):
+        return value is None and outer is str  # optimizer_type may be null (no optimizer)
+    return inner is None or all(isinstance(v, inner) for v in value)
+
+
+def _read_facts(path: Path) -> dict[str, Any]:
+    """doctor_facts.json with every field of the wrong type dropped (and reported), never a crash."""
+    try:
+        facts = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except ValueError:
+        facts = None
+    if not isinstance(facts, dict):
+        logger.warning("%s is not the JSON object lmforge writes; its facts are ignored.", path)
+        return {}
+    bad = sorted(k for k, kind in _FACT_TYPES.items() if k in facts and not _fact_ok(facts[k], kind))
+    if bad:
+        logger.warning("%s: ignored field(s) of an unexpected type: %s.", path, ", ".join(bad))
+    return {k: v for k, v in facts.items() if k not in bad}
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -138,11 +186,8 @@ def read_run_dir(path: str | Path) -> RunEvidence:
         ev.sources.append(str(config))
     facts = run_dir / FACTS_FILE
     if facts.is_file():
-        try:
-            ev.facts = json.loads(facts.read_text())
-            ev.sources.append(str(facts))
-        except json.JSONDecodeError:
-            pass
+        ev.facts = _read_facts(facts)
+        ev.sources.append(str(facts))
     ev.checkpoint, ckpt_dir = _latest_checkpoint(ev.config, run_dir)
     if ckpt_dir is not None:
         ev.sources.append(str(ckpt_dir / "common.json"))
