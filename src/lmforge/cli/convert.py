@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import CheckpointError, ConfigError
+from lmforge.utils.pids import pid_alive
 
 
 def register(subparsers: Any) -> None:
@@ -129,18 +130,8 @@ def recover_publish(dst: Path) -> None:
     siblings = dst.parent.glob(f"{prefix}*") if dst.parent.is_dir() else ()
     for tmp in siblings:
         pid = tmp.name[len(prefix) :]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _check_destination(dst: Path, option: str, kind: str) -> None:

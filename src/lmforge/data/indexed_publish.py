@@ -20,6 +20,7 @@ import os
 
 from lmforge.utils.atomic import fsync_dir
 from lmforge.utils.logging import get_logger
+from lmforge.utils.pids import pid_alive
 
 logger = get_logger("lmforge.data")
 
@@ -62,23 +63,13 @@ def recover_publish(bin_file: str, idx_file: str) -> None:
     fsync_dir(os.path.dirname(bin_file) or ".")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temporaries(*paths: str) -> list[str]:
     """Delete ``{path}.tmp-PID`` files whose writer process is gone; returns what was removed."""
     removed = []
     for path in paths:
         for tmp in glob.glob(f"{glob.escape(path)}.tmp-*"):
             pid = tmp.rsplit(".tmp-", 1)[1]
-            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
                 os.remove(tmp)
                 removed.append(tmp)
     if removed:

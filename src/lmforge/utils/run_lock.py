@@ -22,6 +22,7 @@ from typing import Any
 
 from lmforge.errors import LmforgeError
 from lmforge.utils.logging import get_logger
+from lmforge.utils.pids import pid_alive
 
 logger = get_logger("lmforge.utils.run_lock")
 
@@ -34,16 +35,6 @@ _HELD: dict[Path, list[RunLock]] = {}
 
 class RunLockedError(LmforgeError):
     """Another lmforge process is using the directory."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _describe(info: dict[str, Any]) -> str:
@@ -138,7 +129,7 @@ class RunLock:
 
     @staticmethod
     def _stale(info: dict[str, Any]) -> bool:
-        return info.get("host") == socket.gethostname() and not _pid_alive(int(info.get("pid", -1)))
+        return info.get("host") == socket.gethostname() and not pid_alive(int(info.get("pid", -1)))
 
     def release(self) -> None:
         key = self.directory.resolve()
