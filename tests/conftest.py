@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import copy
+import getpass
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# A run that limits the CPU's instruction set (ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY: how
+# docs/architecture.md imitates a CPU without native bf16) compiles other kernels and packs oneDNN weights
+# in other layouts, but torch's inductor cache does not key on these variables: such a run's cached
+# graphs, replayed by a later normal run (or the other way round), corrupted the heap ("free(): invalid
+# pointer" in tests/speed/test_compile_fsdp.py). Each instruction-set limit gets its own cache.
+_ISA_LIMITS = [
+    f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY") if os.environ.get(k)
+]
+if _ISA_LIMITS and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    suffix = "_".join(_ISA_LIMITS).replace("=", "-").lower()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{suffix}"
+    )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SPEC_YAMLS = REPO_ROOT / "tests" / "fixtures" / "spec_yamls"
