@@ -21,7 +21,9 @@ class RecordingTracker(TrackerCallback):
     module = "json"
 
     def __init__(self, output_dir):
-        super().__init__(None, output_dir)
+        from lmforge.config.sections_trackers import WandbConfig
+
+        super().__init__(WandbConfig(), output_dir)
         self.logged = []
 
     def start(self, resume_id, config, step):
