@@ -667,6 +667,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_comm_recompute_waits_for_every_replayed_collective():
     """recompute_comm replays the collectives in backward; the op that reads a replayed all-to-all's result
     is replayed with it, so the collective is waited on (before: torch warned at exit "there are still 3

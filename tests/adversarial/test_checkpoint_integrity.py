@@ -48,6 +48,7 @@ def _no_step_ran(run: Path) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_a_checkpoint_records_a_checksum_of_every_file(run_copy):
     it = run_copy / "ckpt" / ITER
     record = json.loads((it / CHECKSUM_FILE).read_text())

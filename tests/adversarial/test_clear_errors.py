@@ -37,6 +37,7 @@ YAMLS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["check", "train", "lr"])
 @pytest.mark.parametrize("kind", list(YAMLS))
 def test_hostile_yaml_is_refused_quickly(cli, tmp_path, kind, command):

@@ -77,6 +77,7 @@ def test_preprocess_still_joins_a_list_of_strings(tmp_path, cli):
     assert len(ds) == 2 and len(ds[0]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "worker-processes"])
 @pytest.mark.parametrize("name", ["null", "object", "lone surrogate"])
 def test_the_text_loader_refuses_a_value_that_is_not_text_with_file_and_line(tmp_path, name, workers):
@@ -154,6 +155,7 @@ def _write_pair(prefix: Path, docs: list[list[int]]) -> None:
             writer.add_document(d)
 
 
+@pytest.mark.slow
 def test_sigterm_during_preprocess_leaves_the_previous_dataset_and_no_temporaries(tmp_path):
     tok = write_tokenizer(tmp_path / "tok")
     prefix = tmp_path / "c_text_document"

@@ -34,6 +34,7 @@ def _lmforge(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(BAD_ENVS))
 def test_env_refuses_a_bad_launch_environment(name):
     env, needle = BAD_ENVS[name]
@@ -41,6 +42,7 @@ def test_env_refuses_a_bad_launch_environment(name):
     assert done.returncode == 2 and needle in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_train_refuses_world_size_without_master_addr_before_anything(tmp_path):
     cfg = job_config(tmp_path, steps=2)
     done = _lmforge("train", "--config", cfg, env={"WORLD_SIZE": "2"})
@@ -48,6 +50,7 @@ def test_train_refuses_world_size_without_master_addr_before_anything(tmp_path):
     assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_an_error_only_rank_0_finds_is_reported_once_and_the_others_stop_quietly(tmp_path):
     cfg = job_config(tmp_path, steps=2)
     (tmp_path / "run").mkdir()

@@ -75,6 +75,7 @@ def run(tmp_path):
     return tmp_path / "run"
 
 
+@pytest.mark.slow
 def test_every_feature_leaves_its_output(run):
     log = (run / "train.log").read_text()
     assert "Activation memory: recompute full: layers 0; swap layers 1 to CPU (prefetch 1)" in log

@@ -162,6 +162,7 @@ def test_eval_without_config_of_a_checkpoint_without_one(tmp_path, capsys):
     assert "has no config.yaml" in err and "--config FILE" in err
 
 
+@pytest.mark.slow
 def test_eval_tasks_on_a_lora_checkpoint_loads_its_adapters(tmp_path, capsys):
     """--tasks without --config on a LoRA run: the run's config.yaml gives lora_config, so the adapters
     are loaded with the base (a base-only model could not take the checkpoint's adapter tensors)."""

@@ -102,6 +102,7 @@ def test_online_wandb_without_a_login_is_refused_offline_is_not(base_config, tmp
     check_trackers(monitor, tmp_path, {**no_login, "WANDB_MODE": "offline"})
 
 
+@pytest.mark.slow
 def test_wandb_run_started_from_the_variables(tmp_path, monkeypatch):
     """A real (offline) W&B run: its project and files follow WANDB_PROJECT and WANDB_DIR."""
     pytest.importorskip("wandb")
@@ -138,6 +139,7 @@ def _cli(tmp_path: Path, command: str, config: dict, env: dict[str, str]) -> sub
     )
 
 
+@pytest.mark.slow
 def test_check_and_train_refuse_a_tracker_that_cannot_start_before_building(tmp_path, monkeypatch, capsys):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")

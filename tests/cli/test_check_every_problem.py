@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lmforge.cli import main
 from lmforge.cli.check_problems import split_problems
 
@@ -50,6 +52,7 @@ def _problems(stderr: str) -> list[str]:
     return split_problems(text)
 
 
+@pytest.mark.slow
 def test_every_problem_at_once_each_with_its_key(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     alone = {}

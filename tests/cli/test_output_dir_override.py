@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lmforge.config import load_config
 from lmforge.config.outputs import with_output_dir
 
@@ -34,6 +36,7 @@ def test_explicit_paths_on_the_command_line_are_kept():
     assert unmoved.checkpoint.save_path == "output/demo/checkpoints"
 
 
+@pytest.mark.slow
 def test_check_lists_the_moved_outputs(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     argv = [sys.executable, "-m", "lmforge", "check", "--config", str(DEMO), "--set", "output_dir=runs/d"]

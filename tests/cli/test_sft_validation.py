@@ -193,6 +193,7 @@ def test_eval_dataset_inherits_the_training_loaders_preprocessing(tmp_path):
         load_config(raw)
 
 
+@pytest.mark.slow
 def test_check_refuses_an_eval_interval_without_a_validation_set(tmp_path):
     raw = _config(tmp_path)
     raw["eval_interval"] = 2
@@ -202,6 +203,7 @@ def test_check_refuses_an_eval_interval_without_a_validation_set(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_sft_run_validates_and_keeps_the_best_checkpoint(tmp_path):
     raw = _config(tmp_path, validation_split=0.1)
     raw["eval_interval"] = 2

@@ -63,6 +63,7 @@ def test_cheap_commands_import_no_heavy_library(argv):
     assert not loaded & set(HEAVY), f"`lmforge {' '.join(argv)}` imported {sorted(loaded & set(HEAVY))}"
 
 
+@pytest.mark.slow
 def test_the_probe_sees_torch_when_a_command_needs_it():
     # The measurement itself can fail: `check` with a config types the data section, which imports
     # the data package and torch, and the probe must see that.

@@ -6,6 +6,7 @@ import keyword
 import string
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -95,6 +96,7 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
     return cfg
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs())
 def test_dump_then_load_is_identity(raw: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ def demo_dir(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_demo_build_is_complete_and_real_text(demo_dir):
     for name in FILES:
         assert (demo_dir / name).is_file()
@@ -44,6 +45,7 @@ def test_demo_build_is_complete_and_real_text(demo_dir):
     assert first.startswith("Genesis 1\n1 In the beginning God created the heaven and the earth.")
 
 
+@pytest.mark.slow
 def test_demo_is_reproducible_and_skips_a_complete_build(demo_dir, tmp_path, capsys):
     stages: list[str] = []  # what `lmforge data demo` prints as it goes (on stderr)
     again = build_demo(str(tmp_path / "again"), progress=stages.append)

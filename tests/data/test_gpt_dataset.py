@@ -34,6 +34,7 @@ FLAGS = {"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_los
 NO_FLAGS = {"reset_position_ids": False, "reset_attention_mask": False, "eod_mask_loss": False}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("case", "flags", "sizes", "phase"),
     [

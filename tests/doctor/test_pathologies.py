@@ -24,6 +24,7 @@ def _with_key(findings, key):
     return [f for f in findings if key in f.keys]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["healthy", "healthy_moe"])
 def test_healthy_runs_raise_no_finding(pathology_run, name, capsys):
     run = pathology_run(name)
@@ -61,6 +62,7 @@ def test_lr_x100(pathology_run):
     assert all(0 < f.keys["lr_scheduler.learning_rate"] <= 1e-2 for f in found)
 
 
+@pytest.mark.slow
 def test_fp16_without_loss_scaling(pathology_run):
     (f,) = _findings(pathology_run("fp16_no_scaling"))
     assert "fp16 without loss scaling" in f.cause and f.keys == {"model.compute_dtype": "bfloat16"}
@@ -96,6 +98,7 @@ def test_schedule_ends_early(pathology_run):
     assert "schedule ended early" in f.cause and f.keys == {"lr_scheduler.decay_steps": 30}
 
 
+@pytest.mark.slow
 def test_frozen_embedding(pathology_run):
     (f,) = _findings(pathology_run("frozen_embedding"))
     assert "frozen" in f.cause and "embedding.word_embeddings.weight" in f.evidence

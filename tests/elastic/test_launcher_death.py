@@ -87,6 +87,7 @@ def test_sigkill_to_the_launchers_group_stops_the_workers_with_one_save(tmp_path
     assert text.count("Saved checkpoint of step") == 1 and "received SIGTERM" in text
 
 
+@pytest.mark.slow
 @linux_only
 @pytest.mark.parametrize("mode", ["prctl", "poll"])  # poll: without prctl, as off Linux
 def test_an_orphan_that_ignores_sigterm_exits_after_the_grace_period(tmp_path, mode):

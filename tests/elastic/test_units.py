@@ -133,6 +133,7 @@ def test_env_prints_one_process_view(capsys):
     assert summary["world_size"] == 1 and summary["ranks"][0]["backend"] in ("gloo", "nccl")
 
 
+@pytest.mark.slow
 def test_a_rank_missing_at_start_up_is_reported_within_the_timeout():
     from datetime import timedelta
 

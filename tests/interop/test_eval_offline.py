@@ -16,6 +16,7 @@ pytest.importorskip("lm_eval")
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
+@pytest.mark.slow
 def test_registry_task_offline_is_one_clear_line(tmp_path, tokenizer_dir, tiny_section):
     save_hf_pretrained(build_model(tiny_section("qwen3")), tmp_path / "hf", tokenizer=tokenizer_dir)
     env = {

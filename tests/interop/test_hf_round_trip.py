@@ -257,6 +257,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_an_export_killed_while_publishing_is_restored(tmp_path, tiny_section):
     """SIGKILL between the two renames of the publish leaves only .hf.old: the next reader or the next
     conversion puts it back; the killed run's temporary directory is removed."""

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from lmforge.cli.threads import thread_defaults
 
 
@@ -48,11 +50,13 @@ def _probe(extra: dict[str, str]) -> list[str]:
     return out.stdout.split()[-3:]
 
 
+@pytest.mark.slow
 def test_cli_sets_values_before_torch_loads():
     policy, omp, torch_threads = _probe({"LOCAL_WORLD_SIZE": "1"})
     assert policy == "PASSIVE"
     assert omp == torch_threads == str(len(os.sched_getaffinity(0)))
 
 
+@pytest.mark.slow
 def test_cli_keeps_the_users_values():
     assert _probe({"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "1"}) == ["ACTIVE", "1", "1"]

@@ -161,6 +161,7 @@ def test_one_rank_end_of_backward_counts_the_units_16_bit_gradients():
     assert 0.95 <= ratio <= 1.05, ratio
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name", ["adamw_bf16", "muon_bf16", "moe_bf16_top2", "recompute_select_attention_bf16_seq512"]
 )

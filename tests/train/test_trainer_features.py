@@ -95,6 +95,7 @@ class CountingCallback(TrainerCallback):
         self.events.append("train_end")
 
 
+@pytest.mark.slow
 def test_config_callbacks_are_built_from_the_registry(make_config):
     cfg = make_config(training={"steps": 2}, callbacks=[{"type": "CountingCallback", "tag": "y"}])
     tiny_trainer(cfg).fit()

@@ -54,6 +54,7 @@ def _probe(extra: dict[str, str]) -> tuple[int, str]:
     return int(faults), status
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not is_glibc(), reason="the defaults apply to glibc only")
 def test_freed_blocks_are_not_faulted_in_again():
     kept, status = _probe({})

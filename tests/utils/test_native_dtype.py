@@ -99,6 +99,7 @@ def _check(config: str, *sets: str, env: dict[str, str] | None = None) -> subpro
     return subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_check_on_an_avx2_cpu_chooses_float32_and_warns_about_explicit_bf16():
     auto = _check("configs/demo.yaml", env=AVX2_ONLY)
     assert auto.returncode == 0, auto.stderr
@@ -112,6 +113,7 @@ def test_check_on_an_avx2_cpu_chooses_float32_and_warns_about_explicit_bf16():
     assert "emulates them" in explicit.stdout and "set model.compute_dtype: auto" in explicit.stdout
 
 
+@pytest.mark.slow
 def test_check_on_this_cpu_says_what_auto_chose():
     result = _check("configs/demo.yaml")
     assert result.returncode == 0, result.stderr
