@@ -186,8 +186,23 @@ class CheckpointManager:
         return True
 
     def poll(self) -> None:
-        """Finish a background save if it is done (called between steps; never blocks)."""
-        if self._pending is not None and self._pending.future is not None and self._pending.future.done():
+        """Finish a background save once it is done on every rank (called between steps, at the same
+        point on every rank; never waits for the save itself).
+
+        Each rank's part finishes at its own time (its writes, then hashing its files). Finishing is
+        collective (the digests are gathered, rank 0 publishes, all meet at a barrier), so the ranks first
+        agree that all are done: a rank that went ahead alone would wait in the checkpoint group while
+        the others wait for it in the next step's collectives (seen as a hang of 2 ranks)."""
+        if self._pending is None or self._pending.future is None:
+            return
+        done = self._pending.future.done()
+        if self._pg is not None:
+            import torch
+
+            flag = torch.tensor([1 if done else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._pg)
+            done = bool(flag.item())
+        if done:
             self.wait()
 
     def wait(self) -> None:
