@@ -128,6 +128,9 @@ class CheckpointManager:
         # Async saves run their collectives on a process group of their own: sharing the default one
         # with training's collectives interleaves them and corrupts both (gloo aborts).
         self._pg = dist.new_group(backend="gloo") if (async_save and _distributed()) else None
+        # poll()'s agreement runs on the main thread while DCP may still use _pg in its background thread:
+        # two threads issuing collectives on one group interleave them (a hang), so it has a group too.
+        self._agree_pg = dist.new_group(backend="gloo") if (async_save and _distributed()) else None
         if self.rank == 0:
             check_output_dir(self.save_path, "checkpoint.save_path")
             self.save_path.mkdir(parents=True, exist_ok=True)
@@ -192,15 +195,16 @@ class CheckpointManager:
         Each rank's part finishes at its own time (its writes, then hashing its files). Finishing is
         collective (the digests are gathered, rank 0 publishes, all meet at a barrier), so the ranks first
         agree that all are done: a rank that went ahead alone would wait in the checkpoint group while
-        the others wait for it in the next step's collectives (seen as a hang of 2 ranks)."""
+        the others wait for it in the next step's collectives (seen as a hang of 2 ranks). The agreement
+        has its own group: the save's group may still be busy in DCP's background thread."""
         if self._pending is None or self._pending.future is None:
             return
         done = self._pending.future.done()
-        if self._pg is not None:
+        if self._agree_pg is not None:
             import torch
 
             flag = torch.tensor([1 if done else 0], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._pg)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._agree_pg)
             done = bool(flag.item())
         if done:
             self.wait()
