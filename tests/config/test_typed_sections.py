@@ -175,5 +175,5 @@ def test_data_builder_takes_the_typed_section(base_config: dict[str, Any], monke
     monkeypatch.setattr(schema, "type_dataloader", parse_again)
     with pytest.raises(DataError, match="data/none/train"):
         build_dataset(cfg.train_dataset)  # reaches the files: the typed section was used as is
-    with pytest.raises(ParsedAgain):
-        build_dataset(cfg.train_dataset.to_dict())  # a plain mapping is typed by the same schema
+    with pytest.raises(TypeError, match="validate_section"):
+        build_dataset(cfg.train_dataset.to_dict())  # a mapping is the config's to validate, not the builder's

@@ -13,7 +13,7 @@ from lmforge.data.config import parse_gpt_config
 from lmforge.data.gpt_dataset import actual_seq_len, make_sample_columns
 from lmforge.errors import ConfigError, DataError
 
-from .helpers import TOY_DOCS, loader_section, random_docs, write_docs
+from .helpers import TOY_DOCS, loader_section, random_docs, typed, write_docs
 
 
 def megatron_build(cfg_kwargs: dict, sizes: list):
@@ -75,7 +75,7 @@ def test_same_samples_in_the_same_order_as_megatron(tmp_path, case, flags, sizes
     ours_cfg["path_to_cache"] = str(tmp_path / "ours_cache")
     theirs_cfg["path_to_cache"] = None  # Megatron caches blends only under torch.distributed
     section = loader_section(ours_cfg, sizes=sizes, columns=["input_ids"])
-    ours, _ = build_dataset(section, phase=phase)
+    ours, _ = build_dataset(typed(section), phase=phase)
     theirs = megatron_build(theirs_cfg, sizes)[{"train": 0, "valid": 1}[phase]]
     assert len(ours) == len(theirs) > 0
     for k in range(len(ours)):
@@ -144,7 +144,7 @@ def test_padded_validation_sample_masks_the_padding(tmp_path):
         "valid_data_path": [prefix],
         "drop_last_partial_validation_sequence": False,
     }
-    ds, _ = build_dataset(loader_section(cfg), phase="valid")
+    ds, _ = build_dataset(typed(loader_section(cfg)), phase="valid")
     # 13 tokens, S = 5, one extra token: ceil(12 / 5) = 3 samples, the last one padded.
     assert len(ds) == 3
     texts = sorted((ds[k]["input_ids"].tolist(), ds[k]["loss_mask"].tolist()) for k in range(3))
@@ -163,10 +163,10 @@ def test_index_cache_is_written_and_reused(tmp_path):
         "split": "1",
         "path_to_cache": str(tmp_path / "cache"),
     }
-    first, _ = build_dataset(loader_section(cfg), phase="train")
+    first, _ = build_dataset(typed(loader_section(cfg)), phase="train")
     files = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert len(files) == 4 and any(f.endswith("-GPTDataset-train-shuffle_index.npy") for f in files)
-    second, _ = build_dataset(loader_section(cfg), phase="train")
+    second, _ = build_dataset(typed(loader_section(cfg)), phase="train")
     assert isinstance(second.shuffle_index.base, np.memmap)  # loaded from the cache, not rebuilt
     assert not isinstance(first.shuffle_index.base, np.memmap)
     np.testing.assert_array_equal(first.sample_index, second.sample_index)
@@ -175,7 +175,7 @@ def test_index_cache_is_written_and_reused(tmp_path):
 
 def test_default_cache_is_next_to_the_data(tmp_path):
     prefix = write_docs(tmp_path / "a", random_docs(5, 30))
-    build_dataset(loader_section({"seq_length": 8, "train_data_path": [prefix]}), phase="train")
+    build_dataset(typed(loader_section({"seq_length": 8, "train_data_path": [prefix]})), phase="train")
     assert len(list((tmp_path / "cache" / "GPTDataset_indices").glob("*.npy"))) == 3
 
 
@@ -208,7 +208,7 @@ def test_weights_need_sizes(tmp_path):
     b = write_docs(tmp_path / "b", random_docs(2, 20))
     section = loader_section({"seq_length": 8, "data_path": ["1", a, "1", b], "split": "1"})
     with pytest.raises(DataError, match="need a sample count"):
-        build_dataset(section, phase="train")
+        build_dataset(typed(section), phase="train")
 
 
 def test_missing_prefix_is_named(tmp_path):
@@ -218,4 +218,4 @@ def test_missing_prefix_is_named(tmp_path):
     with pytest.raises(
         DataError, match=r"train_dataset\.dataloader\.config\.data_path: no Megatron dataset at .*nope"
     ):
-        build_dataset(section, phase="train")
+        build_dataset(typed(section), phase="train")

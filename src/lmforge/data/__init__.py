@@ -4,7 +4,7 @@ The trainer's entry point is :func:`build_dataloader`; see docs/data.md.
 """
 
 from .blended import BlendedDataset, build_split_dataset
-from .build import SUPPORTED_TYPES, build_dataloader, build_dataset, validate_dataset_section
+from .build import SUPPORTED_TYPES, build_dataloader, build_dataset
 from .config import GPTDatasetConfig, parse_gpt_config
 from .gpt_dataset import GPTDataset
 from .indexed import IndexedDataset, IndexedDatasetWriter, optimal_token_dtype
@@ -23,5 +23,4 @@ __all__ = [
     "build_split_dataset",
     "optimal_token_dtype",
     "parse_gpt_config",
-    "validate_dataset_section",
 ]

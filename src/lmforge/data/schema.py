@@ -77,16 +77,6 @@ class TextLoader:
 TypedDataloader = MegatronLoader | TextLoader
 
 
-def written_keys(node: Any) -> dict[str, Any]:
-    """The keys the file wrote in a dataloader section (a mapping or the typed config section): the
-    schema's defaults of one loader type are not the other's."""
-    if isinstance(node, Mapping):
-        return dict(node)
-    values = node.to_dict()
-    written = set(node.model_fields_set) | set(node.__pydantic_extra__ or {})
-    return {k: v for k, v in values.items() if k in written}
-
-
 def refuse_type(kind: Any) -> None:
     """The catch-all schema: a loader type lmforge does not implement, with the supported ones."""
     what = "is missing" if kind is None else f"is '{kind}'"
@@ -198,8 +188,8 @@ def text_loader(loader: Mapping[str, Any]) -> TextLoader:
 
 
 def type_dataloader(node: Any) -> TypedDataloader:
-    """The typed form of a dataloader section (mapping or config section); ConfigError when invalid."""
-    loader = written_keys(node)
+    """The typed form of a validated dataloader config section; ConfigError when invalid."""
+    loader = node.written_values()
     kind = loader.get("type")
     if kind == MEGATRON_TYPE:
         return megatron_loader(loader)
@@ -217,17 +207,3 @@ def register() -> None:
     """Register every loader type and the catch-all (idempotent)."""
     for name in (*SUPPORTED_TYPES, "*"):
         register_section_schema(SECTION, name, _schema)
-
-
-def typed_dataset(section: Any) -> tuple[Any, TypedDataloader]:
-    """``(train_dataset section, typed dataloader)`` for a builder.
-
-    ``section`` is the ``train_dataset`` section ``load_config`` typed (its ``dataloader.typed`` is
-    used as is) or a plain mapping with the same keys, validated here by the same schema.
-    """
-    if isinstance(section, Mapping):
-        from lmforge.config import validate_section
-
-        section = validate_section("train_dataset", section)
-    typed = getattr(section.dataloader, "typed", None)
-    return section, typed if typed is not None else type_dataloader(section.dataloader)
