@@ -15,12 +15,12 @@ from lmforge.errors import ConfigError
 
 
 def test_sections_are_typed_at_load(base_config: dict[str, Any]) -> None:
-    from lmforge.lr.schedules import Schedule
+    from lmforge.lr import SchedulerSpec
     from lmforge.models.schema import TypedModel
     from lmforge.optim.options import OptimizerOptions
 
     cfg = load_config(base_config)
-    assert isinstance(cfg.lr_scheduler.typed, Schedule) and cfg.lr_scheduler.typed.total_steps == 10
+    assert isinstance(cfg.lr_scheduler.typed, SchedulerSpec) and cfg.lr_scheduler.typed.warmup_steps == 2
     assert isinstance(cfg.model.typed, TypedModel) and cfg.model.typed.config.hidden_size == 64
     assert isinstance(cfg.optimizer.typed, OptimizerOptions) and cfg.optimizer.typed.type == "AdamW"
     assert "CosineWithWarmUpLR" in section_values("lr_scheduler") and "qwen3" in section_values("model")

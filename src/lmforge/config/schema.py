@@ -156,10 +156,10 @@ class TrainConfig(OpenSection):
     @field_validator("lr_scheduler", mode="after")
     @classmethod
     def _type_lr_scheduler(cls, section: LrSchedulerConfig, info: ValidationInfo) -> LrSchedulerConfig:
-        # The scheduler's keys depend on its type and its total on training.steps: the schema lr/
-        # registered for this type validates both now, before anything is built.
-        if "training" in info.data:
-            section._typed = typed_section("lr_scheduler", section.type, section, "lr_scheduler", info.data)
+        # The section typed its keys itself; what depends on training.steps (ratios, the WSD decay start,
+        # the YAML's own total_steps) is checked now, before anything is built.
+        if "training" in info.data and section.typed is not None:
+            section.typed.check_against_training(int(info.data["training"].steps))
         return section
 
     @field_validator("model", mode="after")

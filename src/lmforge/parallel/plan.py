@@ -259,10 +259,13 @@ def _plan(cfg: TrainConfig, world_size: int, problems: list[str]) -> RunPlan | N
 
     training = cfg.training
     # load_config typed the model, optimizer and lr_scheduler sections (lmforge.config.registry): the
-    # plan reads those typed forms and validates nothing again.
+    # plan reads those typed forms and validates nothing again. The schedule over training.steps is the
+    # typed scheduler's (load_config made it once already: it cannot fail, and its warnings are in
+    # cfg.warnings).
     model_config, model_class = _typed(cfg.model, "model", problems) or (None, None)
     optimizer = _typed(cfg.optimizer, "optimizer", problems)
-    schedule = _typed(cfg.lr_scheduler, "lr_scheduler", problems)
+    scheduler = _typed(cfg.lr_scheduler, "lr_scheduler", problems)
+    schedule = scheduler.schedule(int(training.steps)) if scheduler is not None else None
     dims = _attempt(problems, lambda: ParallelDims.from_section(cfg.parallelism, world_size))
     batches = None
     if dims is not None:
