@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from lmforge.data import build_dataset
-from lmforge.data.config import parse_gpt_config
 from lmforge.data.gpt_dataset import actual_seq_len, make_sample_columns
 from lmforge.errors import ConfigError, DataError
 
@@ -87,8 +86,13 @@ def test_same_samples_in_the_same_order_as_megatron(tmp_path, case, flags, sizes
         np.testing.assert_array_equal(mine["attention_mask"], ref["attention_mask"].numpy())
 
 
+def gpt_config(config: dict):
+    """The typed GPTDataset config of a loader section (validated as load_config validates it)."""
+    return typed(loader_section(config)).dataloader.typed.config
+
+
 def _cfg(**kw):
-    return parse_gpt_config({"seq_length": 6, "train_data_path": ["x"], **kw})
+    return gpt_config({"seq_length": 6, "train_data_path": ["x"], "create_attention_mask": True, **kw})
 
 
 def test_masks_and_positions_on_a_hand_made_sample():
@@ -118,7 +122,7 @@ def test_compressed_eod_mask():
     # MindSpore Transformers' example: S = 8, documents of 2, 2 and 4 tokens -> [2, 4, 8, 8, ...].
     tokens = np.array([3, 0, 4, 0, 5, 6, 7, 0])
     assert actual_seq_len(tokens == 0, 128).tolist() == [2, 4] + [8] * 126
-    cfg = parse_gpt_config(
+    cfg = gpt_config(
         {
             "seq_length": 8,
             "train_data_path": ["x"],
@@ -195,12 +199,28 @@ def test_default_cache_is_next_to_the_data(tmp_path):
 )
 def test_config_errors_name_the_key(config, message):
     with pytest.raises(ConfigError, match=message):
-        parse_gpt_config(config)
+        gpt_config(config)
 
 
 def test_eod_outside_the_vocabulary():
     with pytest.raises(ConfigError, match=r"config\.eod = 9000 .*model\.vocab_size = 8192"):
-        parse_gpt_config({"seq_length": 8, "train_data_path": ["x"], "eod": 9000}, vocab_size=8192)
+        loader = typed(loader_section({"seq_length": 8, "train_data_path": ["x"], "eod": 9000})).dataloader
+        loader.typed.check_against_model(None, 8192)
+
+
+def test_the_typed_config_keeps_defaults_reads_aliases_and_names_every_problem():
+    cfg = gpt_config(
+        {"seq_length": 8, "train_data_path": ["x"], "eod_mask_loss": None, "compressed_eod_mask_length": 16}
+    )
+    assert (cfg.eod_mask_loss, cfg.eod_pad_length, cfg.seed, cfg.split_weights) == (False, 16, 1234, None)
+    assert gpt_config({"seq_length": 8, "data_path": ["x"], "split": 3}).split_weights == [1.0, 0.0, 0.0]
+    with pytest.raises(ConfigError) as info:
+        gpt_config({"seq_length": 8, "train_data_path": ["x"], "pad": -2, "mmap_bin_files": 1})
+    text = str(info.value)
+    assert "2 problems" in text
+    assert (
+        "config.pad must be >= -1; got -2" in text and "config.mmap_bin_files must be true or false" in text
+    )
 
 
 def test_weights_need_sizes(tmp_path):

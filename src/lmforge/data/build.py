@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Any
 
 from lmforge.config import TrainDatasetConfig
@@ -98,7 +97,7 @@ def _megatron_dataset(
     if 0 <= cfg.pad == cfg.eod:
         # Megatron: a pad id equal to EOD would mask every EOD label; it is dropped with a warning.
         log.warning("%s.pad equals eod (%d); treating pad as unset (-1)", CONFIG_PATH, cfg.pad)
-        cfg = replace(cfg, pad=-1)
+        cfg = cfg.model_copy(update={"pad": -1})
     dataset = build_split_dataset(cfg, typed.sizes, PHASES[phase])
     if dataset is not None and vocab_size is not None:
         _check_vocab_upfront(dataset, vocab_size)

@@ -18,7 +18,7 @@ from lmforge.config.registry import register_section_schema
 from lmforge.errors import ConfigError
 from lmforge.utils.logging import get_logger
 
-from .config import CONFIG_PATH, GPTDatasetConfig, check_token_ids, no_effect_keys, parse_gpt_config
+from .config import CONFIG_PATH, GPTDatasetConfig, check_token_ids, gpt_config
 
 log = get_logger("lmforge.data")
 
@@ -151,8 +151,7 @@ def megatron_loader(loader: Mapping[str, Any]) -> MegatronLoader:
             f"{CONFIG_PATH} is required for {MEGATRON_TYPE}: at least seq_length, "
             "data_path and split (or train_data_path / valid_data_path)."
         )
-    raw_config = dict(raw_config) if isinstance(raw_config, Mapping) else raw_config
-    cfg = parse_gpt_config(raw_config)
+    cfg = gpt_config(raw_config)
     sizes = _sizes(loader.get("sizes"))
     columns = check_columns(loader.get("column_names"), cfg)
     unknown = sorted(set(loader) - set(MEGATRON_KEYS))
@@ -163,7 +162,7 @@ def megatron_loader(loader: Mapping[str, Any]) -> MegatronLoader:
             MEGATRON_TYPE,
             ", ".join(MEGATRON_KEYS),
         )
-    for key in no_effect_keys(raw_config):
+    for key in cfg.no_effect_keys():
         log.warning("%s.%s has no effect in lmforge (see docs/data.md)", CONFIG_PATH, key)
     return MegatronLoader(
         config=cfg,
