@@ -54,6 +54,10 @@ def _messages(exc: ValidationError, path: str, values: Mapping[str, Any]) -> lis
             messages.append(_unknown_type(values.get("type"), path))
         elif kind == "extra_forbidden":
             unknown.append(keys[-1])
+        elif kind == "missing":
+            type_name = str(values["type"])
+            reason = SCHEDULER_TYPES[type_name].missing.get(keys[-1], "{type} requires it; it is not set.")
+            messages.append(f"{dotted}: {reason.replace('{type}', type_name)}")
         elif kind == "value_error":
             problem = err["ctx"]["error"]
             if isinstance(problem, ConfigError):  # a nested scheduler, already named by its own path

@@ -10,7 +10,8 @@ typed section carries its fields, so a schedule for another total is another cal
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import dataclasses
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, PrivateAttr, ValidationInfo, model_validator
 
@@ -44,6 +45,9 @@ class SchedulerSpec(BaseModel):
 
     type: str
     total_steps: TotalSteps | None = None
+
+    # The message for a required key that is not set, per key ("{type}" is the scheduler's name).
+    missing: ClassVar[dict[str, str]] = {}
 
     # The dotted path of this section (``lr_scheduler``, or ``lr_scheduler.base_lr`` when nested),
     # for messages about its keys; the schema passes it as the validation context.
@@ -87,8 +91,6 @@ class SchedulerSpec(BaseModel):
                 f"stays flat); set {self._path}.learning_rate (or base_lr) to the peak lr you want."
             )
         if notes:
-            import dataclasses
-
             schedule = dataclasses.replace(schedule, warnings=(*schedule.warnings, *notes))
         return schedule
 
@@ -314,36 +316,26 @@ class ConstantWithCoolDownLRSpec(_WarmUpSpec):
 # -- schedulers that name their base lr base_lr ----------------------------------------------------
 
 
-def _requires_base_lr(spec: SchedulerSpec) -> None:
-    if getattr(spec, "base_lr", None) is None:
-        raise KeyProblem(
-            "base_lr",
-            f"{spec.type} requires base_lr, its base learning rate (this scheduler names it base_lr, not "
-            "learning_rate, which it does not use).",
-        )
-
-
-def _requires(spec: SchedulerSpec, key: str, what: str) -> None:
-    if getattr(spec, key) is None:
-        raise KeyProblem(key, f"{spec.type} requires {key}, {what}; it is not set.")
+_BASE_LR_REQUIRED = (
+    "{type} requires base_lr, its base learning rate (this scheduler names it base_lr, not learning_rate, "
+    "which it does not use)."
+)
 
 
 class CosineAnnealingLRSpec(SchedulerSpec):
     type: Literal["CosineAnnealingLR"]
-    base_lr: LearningRate | None = None
-    t_max: PositiveInt("Expected positive integer T_max, but got {value}") | None = None
+    base_lr: LearningRate
+    t_max: PositiveInt("Expected positive integer T_max, but got {value}")
     eta_min: LearningRate = 0.0
     # Accepted (the section always carries it) but not used: see _note_unused_learning_rate.
     learning_rate: LearningRate | None = None
 
-    @model_validator(mode="after")
-    def _required(self) -> CosineAnnealingLRSpec:
-        _requires_base_lr(self)
-        _requires(self, "t_max", "a positive integer")
-        return self
+    missing: ClassVar[dict[str, str]] = {
+        "base_lr": _BASE_LR_REQUIRED,
+        "t_max": "{type} requires t_max, a positive integer; it is not set.",
+    }
 
     def _resolve(self, total: int, notes: list[str]) -> s.Schedule:
-        assert self.base_lr is not None and self.t_max is not None  # _required
         self._note_unused_learning_rate("base_lr", self.base_lr, notes)
         return s.CosineAnnealingLR(
             base_lr=self.base_lr, total_steps=total, t_max=self.t_max, eta_min=self.eta_min
@@ -352,24 +344,28 @@ class CosineAnnealingLRSpec(SchedulerSpec):
 
 class CosineAnnealingWarmRestartsSpec(SchedulerSpec):
     type: Literal["CosineAnnealingWarmRestarts"]
-    base_lr: LearningRate | None = None
-    t_0: PositiveInt("Expected positive integer t_0, but got {value}") | None = None
+    base_lr: LearningRate
+    t_0: PositiveInt("Expected positive integer t_0, but got {value}")
     t_mult: PositiveInt("Expected positive integer t_mult, but got {value}") = 1
     eta_min: LearningRate = 0.0
     learning_rate: LearningRate | None = None
 
-    @model_validator(mode="after")
-    def _required(self) -> CosineAnnealingWarmRestartsSpec:
-        _requires_base_lr(self)
-        _requires(self, "t_0", "a positive integer")
-        return self
+    missing: ClassVar[dict[str, str]] = {
+        "base_lr": _BASE_LR_REQUIRED,
+        "t_0": "{type} requires t_0, a positive integer; it is not set.",
+    }
 
     def _resolve(self, total: int, notes: list[str]) -> s.Schedule:
-        assert self.base_lr is not None and self.t_0 is not None  # _required
         self._note_unused_learning_rate("base_lr", self.base_lr, notes)
         return s.CosineAnnealingWarmRestarts(
             base_lr=self.base_lr, total_steps=total, t_0=self.t_0, t_mult=self.t_mult, eta_min=self.eta_min
         )
+
+
+_NESTED_SCHEDULER = (
+    "LearningRateWiseLayer needs base_lr: the schedule it scales, written as a nested lr_scheduler mapping "
+    "(e.g. {{type: CosineWithWarmUpLR, learning_rate: 3.e-4, warmup_ratio: 0.01}}); got {got}."
+)
 
 
 def _nested_scheduler(value: Any, info: ValidationInfo) -> SchedulerSpec:
@@ -380,36 +376,22 @@ def _nested_scheduler(value: Any, info: ValidationInfo) -> SchedulerSpec:
     if isinstance(value, SchedulerSpec):
         return value
     if not isinstance(value, dict):
-        raise ValueError(
-            "LearningRateWiseLayer needs base_lr: the schedule it scales, written as a nested lr_scheduler "
-            "mapping (e.g. {type: CosineWithWarmUpLR, learning_rate: 3.e-4, warmup_ratio: 0.01}); got "
-            f"{value!r}."
-        )
+        raise ValueError(_NESTED_SCHEDULER.format(got=repr(value)))
     return validate_scheduler(value, path)
 
 
 class LearningRateWiseLayerSpec(SchedulerSpec):
     type: Literal["LearningRateWiseLayer"]
-    base_lr: Annotated[SchedulerSpec, BeforeValidator(_nested_scheduler)] | None = None
-    lr_scale: Number("a multiplier") | None = None
+    base_lr: Annotated[SchedulerSpec, BeforeValidator(_nested_scheduler)]
+    lr_scale: Number("a multiplier")
     learning_rate: LearningRate | None = None
 
-    @model_validator(mode="after")
-    def _required(self) -> LearningRateWiseLayerSpec:
-        if self.base_lr is None:
-            raise KeyProblem(
-                "base_lr",
-                "LearningRateWiseLayer needs base_lr: the schedule it scales, written as a nested lr_scheduler "
-                "mapping (e.g. {type: CosineWithWarmUpLR, learning_rate: 3.e-4, warmup_ratio: 0.01}); got None.",
-            )
-        if self.lr_scale is None:
-            raise KeyProblem(
-                "lr_scale", "LearningRateWiseLayer requires lr_scale, the multiplier (a number >= 0)."
-            )
-        return self
+    missing: ClassVar[dict[str, str]] = {
+        "base_lr": _NESTED_SCHEDULER.format(got=None),
+        "lr_scale": "LearningRateWiseLayer requires lr_scale, the multiplier (a number >= 0).",
+    }
 
     def _resolve(self, total: int, notes: list[str]) -> s.Schedule:
-        assert self.base_lr is not None and self.lr_scale is not None  # _required
         inner = self.base_lr.schedule(total)
         self._note_unused_learning_rate("base_lr.learning_rate", None, notes)
         return s.LearningRateWiseLayer(
