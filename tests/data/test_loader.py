@@ -315,3 +315,17 @@ def test_builders_take_only_the_typed_section(wrong):
         build_dataloader(wrong, local_batch_size=1)
     with pytest.raises(TypeError, match=r"build_dataset takes the typed train_dataset section"):
         build_dataset(wrong)
+
+
+def test_keys_the_megatron_loader_does_not_read_are_warned_about_at_load(base_config):
+    from lmforge.config import load_config
+
+    base_config["train_dataset"]["dataloader"].update({"num_shards": 4, "seed_offset": None})
+    base_config["train_dataset"]["dataloader"]["config"]["num_dataset_builder_threads"] = 4
+    warnings = load_config(base_config).warnings
+    assert any(
+        "train_dataset.dataloader.num_shards, train_dataset.dataloader.seed_offset are not used by "
+        "BlendedMegatronDatasetDataLoader" in w
+        for w in warnings
+    ), warnings
+    assert any("config.num_dataset_builder_threads has no effect" in w for w in warnings), warnings

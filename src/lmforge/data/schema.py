@@ -81,10 +81,6 @@ def _datasets_type(value: Any) -> str:
     return value
 
 
-def _gpt_config(value: Any) -> GPTDatasetConfig:
-    return value if isinstance(value, GPTDatasetConfig) else gpt_config(value)
-
-
 def check_columns(columns: Any, cfg: GPTDatasetConfig) -> list[str]:
     """The batch columns a GPTDataset with ``cfg`` can produce, in the order the file names them."""
     key = f"{SECTION}.column_names"
@@ -123,7 +119,7 @@ class MegatronLoader(BaseModel):
 
     type: Literal["BlendedMegatronDatasetDataLoader"]
     datasets_type: Annotated[str, BeforeValidator(_datasets_type)] = "GPTDataset"
-    config: Annotated[GPTDatasetConfig, BeforeValidator(_gpt_config)]
+    config: Annotated[GPTDatasetConfig, BeforeValidator(gpt_config)]
     sizes: Annotated[list[int | None], BeforeValidator(_sizes)] = [None, None, None]
     column_names: list[str] = ["input_ids", "labels"]
     shuffle: bool = False
@@ -133,8 +129,7 @@ class MegatronLoader(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _read_keys(cls, loader: Any) -> Any:
-        values = {k: v for k, v in loader.items() if v is not None}
-        unknown = sorted(set(values) - set(cls.model_fields))
+        unknown = sorted(set(loader) - set(cls.model_fields))
         if unknown:
             log.warning(
                 "%s not used by %s; ignored (valid keys: %s)",
@@ -142,12 +137,13 @@ class MegatronLoader(BaseModel):
                 MEGATRON_TYPE,
                 ", ".join(sorted(cls.model_fields)),
             )
+        values = {k: v for k, v in loader.items() if v is not None and k not in unknown}
         if "config" not in values:
             raise ConfigError(
                 f"{CONFIG_PATH} is required for {MEGATRON_TYPE}: at least seq_length, "
                 "data_path and split (or train_data_path / valid_data_path)."
             )
-        return {k: v for k, v in values.items() if k not in unknown}
+        return values
 
     @model_validator(mode="after")
     def _columns_and_no_effect_keys(self) -> MegatronLoader:
