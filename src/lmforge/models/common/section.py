@@ -57,9 +57,10 @@ class FamilySection(BaseModel):
     @classmethod
     def _fold_keys(cls, data: Any) -> Any:
         keys = cls.keys
-        unknown = [key for key in data if key not in keys.valid_keys()]
+        valid = keys.valid_keys()
+        unknown = [key for key in data if key not in valid]
         if unknown:
-            raise unknown_key_error(unknown, keys.valid_keys(), f"model_type '{keys.model_type}'")
+            raise unknown_key_error(unknown, valid, f"model_type '{keys.model_type}'")
         bookkeeping = [k for k in data if k in HF_BOOKKEEPING_KEYS]
         if bookkeeping:
             _log.warning(
