@@ -145,5 +145,6 @@ def resolve(raw: Mapping[str, Any]) -> TypedModel:
     cfg = family.to_transformer_config(section)
     cfg.section = dict(raw)
     # Dimensions and numeric domains the model relies on, whatever family built the structure.
-    check_transformer_config(cfg)
+    # MLA families have no head_dim key.
+    check_transformer_config(cfg, head_dim_given=bool(getattr(section, "head_dim", None)))
     return TypedModel(section, cfg, family.model_classes[arch])
