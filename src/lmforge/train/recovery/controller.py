@@ -17,13 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lmforge.train.checkpoint import (
-    iteration_dir_name,
-    load_checkpoint,
-    resolve_checkpoint,
-    write_tracker,
-)
+from lmforge.train.checkpoint import iteration_dir_name, load_checkpoint, resolve_checkpoint
 from lmforge.train.recovery.detector import Anomaly, AnomalyDetector
+from lmforge.train.recovery.quarantine import quarantine
 from lmforge.train.recovery.safe_checkpoint import complete_iterations, newest_safe
 from lmforge.utils.logging import get_logger
 
@@ -44,6 +40,7 @@ class Recovery:
         self.agreed: Anomaly | None = None  # agreed by every rank: roll back before the next step
         self.rollbacks = 0
         self.lr_scaled_until = 0  # steps up to this one train at lr x lr_scale
+        self.gave_up = False  # max_rollbacks reached or no safe checkpoint: the run stops
         self.events: list[dict[str, Any]] = []
 
     # -- state that survives restarts (in the checkpoint's trainer state) -----------------------------
@@ -106,6 +103,18 @@ class Recovery:
         keep = newest_safe(complete_iterations(self.save_path), min(onsets))
         return keep is not None and path.name == iteration_dir_name(keep)
 
+    def refuses_save(self, step: int) -> str | None:
+        """Why the weights of ``step`` must not be saved (CheckpointManager agrees on it over the ranks).
+
+        Once an anomaly is seen, the live weights are after its onset: saved, they would become the latest
+        checkpoint, which a resume after a stop or a crash would continue from."""
+        anomaly = self.agreed or self.pending
+        if anomaly is not None:
+            return f"recovery saw {anomaly.reason}; the weights of step {step} may hold the damage"
+        if self.gave_up:
+            return f"recovery gave up at step {step}; the weights may hold the damage"
+        return None
+
     # -- the lowered learning rate after a rollback ---------------------------------------------------
 
     @contextlib.contextmanager
@@ -129,18 +138,23 @@ class Recovery:
     # -- the rollback ---------------------------------------------------------------------------------
 
     def roll_back(self, trainer: Any) -> dict[str, Any] | None:
-        """Restore every rank from the newest safe checkpoint; None (and the trainer stopping) when it cannot."""
+        """Restore every rank from the newest safe checkpoint; None (and the trainer stopping) when it cannot.
+
+        The checkpoints written after the onset are moved aside (quarantine.py), and the restored state —
+        this rollback counted, the data position past the skipped batches — is saved again as the restored
+        step's checkpoint before training goes on: a restart from here continues the recovered run.
+        """
         anomaly, self.agreed, self.pending = self.agreed, None, None
         assert anomaly is not None
         state = trainer.state
         detected = int(state.global_step)
         t0 = time.perf_counter()
+        manager = trainer._checkpoint_manager
+        manager.wait()  # an asynchronous save in flight is finished (and may be the one restored or moved)
         if self.rollbacks >= int(self.section.max_rollbacks):
             return self._give_up(
                 trainer, anomaly, f"recovery.max_rollbacks ({self.section.max_rollbacks}) is reached"
             )
-        manager = trainer._checkpoint_manager
-        manager.wait()  # an asynchronous save in flight is finished (and may be the one restored)
         to_step = _agreed_step(newest_safe(complete_iterations(self.save_path), anomaly.onset), trainer.ctx)
         if to_step is None:
             return self._give_up(
@@ -164,8 +178,7 @@ class Recovery:
         self.detector.forget_after(to_step)
         self.lr_scaled_until = to_step + int(self.section.lr_scale_steps)
         self._remember(state)
-        if trainer.ctx.rank == 0:
-            write_tracker(self.save_path, to_step)  # the damaged newer checkpoints are no longer "latest"
+        restore_s = time.perf_counter() - t0
         samples = (
             [restored_consumed, detected_consumed - 1] if detected_consumed > restored_consumed else None
         )
@@ -181,10 +194,16 @@ class Recovery:
             "rollback": self.rollbacks,
             "max_rollbacks": int(self.section.max_rollbacks),
             "lost_tokens": tokens_before - int(state.tokens_seen),
-            "restore_s": round(time.perf_counter() - t0, 4),
+            "restore_s": round(restore_s, 4),
             "lr_scale": float(self.section.lr_scale),
             "lr_scaled_until": self.lr_scaled_until,
         }
+        moved = self._quarantine(manager, anomaly, detected, self.rollbacks, trainer.ctx, event)
+        event["damaged_dir"] = str(moved) if moved is not None else None
+        t1 = time.perf_counter()
+        manager.save(trainer.checkpointable(), to_step)
+        manager.wait()  # published before training goes on (an asynchronous save too)
+        event["save_s"] = round(time.perf_counter() - t1, 4)
         self.events.append(event)
         logger.warning(
             "recovery: %s. Rolled back every rank from step %d to the checkpoint of step %d (%s, rollback %d of "
@@ -201,18 +220,45 @@ class Recovery:
         trainer.callbacks.call("on_rollback", trainer.config, state, rollback=event, **trainer._hook_kwargs())
         return event
 
+    def _quarantine(
+        self, manager: Any, anomaly: Anomaly, detected: int, number: int, ctx: Any, record: dict[str, Any]
+    ) -> Path | None:
+        """Rank 0 moves the checkpoints after the onset aside; every rank forgets them for rotation."""
+        moved = None
+        if ctx.rank == 0:
+            moved = quarantine(self.save_path, anomaly.onset, detected, number, record)
+        low = anomaly.onset - 2
+        manager.saved_this_run = [
+            p for p in manager.saved_this_run if not low < _iteration_step(p, default=low) <= detected
+        ]
+        return moved
+
     def _give_up(self, trainer: Any, anomaly: Anomaly, why: str) -> None:
+        self.gave_up = True
+        detected = int(trainer.state.global_step)
+        record = {
+            "event": "stop",
+            "step": detected,
+            "reason": anomaly.reason,
+            "onset": anomaly.onset,
+            "why": why,
+        }
+        moved = self._quarantine(
+            trainer._checkpoint_manager, anomaly, detected, self.rollbacks + 1, trainer.ctx, record
+        )
         safe = newest_safe(complete_iterations(self.save_path), anomaly.onset)
         where = (
-            f"the newest checkpoint from before it is {self.save_path / iteration_dir_name(safe)}: resume from it "
-            "(checkpoint.load_path)"
+            f"the newest checkpoint from before it is {self.save_path / iteration_dir_name(safe)} (the latest one "
+            "now: the run saves none of the weights after the anomaly): resume from it"
             if safe is not None
             else "no checkpoint from before it exists: save earlier (checkpoint.save_interleaved_steps) and start again"
         )
+        aside = f"; the checkpoints that may hold the damage are in {moved}" if moved is not None else ""
         trainer.stop_reason = (
             f"diverged: {anomaly.reason}; {why}, after {self.rollbacks} rollback(s). Training stops; {where}, with "
-            "a lower lr_scheduler.learning_rate, recovery.lr_scale < 1 or recovery.data: skip, or check the data "
-            "around that step."
+            "a lower lr_scheduler.learning_rate, recovery.lr_scale < 1 or recovery.data: skip (a resume keeps "
+            "the count of rollbacks used: raise recovery.max_rollbacks to allow more), or check the data "
+            f"around that step{aside}."
         )
         trainer.stop_requested = trainer.stopping = True
         logger.error("%s", trainer.stop_reason[len("diverged: ") :])
@@ -225,6 +271,11 @@ def _set_lrs(groups: list[dict[str, Any]], lrs: list[float]) -> None:
             group["lr"].fill_(lr)
         else:
             group["lr"] = lr
+
+
+def _iteration_step(path: Path, default: int) -> int:
+    name = Path(path).name
+    return int(name[len("iteration_") :]) if name.startswith("iteration_") else default
 
 
 def _agreed_step(step: int | None, ctx: Any) -> int | None:
@@ -249,4 +300,5 @@ def build_recovery(config: Any, manager: Any) -> Recovery | None:
     recovery = Recovery(section, config.checkpoint.get("save_path"))
     if manager is not None:
         manager.protect = recovery.protects
+        manager.refuse = recovery.refuses_save
     return recovery
