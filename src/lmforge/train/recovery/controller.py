@@ -21,12 +21,13 @@ from lmforge.train.checkpoint import iteration_dir_name, load_checkpoint, resolv
 from lmforge.train.recovery.detector import Anomaly, AnomalyDetector
 from lmforge.train.recovery.quarantine import quarantine
 from lmforge.train.recovery.safe_checkpoint import complete_iterations, newest_safe
+from lmforge.train.state import RECOVERY_KEY
 from lmforge.utils.logging import get_logger
 
 logger = get_logger("lmforge.train.recovery")
 
 _NO_ONSET = -(2**62)  # the vote's "no anomaly here" (votes are reduced with MAX over -onset)
-STATE_KEY = "recovery"  # TrainState.extra[STATE_KEY]: rollbacks so far, end of the lowered-lr window
+STATE_KEY = RECOVERY_KEY  # TrainState.extra[STATE_KEY]: rollbacks so far, end of the lowered-lr window
 
 
 class Recovery:
