@@ -137,7 +137,8 @@ class Trainer:
         self._resumed_from: str | None = None
         from lmforge.train.recovery import build_recovery
 
-        self._recovery = build_recovery(config, self._checkpoint_manager)  # None unless recovery.enable
+        # None unless recovery.enable
+        self._recovery = build_recovery(config, self._checkpoint_manager, self.callbacks)
 
     # -- construction helpers -----------------------------------------------------------------
 

@@ -89,22 +89,24 @@ def rollback_events(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_rank_killed_after_a_rollback_restarts_into_the_recovered_run(tmp_path):
-    """torchrun --max-restarts=1: rank 1 dies two steps after a rollback (data: skip); the restarted job
-    resumes from the rollback's save with the rollback counted and the skipped batches still skipped, and
-    ends bitwise where the same run without the kill ends."""
+    """torchrun --max-restarts=1: rank 1 dies as the first step after a rollback begins (data: skip, from
+    each rank's in-memory snapshot of step 3); the restarted job resumes from the rollback's save with the
+    rollback counted and the skipped batches still skipped, and ends bitwise where the run without the kill
+    ends."""
     reference, faulty = tmp_path / "reference", tmp_path / "faulty"
     reference.mkdir()
     faulty.mkdir()
     damage = "{type: faults.DamageNorm, step: 4, attempt: 0}"  # the restarted attempt is not damaged again
-    kill = "{type: faults.KillAfterRollback, rank: 1, after: 2}"
-    recovery = ["recovery.enable=true", "recovery.data=skip"]
+    kill = "{type: faults.KillAfterRollback, rank: 1, after: 1}"
+    recovery = ["recovery.enable=true", "recovery.data=skip", "recovery.snapshot_interval=1"]
     torchrun(2, layout_config(reference, {}), f"callbacks=[{damage}]", *recovery, import_dirs=(HERE,))
     cfg = layout_config(faulty, {})
     r = torchrun(2, cfg, f"callbacks=[{damage}, {kill}]", *recovery, max_restarts=1, import_dirs=(HERE,))
     log = r.stdout + r.stderr
-    assert "elastic restart 1: resuming" in log and "(iteration 2)" in log, log[-3000:]
+    assert "elastic restart 1: resuming" in log and "(iteration 3)" in log, log[-3000:]
     (event,) = rollback_events(faulty / "run")  # kept in metrics.jsonl across the restart, not repeated
-    assert (event["step"], event["to_step"], event["skipped_samples"]) == (5, 2, [8, 19])
+    assert (event["step"], event["to_step"], event["skipped_samples"]) == (5, 3, [12, 19])
+    assert event["source"] == "memory"  # the snapshot of step 3 is newer than the checkpoint of step 2
     assert json.loads((faulty / "run" / "summary.json").read_text())["rollbacks"] == 1
     assert timeline(faulty / "run") == timeline(reference / "run")
     assert timeline(faulty / "run")[-1][0] == STEPS

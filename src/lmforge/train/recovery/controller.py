@@ -21,6 +21,7 @@ from lmforge.train.checkpoint import iteration_dir_name, load_checkpoint, resolv
 from lmforge.train.recovery.detector import Anomaly, AnomalyDetector
 from lmforge.train.recovery.quarantine import quarantine
 from lmforge.train.recovery.safe_checkpoint import complete_iterations, newest_safe
+from lmforge.train.recovery.snapshot import Snapshot, Snapshots
 from lmforge.train.state import RECOVERY_KEY
 from lmforge.utils.logging import get_logger
 
@@ -42,6 +43,7 @@ class Recovery:
         self.rollbacks = 0
         self.lr_scaled_until = 0  # steps up to this one train at lr x lr_scale
         self.gave_up = False  # max_rollbacks reached or no safe checkpoint: the run stops
+        self.snapshots: Snapshots | None = None  # recovery.snapshot_interval > 0: the in-memory snapshots
         self.events: list[dict[str, Any]] = []
 
     # -- state that survives restarts (in the checkpoint's trainer state) -----------------------------
@@ -156,17 +158,21 @@ class Recovery:
             return self._give_up(
                 trainer, anomaly, f"recovery.max_rollbacks ({self.section.max_rollbacks}) is reached"
             )
-        to_step = _agreed_step(newest_safe(complete_iterations(self.save_path), anomaly.onset), trainer.ctx)
+        disk = _agreed_step(newest_safe(complete_iterations(self.save_path), anomaly.onset), trainer.ctx)
+        snapshot = self._agreed_snapshot(anomaly.onset, trainer)
+        to_step = snapshot.step if snapshot is not None and (disk is None or snapshot.step >= disk) else disk
         if to_step is None:
             return self._give_up(
-                trainer, anomaly, f"no checkpoint of step <= {anomaly.onset - 2} exists in {self.save_path}"
+                trainer,
+                anomaly,
+                f"no checkpoint (or in-memory snapshot) of step <= {anomaly.onset - 2} exists in {self.save_path}",
             )
         skip = self.section.data == "skip"
         loader = trainer.dataloader
         detected_position = loader.state_dict() if skip and hasattr(loader, "state_dict") else None
         detected_consumed, tokens_before = int(state.consumed_samples), int(state.tokens_seen)
-        header = resolve_checkpoint(self.save_path / iteration_dir_name(to_step))
-        load_checkpoint(header, trainer.checkpointable(), no_load_optim=False, hf_loader=trainer.hf_loader)
+        use = snapshot if snapshot is not None and snapshot.step == to_step else None
+        source = self._restore(trainer, use, to_step)
         restored_consumed = int(state.consumed_samples)
         if skip:
             state.consumed_samples = detected_consumed
@@ -196,6 +202,7 @@ class Recovery:
             "max_rollbacks": int(self.section.max_rollbacks),
             "lost_tokens": tokens_before - int(state.tokens_seen),
             "restore_s": round(restore_s, 4),
+            "source": "memory" if source.startswith("the in-memory") else "disk",
             "lr_scale": float(self.section.lr_scale),
             "lr_scaled_until": self.lr_scaled_until,
         }
@@ -207,12 +214,11 @@ class Recovery:
         event["save_s"] = round(time.perf_counter() - t1, 4)
         self.events.append(event)
         logger.warning(
-            "recovery: %s. Rolled back every rank from step %d to the checkpoint of step %d (%s, rollback %d of "
-            "%d); %s samples %s.",
+            "recovery: %s. Rolled back every rank from step %d to step %d (%s, rollback %d of %d); %s samples %s.",
             anomaly.reason,
             detected,
             to_step,
-            header.path,
+            source,
             self.rollbacks,
             self.section.max_rollbacks,
             "skipping" if skip else "replaying",
@@ -220,6 +226,43 @@ class Recovery:
         )
         trainer.callbacks.call("on_rollback", trainer.config, state, rollback=event, **trainer._hook_kwargs())
         return event
+
+    def _restore(self, trainer: Any, snapshot: Snapshot | None, to_step: int) -> str:
+        """Every rank restores the state of ``to_step``: from its own snapshot (the disk is not read) or the
+        checkpoint, through the resume code path. Returns where from."""
+        if snapshot is not None:
+            snapshot.restore(
+                trainer.model, trainer.optimizer, trainer.scheduler, trainer.dataloader, trainer.state
+            )
+            source = f"the in-memory snapshot of step {to_step}"
+        else:
+            header = resolve_checkpoint(self.save_path / iteration_dir_name(to_step))
+            load_checkpoint(
+                header, trainer.checkpointable(), no_load_optim=False, hf_loader=trainer.hf_loader
+            )
+            source = str(header.path)
+        if self.snapshots is not None:
+            self.snapshots.forget_after(to_step)  # the newer ones are of the steps undone
+        return source
+
+    def _agreed_snapshot(self, onset: int, trainer: Any) -> Snapshot | None:
+        """The newest safe in-memory snapshot, when every rank holds one of the same step that still fits."""
+        if self.snapshots is None:
+            return None
+        snapshot = self.snapshots.newest_safe(onset)
+        if snapshot is not None and not snapshot.fits(trainer.model, trainer.optimizer):
+            logger.warning(
+                "recovery: the in-memory snapshot of step %d no longer fits the model; not used.",
+                snapshot.step,
+            )
+            snapshot = None
+        step = -1 if snapshot is None else snapshot.step
+        low, high = step, step
+        if trainer.ctx.distributed:
+            values = torch.tensor([-step, step], dtype=torch.int64, device=trainer.ctx.device)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+            low, high = -int(values[0].item()), int(values[1].item())
+        return snapshot if low == high and low >= 0 else None
 
     def _quarantine(
         self, manager: Any, anomaly: Anomaly, detected: int, number: int, ctx: Any, record: dict[str, Any]
@@ -290,8 +333,9 @@ def _agreed_step(step: int | None, ctx: Any) -> int | None:
     return None if int(none.item()) else int(value.item())
 
 
-def build_recovery(config: Any, manager: Any) -> Recovery | None:
-    """The ``recovery:`` section at work in a trainer, or None when it is off."""
+def build_recovery(config: Any, manager: Any, callbacks: Any) -> Recovery | None:
+    """The ``recovery:`` section at work in a trainer, or None when it is off (``callbacks``: the trainer's
+    handler, which takes the in-memory snapshots when ``recovery.snapshot_interval`` asks for them)."""
     section = getattr(config, "recovery", None)
     if section is None or not section.enable:
         return None
@@ -302,4 +346,7 @@ def build_recovery(config: Any, manager: Any) -> Recovery | None:
     if manager is not None:
         manager.protect = recovery.protects
         manager.refuse = recovery.refuses_save
+    if int(section.snapshot_interval) > 0:
+        recovery.snapshots = Snapshots(int(section.snapshot_interval), recovery)
+        callbacks.add(recovery.snapshots)
     return recovery
