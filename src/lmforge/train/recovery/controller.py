@@ -202,7 +202,7 @@ class Recovery:
             "max_rollbacks": int(self.section.max_rollbacks),
             "lost_tokens": tokens_before - int(state.tokens_seen),
             "restore_s": round(restore_s, 4),
-            "source": "memory" if source.startswith("the in-memory") else "disk",
+            "source": "memory" if use is not None else "disk",
             "lr_scale": float(self.section.lr_scale),
             "lr_scaled_until": self.lr_scaled_until,
         }
@@ -214,9 +214,11 @@ class Recovery:
         event["save_s"] = round(time.perf_counter() - t1, 4)
         self.events.append(event)
         logger.warning(
-            "recovery: %s. Rolled back every rank from step %d to step %d (%s, rollback %d of %d); %s samples %s.",
+            "recovery: %s. Rolled back every rank from step %d to the %s of step %d (%s, rollback %d of %d); %s "
+            "samples %s.",
             anomaly.reason,
             detected,
+            "in-memory snapshot" if use is not None else "checkpoint",
             to_step,
             source,
             self.rollbacks,
@@ -229,12 +231,12 @@ class Recovery:
 
     def _restore(self, trainer: Any, snapshot: Snapshot | None, to_step: int) -> str:
         """Every rank restores the state of ``to_step``: from its own snapshot (the disk is not read) or the
-        checkpoint, through the resume code path. Returns where from."""
+        checkpoint, through the resume code path. Returns where from, for the log."""
         if snapshot is not None:
             snapshot.restore(
                 trainer.model, trainer.optimizer, trainer.scheduler, trainer.dataloader, trainer.state
             )
-            source = f"the in-memory snapshot of step {to_step}"
+            source = "each rank's own copy, the disk not read"
         else:
             header = resolve_checkpoint(self.save_path / iteration_dir_name(to_step))
             load_checkpoint(
