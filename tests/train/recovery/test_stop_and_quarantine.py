@@ -126,3 +126,13 @@ def output_layer(iteration_dir, scratch):
     out = scratch / f"{iteration_dir.parent.name}.pt"
     dcp_to_torch_save(iteration_dir, out)
     return torch.load(out, weights_only=False)["model"]["output_layer.weight"]
+
+
+def test_with_asynchronous_saves_the_rollback_finishes_the_save_in_flight_first(tmp_path, undamaged):
+    # The checkpoint of step 4 (damaged) may still be writing when step 5 shows the spike: it is published,
+    # then moved aside; the rollback's own save is published before training goes on.
+    extra = {"checkpoint": {"save_interleaved_steps": 2, "save_max": 10, "async_save": True}}
+    trainer = run(tmp_path, recovery={"data": "replay"}, callbacks=[DamageWeights(DAMAGE_AT)], extra=extra)
+    assert moved(tmp_path) == {"anomaly_1_step_5": ["iteration_00000004"]}
+    assert complete_iterations(tmp_path / "ckpt") == [2, 4, 6, 8] and read_tracker(tmp_path / "ckpt") == 8
+    assert_bitwise(weights(trainer), undamaged[0])
