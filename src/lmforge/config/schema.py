@@ -162,14 +162,6 @@ class TrainConfig(OpenSection):
             section._typed = typed_section("lr_scheduler", section.type, section, "lr_scheduler", info.data)
         return section
 
-    @field_validator("model", mode="after")
-    @classmethod
-    def _type_model(cls, section: ModelConfig) -> ModelConfig:
-        # The model's keys depend on its family: the schema models/ registered for model_type
-        # resolves them through the family's keys now, before anything is built.
-        section._typed = typed_section("model", section.model_type, section, "model", {})
-        return section
-
     @model_validator(mode="after")
     def _check_data_against_model(self) -> TrainConfig:
         # The loader's sequence length and token ids must be the model's; both sections are typed now.

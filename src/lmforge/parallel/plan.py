@@ -260,7 +260,8 @@ def _plan(cfg: TrainConfig, world_size: int, problems: list[str]) -> RunPlan | N
     training = cfg.training
     # load_config typed the model, optimizer and lr_scheduler sections (lmforge.config.registry): the
     # plan reads those typed forms and validates nothing again.
-    model_config, model_class = _typed(cfg.model, "model", problems) or (None, None)
+    typed_model = _typed(cfg.model, "model", problems)
+    model_config, model_class = (typed_model.config, typed_model.model_class) if typed_model else (None, None)
     optimizer = _typed(cfg.optimizer, "optimizer", problems)
     schedule = _typed(cfg.lr_scheduler, "lr_scheduler", problems)
     dims = _attempt(problems, lambda: ParallelDims.from_section(cfg.parallelism, world_size))
