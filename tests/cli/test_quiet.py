@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.cli import main
+from lmforge.config import validate_section
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "configs").glob("*.yaml"))
@@ -57,17 +58,20 @@ def test_downstream_eval_outside_a_git_repository_prints_no_git_error(tmp_path, 
     task.write_text('{"context": "a b", "choices": ["c", "d"], "answer": 0}\n')
     torch.manual_seed(0)
     model = build_model(
-        {
-            "model_type": "llama",
-            "architectures": "LlamaForCausalLM",
-            "num_hidden_layers": 1,
-            "hidden_size": 16,
-            "num_attention_heads": 2,
-            "intermediate_size": 32,
-            "vocab_size": 5,
-            "seq_length": 16,
-            "compute_dtype": "float32",
-        }
+        validate_section(
+            "model",
+            {
+                "model_type": "llama",
+                "architectures": "LlamaForCausalLM",
+                "num_hidden_layers": 1,
+                "hidden_size": 16,
+                "num_attention_heads": 2,
+                "intermediate_size": 32,
+                "vocab_size": 5,
+                "seq_length": 16,
+                "compute_dtype": "float32",
+            },
+        )
     )
     evaluate_tasks(model, tok, [str(task)], eot_id=0, max_length=16, limit=1)
     captured = capfd.readouterr()

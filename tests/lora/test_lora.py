@@ -29,18 +29,21 @@ LORA = [
 
 def _tiny_model():
     return build_model(
-        {
-            "model_type": "qwen3",
-            "architectures": "Qwen3ForCausalLM",
-            "num_hidden_layers": 2,
-            "hidden_size": 32,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "intermediate_size": 64,
-            "vocab_size": 64,
-            "seq_length": 16,
-            "compute_dtype": "float32",
-        }
+        validate_section(
+            "model",
+            {
+                "model_type": "qwen3",
+                "architectures": "Qwen3ForCausalLM",
+                "num_hidden_layers": 2,
+                "hidden_size": 32,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 64,
+                "vocab_size": 64,
+                "seq_length": 16,
+                "compute_dtype": "float32",
+            },
+        )
     )
 
 
@@ -284,7 +287,7 @@ def test_fine_tune_from_hf_then_merged_and_peft_exports_match(tmp_path, capsys):
 def test_lora_under_fsdp2_matches_one_process(tmp_path):
     """2 gloo ranks (FSDP2 shards adapters and frozen base alike) give the 1-process losses."""
     from lmforge.models import save_hf_pretrained
-    from train.test_distributed import torchrun
+    from torchrun import torchrun
 
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
@@ -311,7 +314,7 @@ def test_lora_under_tensor_parallel_matches_one_process(tmp_path):
     """2 gloo ranks with tensor_parallel=2 (adapters on fused colwise and rowwise projections; A and B
     replicated, each rank using B's rows / A's columns of its shard) give the 1-process losses."""
     from lmforge.models import save_hf_pretrained
-    from train.test_distributed import torchrun
+    from torchrun import torchrun
 
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()

@@ -13,7 +13,6 @@ from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_
 
 from lmforge.config.base import ConfigNode, Float, OpenSection, Section
 from lmforge.config.layer_spec import check_layer_range, parse_layer_specs
-from lmforge.config.registry import typed_section
 from lmforge.config.sections_components import (
     DataloaderConfig,
     LrSchedulerConfig,
@@ -160,14 +159,6 @@ class TrainConfig(OpenSection):
         # the YAML's own total_steps) is checked now, before anything is built.
         if "training" in info.data and section.typed is not None:
             section.typed.check_against_training(int(info.data["training"].steps))
-        return section
-
-    @field_validator("model", mode="after")
-    @classmethod
-    def _type_model(cls, section: ModelConfig) -> ModelConfig:
-        # The model's keys depend on its family: the schema models/ registered for model_type
-        # resolves them through the family's keys now, before anything is built.
-        section._typed = typed_section("model", section.model_type, section, "model", {})
         return section
 
     @model_validator(mode="after")

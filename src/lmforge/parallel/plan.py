@@ -262,7 +262,8 @@ def _plan(cfg: TrainConfig, world_size: int, problems: list[str]) -> RunPlan | N
     # plan reads those typed forms and validates nothing again. The schedule over training.steps is the
     # typed scheduler's (load_config made it once already: it cannot fail, and its warnings are in
     # cfg.warnings).
-    model_config, model_class = _typed(cfg.model, "model", problems) or (None, None)
+    typed_model = _typed(cfg.model, "model", problems)
+    model_config, model_class = (typed_model.config, typed_model.model_class) if typed_model else (None, None)
     optimizer = _typed(cfg.optimizer, "optimizer", problems)
     scheduler = _typed(cfg.lr_scheduler, "lr_scheduler", problems)
     schedule = scheduler.schedule(int(training.steps)) if scheduler is not None else None

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lmforge.config.schema import TrainConfig
+from lmforge.config.sections_components import ModelConfig
 from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.config.sections_run import LoraConfig
 from lmforge.config.sections_speed import Float8Config
@@ -151,7 +152,7 @@ def _refuse_absurd_model(cfg: TrainConfig, device: str | None, world_size: int) 
 
 
 def build_training_model(
-    section: Any,
+    section: ModelConfig,
     *,
     seed: int,
     device: str | None = None,
