@@ -51,6 +51,7 @@ def _train_and_evaluate(tmp_path: Path, raw: dict, capsys) -> None:
     ckpt = str(tmp_path / "ckpt")
     own = _lmforge(tmp_path, "eval", "--checkpoint", ckpt, "--json")  # no --config
     assert own.returncode == 0, own.stderr[-3000:]
+    assert own.stderr.strip() == "", own.stderr  # the run's own config.yaml reads back without a note
     result = json.loads(own.stdout.strip().splitlines()[-1])
     assert math.isfinite(result["val_loss"]) and math.isfinite(result["val_ppl"])
     assert result["val_tokens"] == at_save["val_tokens"]  # the same held-out conversations
