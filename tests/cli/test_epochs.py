@@ -211,3 +211,14 @@ def test_cli_check_shows_the_steps_and_train_runs_them(tmp_path, capsys):
     assert [r["step"] for r in again if "loss" in r] == [3, 4, 5, 6]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert all(r["loss"] == losses[r["step"]] for r in again if "loss" in r)
+
+
+def test_the_doctor_reads_the_derived_steps_of_an_epochs_run(tmp_path):
+    from lmforge.train.callbacks.doctor.evidence import FACTS_FILE, RunEvidence, _read_facts
+    from lmforge.train.callbacks.doctor.rule_base import _steps_configured
+
+    # The run's config.yaml keeps epochs (no steps); doctor_facts.json holds the steps it derived.
+    (tmp_path / FACTS_FILE).write_text(json.dumps({"training_steps": 40}))
+    facts = _read_facts(tmp_path / FACTS_FILE)
+    assert _steps_configured(RunEvidence(config={"training": {"epochs": 2}}, facts=facts)) == 40
+    assert _steps_configured(RunEvidence(config={"training": {"steps": 7}}, facts=facts)) == 7
