@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from lmforge.cli import main
-from lmforge.config import load_config
+from lmforge.config import dump_yaml, load_config
 from lmforge.errors import ConfigError
 from lmforge.parallel.plan import BatchSchedule, RunPlan
 
@@ -136,6 +136,11 @@ def test_steps_and_epochs_are_one_or_the_other(tmp_path):
     steps_file["training"].pop("epochs")
     cfg = load_config(steps_file, ["training.steps=null", "training.epochs=2"])
     assert cfg.training.epochs == 2 and "steps" not in cfg.training.to_dict()  # written back with epochs
+    # A checkpoint's config.yaml of an epochs run (the derived steps in memory) reads back as it was.
+    derived = cfg.with_derived_steps(6)
+    assert derived.training.steps == 6 and derived.lr_scheduler.typed.total_steps == 6
+    again = load_config(yaml.safe_load(dump_yaml(derived)))
+    assert again.training.epochs == 2 and "steps" not in again.training.model_fields_set
 
 
 def test_the_lr_schedule_is_checked_against_the_derived_steps(tmp_path):
