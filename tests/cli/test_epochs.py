@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -78,8 +79,9 @@ def _lmforge(tmp_path: Path, *args: str, config: dict | None = None) -> subproce
     )
 
 
-def _documents_served(cfg, micro_batches: int) -> list[int]:
-    """The document (its word's token id) of each row the training loader serves, in order."""
+def _documents_served(cfg, micro_batches: int) -> tuple[list[int], list[int]]:
+    """The document (its word's token id) of each row the training loader serves, in order, and the
+    loader's epoch after each micro-batch."""
     from lmforge.data import build_dataloader
 
     loader = build_dataloader(
@@ -88,7 +90,11 @@ def _documents_served(cfg, micro_batches: int) -> list[int]:
         seed=cfg.training.seed,
         seq_length=2,
     )
-    return [int(row[0]) for _ in range(micro_batches) for row in next(loader)["input_ids"]]
+    rows, epochs = [], []
+    for _ in range(micro_batches):
+        rows += [int(row[0]) for row in next(loader)["input_ids"]]
+        epochs.append(loader.epoch)
+    return rows, epochs
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -97,7 +103,8 @@ def test_epochs_train_every_document_that_many_times(tmp_path, shuffle):
     plan = RunPlan.from_config(cfg, 1)
     assert plan.total_steps == 2 * DOCS // 4  # two passes of 12 one-row documents, 4 rows a step
     assert plan.schedule.total_steps == plan.total_steps  # the lr schedule spans the derived steps
-    served = _documents_served(cfg, plan.total_steps * plan.accumulation_steps)
+    served, epochs = _documents_served(cfg, plan.total_steps * plan.accumulation_steps)
+    assert epochs == [1] * 6 + [2] * 6  # the pass of the rows just served (2 rows a micro-batch)
     words = [token_id(WORDS[i]) for i in range(DOCS)]
     assert Counter(served) == {w: 2 for w in words}
     first, second = served[:DOCS], served[DOCS:]
@@ -200,6 +207,9 @@ def test_cli_check_shows_the_steps_and_train_runs_them(tmp_path, capsys):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
+    # The step line's epoch is the pass of the step's rows: 12 rows a pass, 4 a step.
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert re.findall(r"step: \[\d/6\] \| epoch: (\d)", log) == ["1", "1", "1", "2", "2", "2"]
     # Resume in the middle of the first pass (8 of its 12 rows) is exact: the same losses after it.
     load = f"checkpoint.load_path={tmp_path / 'ckpt' / 'iteration_00000002'}"
     resume = [

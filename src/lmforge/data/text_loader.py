@@ -507,9 +507,12 @@ class TextDataLoader:
 
     @property
     def epoch(self) -> int:
-        """The pass over the data this rank is in, 1-based (with several sources: the one furthest
-        behind; every source has been read completely ``epoch - 1`` times)."""
-        return min(p.epoch for p in self.positions) + 1
+        """The pass over the data of the rows this rank served last, 1-based (with several sources:
+        the one furthest behind; every source has been read completely ``epoch - 1`` times)."""
+        if self._packers is None:
+            return min(p.epoch for p in self.positions) + 1
+        placed = [p.placed_epoch if p.placed_epoch is not None else p.position.epoch for p in self._packers]
+        return min(placed) + 1
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
