@@ -62,6 +62,12 @@ def samples_of_epochs(
             f"{rows} packed rows of {settings.seq_length} tokens per data-parallel rank in {epochs} pass(es)"
             + (" (the rank with the fewest)" if dp_size > 1 else ""),
         )
+    if typed.sizes and typed.sizes[0] is not None:
+        raise ConfigError(
+            f"{EPOCHS_KEY} counts passes over the training data, but train_dataset.dataloader.sizes[0] "
+            f"({typed.sizes[0]}) sizes the training split to a number of samples instead; set sizes[0] to "
+            "null (one pass of the data) or give training.steps."
+        )
     return _megatron_samples(section, epochs, local_batch_size, dp_size, seq_length, vocab_size)
 
 
@@ -69,12 +75,6 @@ def _megatron_samples(
     section: Any, epochs: int, lbs: int, dp: int, seq_length: int | None, vocab_size: int | None
 ) -> EpochLength:
     dataset, typed = build_dataset(section, phase="train", vocab_size=vocab_size, seq_length=seq_length)
-    if typed.sizes and typed.sizes[0] is not None:
-        raise ConfigError(
-            f"{EPOCHS_KEY} counts passes over the training data, but train_dataset.dataloader.sizes[0] "
-            f"({typed.sizes[0]}) sizes the training split to a number of samples instead; set sizes[0] to "
-            "null (one pass of the data) or give training.steps."
-        )
     if dataset is None:
         raise DataError("train_dataset: the training split is empty (train_data_path / data_path and split).")
     if getattr(dataset, "num_samples", 0) is not None:
