@@ -237,3 +237,12 @@ def test_the_doctor_reads_the_derived_steps_of_an_epochs_run(tmp_path):
     facts = _read_facts(tmp_path / FACTS_FILE)
     assert _steps_configured(RunEvidence(config={"training": {"epochs": 2}}, facts=facts)) == 40
     assert _steps_configured(RunEvidence(config={"training": {"steps": 7}}, facts=facts)) == 7
+
+
+def test_epochs_need_the_training_data_to_count_and_say_so(tmp_path):
+    raw = _config(tmp_path)
+    raw["train_dataset"]["dataloader"]["data_path"] = [str(tmp_path / "missing.jsonl")]
+    with pytest.raises(
+        ConfigError, match=r"training\.epochs 2 counts the steps from the training data: .*missing\.jsonl"
+    ):
+        RunPlan.from_config(load_config(raw), 1)

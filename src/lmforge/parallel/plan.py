@@ -326,15 +326,20 @@ def _steps_of_epochs(cfg: TrainConfig, batches: BatchSchedule, model_config: Any
     from lmforge.data.epochs import samples_of_epochs
 
     epochs = int(cfg.training.epochs)
-    length = samples_of_epochs(
-        cfg.train_dataset,
-        epochs,
-        local_batch_size=batches.local_batch_size,
-        dp_size=batches.data_parallel,
-        seed=int(cfg.training.seed),
-        seq_length=model_config.seq_length,
-        vocab_size=model_config.vocab_size,
-    )
+    try:
+        length = samples_of_epochs(
+            cfg.train_dataset,
+            epochs,
+            local_batch_size=batches.local_batch_size,
+            dp_size=batches.data_parallel,
+            seed=int(cfg.training.seed),
+            seq_length=model_config.seq_length,
+            vocab_size=model_config.vocab_size,
+        )
+    except LmforgeError as exc:  # the data must be readable now: the steps are counted from it
+        if str(exc).startswith("training.epochs"):
+            raise
+        raise type(exc)(f"training.epochs {epochs} counts the steps from the training data: {exc}") from None
     steps = batches.steps_within(length.samples)
     if steps < 1:
         raise ConfigError(
