@@ -137,7 +137,8 @@ class Trainer:
         self._resumed_from: str | None = None
         from lmforge.train.recovery import build_recovery
 
-        self._recovery = build_recovery(config, self._checkpoint_manager)  # None unless recovery.enable
+        # None unless recovery.enable
+        self._recovery = build_recovery(config, self._checkpoint_manager, self.callbacks)
 
     # -- construction helpers -----------------------------------------------------------------
 
@@ -371,6 +372,9 @@ class Trainer:
             recovery is not None and recovery.vote_at_end(self.ctx)
         ):
             if self._stop_agreed():
+                if recovery is not None and recovery.agreed is not None:
+                    # A stop agreed together with a rollback: roll back first, so the stop keeps good weights.
+                    recovery.roll_back(self)
                 break
             if recovery is not None and recovery.agreed is not None:
                 recovery.roll_back(self)  # (or, when it cannot, the trainer stops at the next agreement)
