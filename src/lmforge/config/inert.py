@@ -75,10 +75,14 @@ def _unknown_top_level(raw: Mapping[str, Any], sections: Mapping[str, Any]) -> l
     # ignored without a word; say so, with the closest section name.
     # output_dir: lmforge's run directory; eval_*: validation during training (lmforge.train.callbacks.validation),
     # which reads eval_dataset only when it evaluates.
-    known = [*sections, "output_dir", "eval_interval", "eval_steps"]
-    if raw.get("eval_interval"):
-        known.append("eval_dataset")
+    known = [*sections, "output_dir", "eval_interval", "eval_steps", "eval_dataset"]
     out = []
+    if raw.get("eval_dataset") is not None and not raw.get("eval_interval"):
+        # (null: no eval_dataset, as a checkpoint's config.yaml writes it back)
+        out.append(
+            "eval_dataset is set but eval_interval is 0: training does not evaluate on it (lmforge eval "
+            "--checkpoint DIR does); set eval_interval: N to validate every N steps"
+        )
     for key in raw:
         if key in known:
             continue

@@ -156,9 +156,11 @@ class TrainConfig(OpenSection):
     @classmethod
     def _type_lr_scheduler(cls, section: LrSchedulerConfig, info: ValidationInfo) -> LrSchedulerConfig:
         # The section typed its keys itself; what depends on training.steps (ratios, the WSD decay start,
-        # the YAML's own total_steps) is checked now, before anything is built.
-        if "training" in info.data and section.typed is not None:
-            section.typed.check_against_training(int(info.data["training"].steps))
+        # the YAML's own total_steps) is checked now, before anything is built. With training.epochs the
+        # total is derived from the data by the run plan (lmforge.parallel.plan), which checks it then.
+        training = info.data.get("training")
+        if training is not None and training.epochs is None and section.typed is not None:
+            section.typed.check_against_training(int(training.steps))
         return section
 
     @model_validator(mode="after")

@@ -226,6 +226,8 @@ def build_trainer(
         # --output-dir moves every output, including the paths the file puts under its own output_dir.
         cfg = with_output_dir(cfg, output_dir)
     plan = _checked_plan(cfg, device)  # every configuration error, before anything exists
+    if cfg.training.epochs is not None:  # the trainer, its checkpoints and callbacks see the steps
+        cfg = cfg.with_derived_steps(plan.total_steps)
     ctx = distributed_env(device, float(cfg.parallelism.process_group_timeout))
     run_dir = _open_run_dir(cfg, plan, ctx)
     seed_everything(int(cfg.training.seed), bool(cfg.training.deterministic))
