@@ -124,6 +124,13 @@ class TrainConfig(OpenSection):
         """Warnings found while loading: fields accepted without effect, overridden settings."""
         return self._warnings
 
+    def with_derived_steps(self, steps: int) -> TrainConfig:
+        """This configuration with ``training.steps`` derived from ``training.epochs`` (by the run plan,
+        from the data). The lr section's typed form does not depend on the total: the run plan made
+        and checked its schedule over these steps (``build_scheduler``)."""
+        training = self.training.model_copy(update={"steps": int(steps)})
+        return self.model_copy(update={"training": training})
+
     @model_validator(mode="before")
     @classmethod
     def _omitted_checkpoint_saves_nothing(cls, data: Any) -> Any:

@@ -52,7 +52,7 @@ def _check_vocab_upfront(dataset: GPTDataset | BlendedDataset, vocab_size: int) 
             )
 
 
-def _typed_loader(dataset_section: Any, builder: str) -> TypedDataloader:
+def typed_loader(dataset_section: Any, builder: str) -> TypedDataloader:
     """The dataloader ``load_config`` typed in ``dataset_section``; a TypeError for anything else (a
     mapping is validated by the config, once, not by a builder)."""
     loader = getattr(dataset_section, "dataloader", None)
@@ -80,7 +80,7 @@ def build_dataset(
     ``dataset_section`` is the typed ``train_dataset`` section, as for :func:`build_dataloader`."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {sorted(PHASES)}, got {phase!r}")
-    typed = _typed_loader(dataset_section, "build_dataset")
+    typed = typed_loader(dataset_section, "build_dataset")
     typed.check_against_model(seq_length, vocab_size)
     if not isinstance(typed, MegatronLoader):
         raise ConfigError(
@@ -131,7 +131,7 @@ def build_dataloader(
         raise ConfigError(f"training.local_batch_size must be >= 1; got {local_batch_size}.")
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {sorted(PHASES)}, got {phase!r}")
-    typed = _typed_loader(dataset_section, "build_dataloader")
+    typed = typed_loader(dataset_section, "build_dataloader")
     typed.check_against_model(seq_length, vocab_size)
     workers = dataset_section.num_parallel_workers
     if isinstance(typed, TextLoader):
