@@ -67,3 +67,29 @@ def test_the_check_sees_an_upward_and_a_sideways_import(tmp_path):
         "models/y.py: models imports lmforge.data.tokenizer",
         "train/x.py: train imports lmforge.cli",
     ]
+
+
+# Compatibility with lmforge's own earlier checkpoint formats (removed in lmforge 0.3) is reached from
+# these places only: one call that detects and names the older formats, one fallback for pickled skeletons.
+COMPAT = "lmforge.train.checkpoint.compat"
+COMPAT_ENTRIES = ["train/checkpoint/load.py", "train/checkpoint/safe_load.py"]
+
+
+def compat_importers(root: Path) -> list[str]:
+    """Modules outside the compat package that import it."""
+    inside = root / COMPAT.split(".", 1)[1].replace(".", "/")
+    return sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if inside not in path.parents and any(m == COMPAT or m.startswith(COMPAT + ".") for m in _imports(path))
+    )
+
+
+def test_compatibility_with_older_checkpoints_is_reached_from_the_load_path_only():
+    assert compat_importers(Path(lmforge.__file__).parent) == COMPAT_ENTRIES
+
+
+def test_the_compat_package_states_its_removal_version():
+    from lmforge.train.checkpoint import compat
+
+    assert "Removed in lmforge 0.3" in compat.__doc__ and compat.REMOVED_IN == "0.3"

@@ -1,4 +1,4 @@
-"""Loading checkpoints written with an older row layout of the fused weights.
+"""Loading checkpoints written with an older row layout of the fused weights (removed in lmforge 0.3).
 
 ``common.json`` records ``weight_layout`` (``models/common/fused_layout.py``); a checkpoint without it has
 layout 1 (``[Q; K; V]``, ``[gate; up]``, MLA pieces grouped by part). After such a checkpoint is loaded,
