@@ -81,7 +81,8 @@ def compat_importers(root: Path) -> list[str]:
     return sorted(
         str(path.relative_to(root))
         for path in root.rglob("*.py")
-        if inside not in path.parents and any(m == COMPAT or m.startswith(COMPAT + ".") for m in _imports(path))
+        if inside not in path.parents
+        and any(m == COMPAT or m.startswith(COMPAT + ".") for m in _imports(path))
     )
 
 

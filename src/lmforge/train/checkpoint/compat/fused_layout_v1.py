@@ -23,10 +23,6 @@ logger = get_logger("lmforge.train.checkpoint")
 _ROW_PARAMS = ("weight", "bias", "lora_B.weight")
 
 
-def checkpoint_layout(common: dict[str, Any]) -> int:
-    return int(common.get("weight_layout", 1))
-
-
 def fused_rows(model: nn.Module) -> list[tuple[nn.Parameter, int, torch.Tensor, str]]:
     """(parameter, dim, rows with ``current = layout1[rows]``, name) of every fused parameter of ``model``."""
     out = []
