@@ -45,7 +45,7 @@ def test_old_single_device_checkpoint_resumes(tmp_path, folder, weights_in):
     Path(path).write_text(yaml.safe_dump(raw))
     saved = _saved_tensors(fixture / "ckpt" / "iteration_00000004", tmp_path)
     trainer = build_trainer(load_config(path))
-    trainer._resume_or_start()
+    trainer.resumption.resume_or_start()
     converted = "(the old single-device path)" in (trainer.output_dir / "train.log").read_text()
     assert converted == (weights_in == "masters")
     assert trainer.state.global_step == 4
