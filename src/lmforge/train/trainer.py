@@ -177,7 +177,9 @@ class Trainer:
         return self._checkpoint_manager
 
     def checkpointable(self) -> Checkpointable:
-        return Checkpointable(self.model, self.optimizer, self.scheduler, self.dataloader, self.state)
+        return Checkpointable(
+            self.model, self.optimizer, self.scheduler, self.dataloader, self.state, self.callbacks
+        )
 
     def _hook_kwargs(self) -> dict[str, Any]:
         return {

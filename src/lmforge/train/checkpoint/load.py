@@ -217,6 +217,8 @@ def _allocate_run_state(
     same_layout = int(header.common.get("world_size", 1)) == (dist.get_world_size() if _distributed() else 1)
     if target.dataloader is not None and same_layout and _has_key(keys, f"dataloader.{own}"):
         sd["dataloader"] = {own: _allocate_encoded(metadata, f"dataloader.{own}")}
+    if target.callbacks is not None and _has_key(keys, f"callbacks.{own}"):
+        sd["callbacks"] = {own: _allocate_encoded(metadata, f"callbacks.{own}")}
 
 
 def _restore_run_state(
@@ -237,6 +239,11 @@ def _restore_run_state(
         )
     if "dataloader" in sd and hasattr(target.dataloader, "load_state_dict"):
         target.dataloader.load_state_dict(decode_state(sd["dataloader"][own]))
+    if target.callbacks is not None:
+        # A rank the checkpoint has no callback state for (a run saved on fewer ranks): {} lets the
+        # handler name every stateful callback that starts fresh.
+        saved = decode_state(sd["callbacks"][own]) if "callbacks" in sd else {}
+        target.callbacks.load_state_dict(saved, where=str(header.path))
 
 
 def check_optimizer_type(header: CheckpointHeader, target: Checkpointable, saved: str | None) -> None:

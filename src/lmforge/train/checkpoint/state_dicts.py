@@ -24,6 +24,8 @@ class Checkpointable:
     scheduler: Any = None
     dataloader: Any = None
     state: TrainState = field(default_factory=TrainState)
+    # The callbacks' own state (``CallbackHandler.state_dict``), saved per rank like the RNG.
+    callbacks: Any = None
 
 
 def _model_state_dict(model: nn.Module) -> dict[str, Any]:
