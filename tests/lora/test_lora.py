@@ -284,7 +284,7 @@ def test_fine_tune_from_hf_then_merged_and_peft_exports_match(tmp_path, capsys):
 def test_lora_under_fsdp2_matches_one_process(tmp_path):
     """2 gloo ranks (FSDP2 shards adapters and frozen base alike) give the 1-process losses."""
     from lmforge.models import save_hf_pretrained
-    from train.test_distributed import torchrun
+    from torchrun import torchrun
 
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
@@ -311,7 +311,7 @@ def test_lora_under_tensor_parallel_matches_one_process(tmp_path):
     """2 gloo ranks with tensor_parallel=2 (adapters on fused colwise and rowwise projections; A and B
     replicated, each rank using B's rows / A's columns of its shard) give the 1-process losses."""
     from lmforge.models import save_hf_pretrained
-    from train.test_distributed import torchrun
+    from torchrun import torchrun
 
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()

@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from lmforge.train.callbacks import read_metrics
+from torchrun import torchrun
 
 from .test_train_cli import ADAMW, write_config
-
-
-def torchrun(nproc: int, cfg: str, *overrides: str, port: int) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={port}",
-    ]
-    cmd += ["-m", "lmforge", "train", "--config", cfg]
-    for o in overrides:
-        cmd += ["--set", o]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -26,6 +26,9 @@ class RecoveryConfig(Section):
     # The learning rate is multiplied by lr_scale for lr_scale_steps steps after each rollback.
     lr_scale: Float = 1.0
     lr_scale_steps: int = 0
+    # Every snapshot_interval steps each rank keeps a CPU copy of its own state (the two newest are kept):
+    # a rollback restores from it, without reading the disk, when it is newer than the safe checkpoint.
+    snapshot_interval: int = 0
 
     @model_validator(mode="after")
     def _check(self) -> RecoveryConfig:
@@ -44,6 +47,11 @@ class RecoveryConfig(Section):
             raise ValueError(
                 f"recovery.lr_scale_steps must be a non-negative int (steps after a rollback that train at "
                 f"lr x recovery.lr_scale), got {self.lr_scale_steps}"
+            )
+        if self.snapshot_interval < 0:
+            raise ValueError(
+                f"recovery.snapshot_interval must be a non-negative int (steps between two in-memory snapshots "
+                f"of each rank's state; 0: none), got {self.snapshot_interval}"
             )
         if self.lr_scale != 1.0 and self.lr_scale_steps == 0:
             raise ValueError(

@@ -129,7 +129,8 @@ class Trainer:
         self.resumption = Resumption(self)
         from lmforge.train.recovery import build_recovery
 
-        self._recovery = build_recovery(config, self._checkpoint_manager)  # None unless recovery.enable
+        # None unless recovery.enable
+        self._recovery = build_recovery(config, self._checkpoint_manager, self.callbacks)
 
     # -- construction helpers -----------------------------------------------------------------
 
@@ -306,6 +307,9 @@ class Trainer:
             recovery is not None and recovery.vote_at_end(self.ctx)
         ):
             if self.stop_agreement.agreed(self.ctx, recovery, state.global_step):
+                if recovery is not None and recovery.agreed is not None:
+                    # A stop agreed together with a rollback: roll back first, so the stop keeps good weights.
+                    recovery.roll_back(self)
                 break
             if recovery is not None and recovery.agreed is not None:
                 recovery.roll_back(self)  # (or, when it cannot, the trainer stops at the next agreement)

@@ -22,6 +22,7 @@ def test_defaults_and_values(tmp_path):
     cfg = tiny_config(tmp_path)
     r = cfg.recovery
     assert (r.enable, r.max_rollbacks, r.data, r.lr_scale, r.lr_scale_steps) == (False, 3, "skip", 1.0, 0)
+    assert r.snapshot_interval == 0
     cfg = tiny_config(
         tmp_path, recovery={"enable": True, "data": "replay", "lr_scale": "5e-1", "lr_scale_steps": 20}
     )
@@ -39,6 +40,7 @@ def test_defaults_and_values(tmp_path):
         ({"lr_scale_steps": -1}, "recovery.lr_scale_steps must be a non-negative int"),
         ({"enable": "yes"}, "recovery.enable"),
         ({"snapshot_every": 5}, "recovery.snapshot_every"),
+        ({"snapshot_interval": -1}, "recovery.snapshot_interval must be a non-negative int"),
     ],
 )
 def test_bad_values_are_refused_at_load_naming_the_key(tmp_path, values, message):

@@ -3,36 +3,19 @@ bitwise where the undamaged run of the same layout ends (data: replay, lr_scale 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
 from lmforge.train.callbacks import read_metrics
+from torchrun import torchrun
 
 from ..test_train_cli import ADAMW, write_config
 
 HERE = Path(__file__).resolve().parent
 STEPS = 8
-
-
-def torchrun(nproc: int, cfg: str, *overrides: str, port: int) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={port}",
-    ]
-    cmd += ["-m", "lmforge", "train", "--config", cfg]
-    for o in overrides:
-        cmd += ["--set", o]
-    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, LMFORGE_ALLOW_IMPORTS="1")
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
 
 
 def timeline(run_dir: Path) -> list[tuple[int, float, float]]:
@@ -84,13 +67,11 @@ def test_two_ranks_roll_back_together_and_end_where_the_undamaged_run_ends(
     straight_dir, damaged_dir = tmp_path / "straight", tmp_path / "damaged"
     straight_dir.mkdir()
     damaged_dir.mkdir()
-    r = torchrun(2, layout_config(straight_dir, parallelism, **model), port=port)
-    assert r.returncode == 0, r.stderr[-3000:]
+    torchrun(2, layout_config(straight_dir, parallelism, **model), port=port)
     cfg = layout_config(damaged_dir, parallelism, **model)
     fault = "callbacks=[{type: faults.DamageNorm, step: 4}]"
     recovery = ["recovery.enable=true", "recovery.data=replay"]
-    r = torchrun(2, cfg, fault, *recovery, port=port + 1)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = torchrun(2, cfg, fault, *recovery, port=port + 1, import_dirs=(HERE,))
     events = [e for e in read_metrics(damaged_dir / "run" / "metrics.jsonl") if e.get("event") == "rollback"]
     assert [(e["step"], e["to_step"]) for e in events] == [(5, 2)]
     assert timeline(damaged_dir / "run") == timeline(straight_dir / "run")
@@ -99,3 +80,53 @@ def test_two_ranks_roll_back_together_and_end_where_the_undamaged_run_ends(
         r.stderr.count("Resumed from") >= 2
         or "Rolled back every rank" in (damaged_dir / "run" / "train.log").read_text()
     )
+
+
+def rollback_events(run_dir: Path) -> list[dict]:
+    return [e for e in read_metrics(run_dir / "metrics.jsonl") if e.get("event") == "rollback"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_killed_after_a_rollback_restarts_into_the_recovered_run(tmp_path):
+    """torchrun --max-restarts=1: rank 1 dies as the first step after a rollback begins (data: skip, from
+    each rank's in-memory snapshot of step 3); the restarted job resumes from the rollback's save with the
+    rollback counted and the skipped batches still skipped, and ends bitwise where the run without the kill
+    ends."""
+    reference, faulty = tmp_path / "reference", tmp_path / "faulty"
+    reference.mkdir()
+    faulty.mkdir()
+    damage = "{type: faults.DamageNorm, step: 4, attempt: 0}"  # the restarted attempt is not damaged again
+    kill = "{type: faults.KillAfterRollback, rank: 1, after: 1}"
+    recovery = ["recovery.enable=true", "recovery.data=skip", "recovery.snapshot_interval=1"]
+    torchrun(2, layout_config(reference, {}), f"callbacks=[{damage}]", *recovery, import_dirs=(HERE,))
+    cfg = layout_config(faulty, {})
+    r = torchrun(2, cfg, f"callbacks=[{damage}, {kill}]", *recovery, max_restarts=1, import_dirs=(HERE,))
+    log = r.stdout + r.stderr
+    assert "elastic restart 1: resuming" in log and "(iteration 3)" in log, log[-3000:]
+    (event,) = rollback_events(faulty / "run")  # kept in metrics.jsonl across the restart, not repeated
+    assert (event["step"], event["to_step"], event["skipped_samples"]) == (5, 3, [12, 19])
+    assert event["source"] == "memory"  # the snapshot of step 3 is newer than the checkpoint of step 2
+    assert json.loads((faulty / "run" / "summary.json").read_text())["rollbacks"] == 1
+    assert timeline(faulty / "run") == timeline(reference / "run")
+    assert timeline(faulty / "run")[-1][0] == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_hsdp_on_four_ranks_rolls_back_and_replays_bitwise(tmp_path):
+    """HSDP (2 replicas x 2 shards) on 4 gloo ranks: every rank restores its shard of the safe checkpoint,
+    and the replayed steps are bitwise the steps as first trained (loss and gradient norm over 4 ranks)."""
+    cfg = layout_config(tmp_path, {"data_parallel_shard": 2})
+    fault = "callbacks=[{type: faults.DamageNorm, step: 4}]"
+    recovery = ["recovery.enable=true", "recovery.data=replay"]
+    torchrun(4, cfg, "training.local_batch_size=1", fault, *recovery, import_dirs=(HERE,))
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    at = next(i for i, r in enumerate(records) if r.get("event") == "rollback")
+    assert (records[at]["step"], records[at]["to_step"]) == (5, 2)
+    first = {r["step"]: (r["loss"], r["grad_norm"]) for r in records[:at]}
+    again = {r["step"]: (r["loss"], r["grad_norm"]) for r in records[at + 1 :]}
+    assert [again[s] for s in (3, 4)] == [first[s] for s in (3, 4)]
+    assert sorted(again) == list(range(3, STEPS + 1)) and not any("event" in r for r in records[at + 1 :])
+    assert again[5][0] < first[5][0]  # the replayed step 5 is not the spike
+    assert "dp_replicate=2" in (tmp_path / "run" / "train.log").read_text()

@@ -37,7 +37,9 @@ class CheckpointCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, **kwargs: Any) -> None:
         trainer = kwargs["trainer"]
         t0 = time.perf_counter()
-        saved = self.last_saved_step != state.global_step and self._save(trainer, state)
+        # (Not again when this step is saved already: at a resume, or by recovery's rollback just before.)
+        done = state.global_step in (self.last_saved_step, self.manager.last_step)
+        saved = not done and self._save(trainer, state)
         self.manager.close()  # waits for an asynchronous save still in flight
         if saved:
             # After the loop, so no metrics.jsonl line carries it (a stop's save, or a last step that is

@@ -9,6 +9,7 @@ from typing import Any
 
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.callbacks.registry import register_callback
+from lmforge.train.state import RECOVERY_KEY
 from lmforge.utils.atomic import write_text_atomic
 from lmforge.utils.logging import get_logger
 
@@ -42,6 +43,27 @@ def read_metrics_checked(path: str | Path) -> tuple[list[dict[str, Any]], list[i
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return read_metrics_checked(path)[0]
+
+
+def history_of(records: list[dict[str, Any]], state: Any) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl`` that belong to the run a resume continues (``state`` restored).
+
+    Step records past the resumed step were written by the interrupted run and will be written again.
+    A rollback event (its ``step`` is the detection, past its ``to_step``) belongs to the history when
+    the resumed state counts it (recovery saves the restored state with the rollback counted); so do the
+    records before it (they show the anomaly). A rollback the state does not count will happen again.
+    """
+    counted = int((state.extra.get(RECOVERY_KEY) or {}).get("rollbacks", 0))
+    last = max(
+        (
+            i
+            for i, r in enumerate(records)
+            if r.get("event") == "rollback" and int(r.get("rollback", 0)) <= counted
+        ),
+        default=-1,
+    )
+    later = [r for r in records[last + 1 :] if "event" not in r and r.get("step", 0) <= state.global_step]
+    return records[: last + 1] + later
 
 
 def _jsonable(value: Any) -> Any:
@@ -78,7 +100,7 @@ class MetricsCallback(TrainerCallback):
                 ", ".join(map(str, damaged[:5])),
                 ", ..." if len(damaged) > 5 else "",
             )
-        kept = [r for r in records if r.get("step", 0) <= state.global_step]
+        kept = history_of(records, state)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Rewritten aside and renamed: a crash here keeps the previous file.
         write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))

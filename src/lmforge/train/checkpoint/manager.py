@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StoragePrefix
@@ -116,8 +117,11 @@ class CheckpointManager:
         self.rank = dist.get_rank() if _distributed() else 0
         self.world_size = dist.get_world_size() if _distributed() else 1
         self.saved_this_run: list[Path] = []
-        # Set by recovery (train/recovery/): a checkpoint it may still roll back to is kept beyond save_max.
+        # Set by recovery (train/recovery/): a checkpoint it may still roll back to is kept beyond save_max,
+        # and a save of weights it knows to be damaged is refused (the reason; None: save).
         self.protect: Callable[[Path], bool] | None = None
+        self.refuse: Callable[[int], str | None] | None = None
+        self.last_step: int | None = None  # the step of this manager's last save (None: none yet)
         self.keep: Path | None = None  # the best validation checkpoint: never rotated away
         # Set by the trainer for a LoRA run (train/checkpoint/lora.py): where the frozen base came from.
         # With it, checkpoints hold the adapters, buffers and optimizer state only, not the base.
@@ -141,6 +145,8 @@ class CheckpointManager:
         """Save ``target`` as iteration ``step``. Returns False if the save was refused."""
         t0 = time.perf_counter()
         self.wait()  # one save in flight at a time; finishing the previous one keeps the order
+        if self._refused(step):
+            return False
         if not _model_is_finite(target.model):
             logger.error(
                 "Refusing to save a checkpoint at step %d: the model weights contain NaN or Inf. "
@@ -186,7 +192,28 @@ class CheckpointManager:
         if not self.async_save:
             self.wait()  # publishes (an asynchronous save is published by poll()/wait() later)
         self.last_save_seconds = time.perf_counter() - t0
+        self.last_step = step
         return True
+
+    def _refused(self, step: int) -> bool:
+        """Whether ``refuse`` (recovery) vetoes this save on any rank: agreed, as the save is collective."""
+        if self.refuse is None:
+            return False
+        why = self.refuse(step)
+        refused = why is not None
+        if _distributed():
+            flag = torch.tensor([1 if refused else 0], dtype=torch.int32)
+            if dist.get_backend() == "nccl":
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            refused = bool(int(flag.item()))
+        if refused:
+            logger.warning(
+                "Not saving the checkpoint of step %d: %s.",
+                step,
+                why or "recovery refused it on another rank",
+            )
+        return refused
 
     def poll(self) -> None:
         """Finish a background save once it is done on every rank (called between steps, at the same
@@ -201,8 +228,6 @@ class CheckpointManager:
             return
         done = self._pending.future.done()
         if self._agree_pg is not None:
-            import torch
-
             flag = torch.tensor([1 if done else 0], dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._agree_pg)
             done = bool(flag.item())

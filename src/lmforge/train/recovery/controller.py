@@ -17,20 +17,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lmforge.train.checkpoint import (
-    iteration_dir_name,
-    load_checkpoint,
-    resolve_checkpoint,
-    write_tracker,
-)
+from lmforge.train.checkpoint import iteration_dir_name, load_checkpoint, resolve_checkpoint
 from lmforge.train.recovery.detector import Anomaly, AnomalyDetector
+from lmforge.train.recovery.quarantine import quarantine
 from lmforge.train.recovery.safe_checkpoint import complete_iterations, newest_safe
+from lmforge.train.recovery.snapshot import Snapshot, Snapshots
+from lmforge.train.state import RECOVERY_KEY
 from lmforge.utils.logging import get_logger
 
 logger = get_logger("lmforge.train.recovery")
 
 _NO_ONSET = -(2**62)  # the vote's "no anomaly here" (votes are reduced with MAX over -onset)
-STATE_KEY = "recovery"  # TrainState.extra[STATE_KEY]: rollbacks so far, end of the lowered-lr window
+STATE_KEY = RECOVERY_KEY  # TrainState.extra[STATE_KEY]: rollbacks so far, end of the lowered-lr window
 
 
 class Recovery:
@@ -44,6 +42,8 @@ class Recovery:
         self.agreed: Anomaly | None = None  # agreed by every rank: roll back before the next step
         self.rollbacks = 0
         self.lr_scaled_until = 0  # steps up to this one train at lr x lr_scale
+        self.gave_up = False  # max_rollbacks reached or no safe checkpoint: the run stops
+        self.snapshots: Snapshots | None = None  # recovery.snapshot_interval > 0: the in-memory snapshots
         self.events: list[dict[str, Any]] = []
 
     # -- state that survives restarts (in the checkpoint's trainer state) -----------------------------
@@ -106,6 +106,18 @@ class Recovery:
         keep = newest_safe(complete_iterations(self.save_path), min(onsets))
         return keep is not None and path.name == iteration_dir_name(keep)
 
+    def refuses_save(self, step: int) -> str | None:
+        """Why the weights of ``step`` must not be saved (CheckpointManager agrees on it over the ranks).
+
+        Once an anomaly is seen, the live weights are after its onset: saved, they would become the latest
+        checkpoint, which a resume after a stop or a crash would continue from."""
+        anomaly = self.agreed or self.pending
+        if anomaly is not None:
+            return f"recovery saw {anomaly.reason}; the weights of step {step} may hold the damage"
+        if self.gave_up:
+            return f"recovery gave up at step {step}; the weights may hold the damage"
+        return None
+
     # -- the lowered learning rate after a rollback ---------------------------------------------------
 
     @contextlib.contextmanager
@@ -129,29 +141,38 @@ class Recovery:
     # -- the rollback ---------------------------------------------------------------------------------
 
     def roll_back(self, trainer: Any) -> dict[str, Any] | None:
-        """Restore every rank from the newest safe checkpoint; None (and the trainer stopping) when it cannot."""
+        """Restore every rank from the newest safe checkpoint; None (and the trainer stopping) when it cannot.
+
+        The checkpoints written after the onset are moved aside (quarantine.py), and the restored state —
+        this rollback counted, the data position past the skipped batches — is saved again as the restored
+        step's checkpoint before training goes on: a restart from here continues the recovered run.
+        """
         anomaly, self.agreed, self.pending = self.agreed, None, None
         assert anomaly is not None
         state = trainer.state
         detected = int(state.global_step)
         t0 = time.perf_counter()
+        manager = trainer._checkpoint_manager
+        manager.wait()  # an asynchronous save in flight is finished (and may be the one restored or moved)
         if self.rollbacks >= int(self.section.max_rollbacks):
             return self._give_up(
                 trainer, anomaly, f"recovery.max_rollbacks ({self.section.max_rollbacks}) is reached"
             )
-        manager = trainer._checkpoint_manager
-        manager.wait()  # an asynchronous save in flight is finished (and may be the one restored)
-        to_step = _agreed_step(newest_safe(complete_iterations(self.save_path), anomaly.onset), trainer.ctx)
+        disk = _agreed_step(newest_safe(complete_iterations(self.save_path), anomaly.onset), trainer.ctx)
+        snapshot = self._agreed_snapshot(anomaly.onset, trainer)
+        to_step = snapshot.step if snapshot is not None and (disk is None or snapshot.step >= disk) else disk
         if to_step is None:
             return self._give_up(
-                trainer, anomaly, f"no checkpoint of step <= {anomaly.onset - 2} exists in {self.save_path}"
+                trainer,
+                anomaly,
+                f"no checkpoint (or in-memory snapshot) of step <= {anomaly.onset - 2} exists in {self.save_path}",
             )
         skip = self.section.data == "skip"
         loader = trainer.dataloader
         detected_position = loader.state_dict() if skip and hasattr(loader, "state_dict") else None
         detected_consumed, tokens_before = int(state.consumed_samples), int(state.tokens_seen)
-        header = resolve_checkpoint(self.save_path / iteration_dir_name(to_step))
-        load_checkpoint(header, trainer.checkpointable(), no_load_optim=False, hf_loader=trainer.hf_loader)
+        use = snapshot if snapshot is not None and snapshot.step == to_step else None
+        source = self._restore(trainer, use, to_step)
         restored_consumed = int(state.consumed_samples)
         if skip:
             state.consumed_samples = detected_consumed
@@ -164,8 +185,7 @@ class Recovery:
         self.detector.forget_after(to_step)
         self.lr_scaled_until = to_step + int(self.section.lr_scale_steps)
         self._remember(state)
-        if trainer.ctx.rank == 0:
-            write_tracker(self.save_path, to_step)  # the damaged newer checkpoints are no longer "latest"
+        restore_s = time.perf_counter() - t0
         samples = (
             [restored_consumed, detected_consumed - 1] if detected_consumed > restored_consumed else None
         )
@@ -181,18 +201,26 @@ class Recovery:
             "rollback": self.rollbacks,
             "max_rollbacks": int(self.section.max_rollbacks),
             "lost_tokens": tokens_before - int(state.tokens_seen),
-            "restore_s": round(time.perf_counter() - t0, 4),
+            "restore_s": round(restore_s, 4),
+            "source": "memory" if use is not None else "disk",
             "lr_scale": float(self.section.lr_scale),
             "lr_scaled_until": self.lr_scaled_until,
         }
+        moved = self._quarantine(manager, anomaly, detected, self.rollbacks, trainer.ctx, event)
+        event["damaged_dir"] = str(moved) if moved is not None else None
+        t1 = time.perf_counter()
+        manager.save(trainer.checkpointable(), to_step)
+        manager.wait()  # published before training goes on (an asynchronous save too)
+        event["save_s"] = round(time.perf_counter() - t1, 4)
         self.events.append(event)
         logger.warning(
-            "recovery: %s. Rolled back every rank from step %d to the checkpoint of step %d (%s, rollback %d of "
-            "%d); %s samples %s.",
+            "recovery: %s. Rolled back every rank from step %d to the %s of step %d (%s, rollback %d of %d); %s "
+            "samples %s.",
             anomaly.reason,
             detected,
+            "in-memory snapshot" if use is not None else "checkpoint",
             to_step,
-            header.path,
+            source,
             self.rollbacks,
             self.section.max_rollbacks,
             "skipping" if skip else "replaying",
@@ -201,18 +229,82 @@ class Recovery:
         trainer.callbacks.call("on_rollback", trainer.config, state, rollback=event, **trainer._hook_kwargs())
         return event
 
+    def _restore(self, trainer: Any, snapshot: Snapshot | None, to_step: int) -> str:
+        """Every rank restores the state of ``to_step``: from its own snapshot (the disk is not read) or the
+        checkpoint, through the resume code path. Returns where from, for the log."""
+        if snapshot is not None:
+            snapshot.restore(
+                trainer.model, trainer.optimizer, trainer.scheduler, trainer.dataloader, trainer.state
+            )
+            source = "each rank's own copy, the disk not read"
+        else:
+            header = resolve_checkpoint(self.save_path / iteration_dir_name(to_step))
+            load_checkpoint(
+                header, trainer.checkpointable(), no_load_optim=False, hf_loader=trainer.hf_loader
+            )
+            source = str(header.path)
+        if self.snapshots is not None:
+            self.snapshots.forget_after(to_step)  # the newer ones are of the steps undone
+        return source
+
+    def _agreed_snapshot(self, onset: int, trainer: Any) -> Snapshot | None:
+        """The newest safe in-memory snapshot, when every rank holds one of the same step that still fits."""
+        if self.snapshots is None:
+            return None
+        snapshot = self.snapshots.newest_safe(onset)
+        if snapshot is not None and not snapshot.fits(trainer.model, trainer.optimizer):
+            logger.warning(
+                "recovery: the in-memory snapshot of step %d no longer fits the model; not used.",
+                snapshot.step,
+            )
+            snapshot = None
+        step = -1 if snapshot is None else snapshot.step
+        low, high = step, step
+        if trainer.ctx.distributed:
+            values = torch.tensor([-step, step], dtype=torch.int64, device=trainer.ctx.device)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+            low, high = -int(values[0].item()), int(values[1].item())
+        return snapshot if low == high and low >= 0 else None
+
+    def _quarantine(
+        self, manager: Any, anomaly: Anomaly, detected: int, number: int, ctx: Any, record: dict[str, Any]
+    ) -> Path | None:
+        """Rank 0 moves the checkpoints after the onset aside; every rank forgets them for rotation."""
+        moved = None
+        if ctx.rank == 0:
+            moved = quarantine(self.save_path, anomaly.onset, detected, number, record)
+        low = anomaly.onset - 2
+        manager.saved_this_run = [
+            p for p in manager.saved_this_run if not low < _iteration_step(p, default=low) <= detected
+        ]
+        return moved
+
     def _give_up(self, trainer: Any, anomaly: Anomaly, why: str) -> None:
+        self.gave_up = True
+        detected = int(trainer.state.global_step)
+        record = {
+            "event": "stop",
+            "step": detected,
+            "reason": anomaly.reason,
+            "onset": anomaly.onset,
+            "why": why,
+        }
+        moved = self._quarantine(
+            trainer._checkpoint_manager, anomaly, detected, self.rollbacks + 1, trainer.ctx, record
+        )
         safe = newest_safe(complete_iterations(self.save_path), anomaly.onset)
         where = (
-            f"the newest checkpoint from before it is {self.save_path / iteration_dir_name(safe)}: resume from it "
-            "(checkpoint.load_path)"
+            f"the newest checkpoint from before it is {self.save_path / iteration_dir_name(safe)} (the latest one "
+            "now: the run saves none of the weights after the anomaly): resume from it"
             if safe is not None
             else "no checkpoint from before it exists: save earlier (checkpoint.save_interleaved_steps) and start again"
         )
+        aside = f"; the checkpoints that may hold the damage are in {moved}" if moved is not None else ""
         trainer.stop_agreement.stop_now(
             f"diverged: {anomaly.reason}; {why}, after {self.rollbacks} rollback(s). Training stops; {where}, with "
-            "a lower lr_scheduler.learning_rate, recovery.lr_scale < 1 or recovery.data: skip, or check the data "
-            "around that step."
+            "a lower lr_scheduler.learning_rate, recovery.lr_scale < 1 or recovery.data: skip (a resume keeps "
+            "the count of rollbacks used: raise recovery.max_rollbacks to allow more), or check the data "
+            f"around that step{aside}."
         )
         logger.error("%s", trainer.stop_agreement.reason[len("diverged: ") :])
         return None
@@ -226,6 +318,11 @@ def _set_lrs(groups: list[dict[str, Any]], lrs: list[float]) -> None:
             group["lr"] = lr
 
 
+def _iteration_step(path: Path, default: int) -> int:
+    name = Path(path).name
+    return int(name[len("iteration_") :]) if name.startswith("iteration_") else default
+
+
 def _agreed_step(step: int | None, ctx: Any) -> int | None:
     """The oldest of the ranks' choices (each rank lists the checkpoint directory it can see)."""
     if not ctx.distributed:
@@ -237,8 +334,9 @@ def _agreed_step(step: int | None, ctx: Any) -> int | None:
     return None if int(none.item()) else int(value.item())
 
 
-def build_recovery(config: Any, manager: Any) -> Recovery | None:
-    """The ``recovery:`` section at work in a trainer, or None when it is off."""
+def build_recovery(config: Any, manager: Any, callbacks: Any) -> Recovery | None:
+    """The ``recovery:`` section at work in a trainer, or None when it is off (``callbacks``: the trainer's
+    handler, which takes the in-memory snapshots when ``recovery.snapshot_interval`` asks for them)."""
     section = getattr(config, "recovery", None)
     if section is None or not section.enable:
         return None
@@ -248,4 +346,8 @@ def build_recovery(config: Any, manager: Any) -> Recovery | None:
     recovery = Recovery(section, config.checkpoint.get("save_path"))
     if manager is not None:
         manager.protect = recovery.protects
+        manager.refuse = recovery.refuses_save
+    if int(section.snapshot_interval) > 0:
+        recovery.snapshots = Snapshots(int(section.snapshot_interval), recovery)
+        callbacks.add(recovery.snapshots)
     return recovery
