@@ -49,6 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lmforge.config import validate_section
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "lmforge_before"
 CONTESTANTS = ("before", "now", "hf")
@@ -87,7 +89,7 @@ def before_model(section: dict):
         from lmforge_before.models import build_model
     except ImportError as e:
         raise SystemExit(f"--before: cannot import that commit's lmforge ({e})") from e
-    return build_model({k: v for k, v in section.items() if k != "batch"})
+    return build_model(validate_section("model", {k: v for k, v in section.items() if k != "batch"}))
 
 
 def before_runner(model, batch: dict, hf_dir: Path):

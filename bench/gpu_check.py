@@ -123,7 +123,10 @@ class Checks:
 
         # The trainer's one build path: meta, FSDP2 over this one process (fp32 parameters), init.
         model, ctx = build_training_model(
-            self.model_section, seed=0, device=str(self.device), before_fsdp=before_fsdp
+            validate_section("model", self.model_section),
+            seed=0,
+            device=str(self.device),
+            before_fsdp=before_fsdp,
         )
         opt = build_optimizer(
             validate_section("optimizer", {"type": "AdamW", "betas": [0.9, 0.95], "weight_decay": 0.01}),
@@ -172,7 +175,7 @@ class Checks:
         from lmforge.tools.memory import estimate_memory
 
         sec = self.model_section
-        meta = build_model(sec, device="meta")
+        meta = build_model(validate_section("model", sec), device="meta")
         est = estimate_memory(
             meta,
             ParallelDims.from_section(ParallelismConfig(), 1),
@@ -258,7 +261,7 @@ class Checks:
         grads = []
         for swap in (False, True):
             torch.manual_seed(0)
-            model = build_model(section, device=self.device)
+            model = build_model(validate_section("model", section), device=self.device)
             if swap:
                 cfg = SwapConfig(enable=True, layer_swap=[{"layers": ["0-2"]}])
                 apply_activation_memory(model, None, None, cfg, section["num_hidden_layers"])

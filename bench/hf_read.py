@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 from benchdoc import write_section
 from interop import EXPORT_MODEL, machine
+from lmforge.config import validate_section
 from lmforge.models import build_model, hf_read, load_hf_weights, save_hf_pretrained
 from lmforge.models.hf_io import hf_state_dict
 
@@ -52,7 +53,7 @@ def _counting() -> list[int]:
 
 
 def one_process(path: Path, rounds: int) -> tuple[float, float, float]:
-    model = build_model(EXPORT_MODEL)
+    model = build_model(validate_section("model", EXPORT_MODEL))
     ours, peer, ratios = [], [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -75,11 +76,11 @@ def _rank(rank: int, world: int, init: str, path: str, rounds: int, out: str) ->
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    model = build_model(EXPORT_MODEL)
+    model = build_model(validate_section("model", EXPORT_MODEL))
     for layer in model.decoder.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    plain = build_model(EXPORT_MODEL)
+    plain = build_model(validate_section("model", EXPORT_MODEL))
     read = _counting()
     ours, peer = [], []
     for _ in range(rounds):
@@ -120,7 +121,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-hfread-") as tmp:
         path = Path(tmp) / "hf"
         torch.manual_seed(0)
-        save_hf_pretrained(build_model(EXPORT_MODEL), path, max_shard_size="50MB")
+        save_hf_pretrained(build_model(validate_section("model", EXPORT_MODEL)), path, max_shard_size="50MB")
         single = one_process(path, args.rounds)
         fsdp = two_ranks(path, args.rounds, Path(tmp))
     body = f"""{SECTION}

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from benchdoc import write_section
+from lmforge.config import validate_section
 from lmforge.models import build_model, save_hf_pretrained
 from lmforge.train.callbacks.lm_eval_harness import LmforgeLM
 
@@ -119,7 +120,7 @@ def bench_export(work: Path, rounds: int) -> tuple[float, float, float]:
     import transformers
 
     torch.manual_seed(0)
-    model = build_model(EXPORT_MODEL)
+    model = build_model(validate_section("model", EXPORT_MODEL))
     save_hf_pretrained(model, work / "ref", max_shard_size="50MB")
     peer = transformers.AutoModelForCausalLM.from_pretrained(work / "ref")
     ours_t, peer_t, ratios = [], [], []
@@ -137,7 +138,7 @@ def bench_scoring(work: Path, rounds: int, n: int = 96) -> tuple[float, float, f
 
     tok = make_tokenizer(work / "tok")
     torch.manual_seed(0)
-    model = build_model(SCORE_MODEL)
+    model = build_model(validate_section("model", SCORE_MODEL))
     save_hf_pretrained(model, work / "score_hf", tokenizer=work / "tok")
     rng = random.Random(1)
     pairs = [

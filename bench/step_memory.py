@@ -92,7 +92,9 @@ def step_lmforge(chunk: int) -> dict:
     start = reset_peak()
     torch.manual_seed(0)
     # The trainer's build: FSDP2 over this one process, fp32 parameters (the masters), bf16 compute.
-    model, ctx = build_training_model({**QWEN3_06B_2L, "loss_chunk_size": chunk}, seed=0, device="cpu")
+    model, ctx = build_training_model(
+        validate_section("model", {**QWEN3_06B_2L, "loss_chunk_size": chunk}), seed=0, device="cpu"
+    )
     opt = build_optimizer(
         validate_section(
             "optimizer", {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
@@ -121,7 +123,7 @@ def step_hf() -> dict:
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        save_hf_pretrained(build_model(QWEN3_06B_2L), Path(tmp))
+        save_hf_pretrained(build_model(validate_section("model", QWEN3_06B_2L)), Path(tmp))
         gc.collect()
         start = reset_peak()
         model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)

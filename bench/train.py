@@ -112,7 +112,9 @@ def lmforge_model(section: dict, compiled: bool = False):
             compile_blocks(model, CompileConfig(enable=True))
 
     model_section = {k: v for k, v in section.items() if k != "batch"}
-    return build_training_model(model_section, seed=0, device="cpu", before_fsdp=hook)
+    return build_training_model(
+        validate_section("model", model_section), seed=0, device="cpu", before_fsdp=hook
+    )
 
 
 def lmforge_runner(section: dict, batch: dict, compiled: bool = False):

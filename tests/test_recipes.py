@@ -115,7 +115,7 @@ def test_starting_template_is_within_the_articles_ranges() -> None:
     # "embedding and bias handled apart": they (and norms) must not decay; matrices must.
     small = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
     small |= {"head_dim": 16, "num_hidden_layers": 2, "attention_bias": True}
-    model = build_model({**cfg.model.to_dict(), **small}, device="meta").float()
+    model = build_model(validate_section("model", {**cfg.model.to_dict(), **small}), device="meta").float()
     decay = {
         n: g["weight_decay"]
         for g in build_optimizer(validate_section("optimizer", opt), model, 1e-3).param_groups

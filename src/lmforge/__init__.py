@@ -2,6 +2,11 @@
 
 __version__ = "0.1.0"
 
+# Quiet by default: torchao's import (float8, or peft's probe for it) logs lines that are no news.
+from lmforge.utils.third_party_noise import install as _quiet_torchao  # noqa: E402
+
+_quiet_torchao()
+
 # The packages that own a section with a discriminator register its typed schemas with the config
 # (lmforge.config.registry) on import; importing them here makes load_config see them.
 import lmforge.lr.schema  # noqa: E402,F401

@@ -443,7 +443,7 @@ def test_lmforge_model_with_mtp_spec_examples_identical_gradients():
     from lmforge.models import build_model
 
     torch.manual_seed(0)
-    base = build_model(DEEPSEEK)
+    base = build_model(validate_section("model", DEEPSEEK))
     other = copy.deepcopy(base)
     assert [d.name for d in find_decoder_layers(base, 3)][-1] == "mtp.layers.0.transformer_layer"
     plan = plan_activation_memory(
@@ -487,7 +487,7 @@ def test_mtp_layer_recompute_alone_saves_memory():
     from lmforge.models import build_model
 
     torch.manual_seed(0)
-    base = build_model(DEEPSEEK)
+    base = build_model(validate_section("model", DEEPSEEK))
     other = copy.deepcopy(base)
     apply_activation_memory(
         other, validate_section("recompute", {"mode": "full", "full_recompute_layer": ["3"]}), None, None, 3

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import yaml
 
 from lmforge.cli import main
-from lmforge.config import load_config
+from lmforge.config import load_config, validate_section
 from lmforge.data import IndexedDatasetWriter
 from lmforge.models import build_model
 from lmforge.train.callbacks.validation import build_eval_loader
@@ -87,7 +87,7 @@ def _reference(model, loader, batches):
 def test_eval_cli_reports_the_checkpoint_loss(tmp_path, capsys):
     config_path = _config(tmp_path)
     torch.manual_seed(1)
-    model = build_model(MODEL)
+    model = build_model(validate_section("model", MODEL))
     manager = CheckpointManager(tmp_path / "ckpt", no_save_optim=True)
     manager.save(Checkpointable(model, state=TrainState(max_steps=1)), 1)
     manager.close()
@@ -155,7 +155,9 @@ def test_eval_uses_the_checkpoints_own_config(tmp_path, capsys, lora):
 
 def test_eval_without_config_of_a_checkpoint_without_one(tmp_path, capsys):
     manager = CheckpointManager(tmp_path / "ckpt", no_save_optim=True)
-    manager.save(Checkpointable(build_model(MODEL), state=TrainState(max_steps=1)), 1)
+    manager.save(
+        Checkpointable(build_model(validate_section("model", MODEL)), state=TrainState(max_steps=1)), 1
+    )
     manager.close()
     assert main(["eval", "--checkpoint", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err

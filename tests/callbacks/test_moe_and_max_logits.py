@@ -40,7 +40,7 @@ SECTION = {
 
 def _model():
     torch.manual_seed(0)
-    return build_model(SECTION)
+    return build_model(validate_section("model", SECTION))
 
 
 @pytest.mark.parametrize("recompute", [False, True])

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from lmforge.config import load_config
+from lmforge.config import load_config, validate_section
 from lmforge.errors import ConfigError
 from lmforge.parallel.plan import BatchSchedule, RunPlan
 from lmforge.train.preflight import preflight
@@ -222,8 +222,8 @@ def test_found_by_exhaustive_corruption_of_the_shipped_configs(base_config: dict
 
     ds3 = {"model_type": "deepseek_v3", "architectures": "DeepseekV3ForCausalLM", "q_lora_rank": -1}
     with pytest.raises(ConfigError, match=r"model\.q_lora_rank = -1 must be a non-negative integer"):
-        build_model_config(ds3)
-    assert build_model_config({**ds3, "q_lora_rank": 0}).q_lora_rank is None
+        build_model_config(validate_section("model", ds3))
+    assert build_model_config(validate_section("model", {**ds3, "q_lora_rank": 0})).q_lora_rank is None
     qwen = {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "hidden_size": 64}
     for key, value in (
         ("head_dim", -1),
@@ -232,7 +232,7 @@ def test_found_by_exhaustive_corruption_of_the_shipped_configs(base_config: dict
         ("initializer_range", -1),
     ):
         with pytest.raises(ConfigError, match=rf"model\.{key} = {value}"):
-            build_model_config({**qwen, key: value})
+            build_model_config(validate_section("model", {**qwen, key: value}))
 
 
 def test_cpu_offload_on_one_process_is_decided_by_preflight_for_the_device(

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lmforge.cli import main
+from lmforge.config import validate_section
 from lmforge.data.text_format import (
     CHATML,
     PLAIN_SEPARATOR,
@@ -67,7 +68,7 @@ def _training_checkpoint(tmp_path, tiny_section):
     """A DCP checkpoint whose config.yaml trained with chat_template: chatml (and no template in the
     tokenizer files)."""
     torch.manual_seed(0)
-    model = build_model(tiny_section("qwen3"))
+    model = build_model(validate_section("model", tiny_section("qwen3")))
     run = {
         "model": tiny_section("qwen3"),
         "train_dataset": {"dataloader": {"type": "TextDataLoader", "chat_template": "chatml"}},
@@ -112,7 +113,7 @@ def test_generate_chat_answers_like_transformers(tmp_path, tokenizer_dir, tiny_s
     """--chat: the conversation through the exported template, the model's turn only; greedy, the
     same tokens as transformers' generate on the same directory."""
     torch.manual_seed(0)
-    model = build_model(tiny_section("qwen3"))
+    model = build_model(validate_section("model", tiny_section("qwen3")))
     (tmp_path / "chat.jinja").write_text(CHATML)
     save_hf_pretrained(model, tmp_path / "hf", tokenizer=tokenizer_dir, chat_template=CHATML)
     chat = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "Hello world"}]
@@ -165,7 +166,11 @@ def test_generate_help_shows_the_defaults(capsys):
 def test_generate_with_a_template_attacking_the_sandbox_exits_2(
     tmp_path, tokenizer_dir, tiny_section, capsys
 ):
-    save_hf_pretrained(build_model(tiny_section("qwen3")), tmp_path / "hf", tokenizer=tokenizer_dir)
+    save_hf_pretrained(
+        build_model(validate_section("model", tiny_section("qwen3"))),
+        tmp_path / "hf",
+        tokenizer=tokenizer_dir,
+    )
     (tmp_path / "attack.jinja").write_text(ATTACK)
     args = [
         "generate",

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lmforge.cli import main
+from lmforge.config import validate_section
 from lmforge.errors import ConfigError, DataError
 from lmforge.models import build_model, save_hf_pretrained
 
@@ -29,7 +30,7 @@ ITEMS = [
 def setup(tmp_path, tokenizer_dir, tiny_section):
     """A tiny llama (lmforge), its HF export with the tokenizer, and the task file."""
     torch.manual_seed(0)
-    model = build_model(tiny_section("llama", seq_length=64))
+    model = build_model(validate_section("model", tiny_section("llama", seq_length=64)))
     hf = tmp_path / "hf"
     save_hf_pretrained(model, hf, tokenizer=tokenizer_dir)
     task = tmp_path / "tiny.jsonl"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.config import validate_section
 from lmforge.models import build_model, save_hf_pretrained
 
 pytest.importorskip("lm_eval")
@@ -18,7 +19,11 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 @pytest.mark.slow
 def test_registry_task_offline_is_one_clear_line(tmp_path, tokenizer_dir, tiny_section):
-    save_hf_pretrained(build_model(tiny_section("qwen3")), tmp_path / "hf", tokenizer=tokenizer_dir)
+    save_hf_pretrained(
+        build_model(validate_section("model", tiny_section("qwen3"))),
+        tmp_path / "hf",
+        tokenizer=tokenizer_dir,
+    )
     env = {
         **os.environ,
         "PYTHONPATH": SRC,

@@ -43,12 +43,14 @@ def test_the_guide_walkthrough_runs(tmp_path, monkeypatch, capsys):
         ["lmforge", "convert"],
         ["lmforge", "generate"],
         ["lmforge", "eval"],
+        ["lmforge", "eval"],
     ]
     extra = {
         "train": [*FAST, "--set", "eval_interval=0", "--set", "checkpoint.save_interleaved_steps=2"],
         "eval": ["--set", "eval_steps=2", "--set", "model.compute_dtype=float32", "--json"],
         "generate": ["--max-new-tokens", "8"],
     }
+    results = []
     for command in commands:
         capsys.readouterr()
         argv = command[1:] + extra.get(command[1], [])
@@ -57,7 +59,10 @@ def test_the_guide_walkthrough_runs(tmp_path, monkeypatch, capsys):
         if command[1] == "generate":
             answer = out
         if command[1] == "eval":
-            result = json.loads(out.strip().splitlines()[-1])
+            results.append(json.loads(out.strip().splitlines()[-1]))
     assert (tmp_path / "output/sft_chat/merged/chat_template.jinja").is_file()  # the recipe's template
     assert (tmp_path / "output/sft_chat/adapter/adapter_config.json").is_file()
-    assert answer.endswith("\n") and result["batches"] == 2 and result["val_loss"] > 0
+    assert answer.endswith("\n")
+    # The pretraining and the LoRA SFT checkpoints, each evaluated with its own config.yaml.
+    assert [r["checkpoint"] for r in results] == ["output/demo/checkpoints", "output/sft_chat/checkpoints"]
+    assert all(r["batches"] == 2 and 0 < r["val_loss"] < float("inf") for r in results)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lmforge.cli import main
+from lmforge.config import validate_section
 from lmforge.models import build_model, save_model_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -23,7 +24,7 @@ LLAMA3 = {
 
 def _export(tmp_path, section, *extra):
     torch.manual_seed(0)
-    model = build_model(section)
+    model = build_model(validate_section("model", section))
     save_model_checkpoint(model, tmp_path / "ckpt")
     out = tmp_path / "hf"
     assert main(["convert", "--from", str(tmp_path / "ckpt"), "--to-hf", str(out), *extra]) == 0
@@ -91,7 +92,7 @@ def test_config_json_has_rope_in_both_forms(tmp_path, tiny_section):
 
 
 def test_export_without_a_tokenizer_is_a_clear_error(tmp_path, tiny_section, capsys):
-    model = build_model(tiny_section())
+    model = build_model(validate_section("model", tiny_section()))
     save_model_checkpoint(model, tmp_path / "ckpt")
     assert main(["convert", "--from", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
@@ -161,7 +162,7 @@ def test_export_of_a_training_checkpoint_finds_the_run_data_tokenizer(
     cfg["train_dataset"]["dataloader"]["config"]["data_path"] = [str(tmp_path / "data" / "train")]
     # the data's sequence length is the model's (load_config checks the data section against the model)
     cfg["train_dataset"]["dataloader"]["config"]["seq_length"] = cfg["model"].get("seq_length", 4096)
-    model = build_model(cfg["model"])
+    model = build_model(validate_section("model", cfg["model"]))
     manager = CheckpointManager(tmp_path / "ckpt", no_save_optim=True, save_max=0, config_dict=cfg)
     assert manager.save(Checkpointable(model=model), step=3)
     manager.close()

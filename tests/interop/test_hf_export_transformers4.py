@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from lmforge.cli import main
+from lmforge.config import validate_section
 from lmforge.models import build_model, save_model_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -97,7 +98,7 @@ def test_export_reads_the_same_in_transformers_4_57(tmp_path, tokenizer_dir, tin
     models, dirs = {}, []
     for model_type, rope in CASES.items():
         torch.manual_seed(0)
-        models[model_type] = build_model(tiny_section(model_type, **rope))
+        models[model_type] = build_model(validate_section("model", tiny_section(model_type, **rope)))
         save_model_checkpoint(models[model_type], tmp_path / model_type / "ckpt")
         out = tmp_path / model_type / "hf"
         args = ["convert", "--from", str(tmp_path / model_type / "ckpt"), "--to-hf", str(out)]

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmforge.cli import main
+from lmforge.config import validate_section
 from lmforge.models import build_model, save_hf_pretrained
 
 
@@ -20,7 +21,9 @@ def hf_dir(tmp_path_factory, tiny_section):
     """A valid two-layer llama directory in several safetensors files with an index."""
     out = tmp_path_factory.mktemp("hf") / "model"
     torch.manual_seed(0)
-    save_hf_pretrained(build_model(tiny_section("llama")), out, max_shard_size="40KB")
+    save_hf_pretrained(
+        build_model(validate_section("model", tiny_section("llama"))), out, max_shard_size="40KB"
+    )
     return out
 
 

@@ -131,7 +131,7 @@ def _worker(rank: int, world: int, init: str, root: str) -> None:
             reference = torch.load(hf / "reference.pt", weights_only=True)
             par = validate_section("parallelism", par)
             dims = ParallelDims.from_section(par, world)
-            model = build_model(section, device="meta")
+            model = build_model(validate_section("model", section), device="meta")
             model, _ = parallelize(model, dims, dims.build_mesh("cpu"), par, num_microbatches=4)
             model.to_empty(device="cpu")
             model.init_weights(1000 + rank)  # a different init per rank: the load must overwrite all of it
@@ -194,7 +194,9 @@ def test_single_process_load_equals_whole_tensor_reference_and_reads_each_byte_o
     root, totals = hf_dirs
     for family in ("llama", "llama_tied", "qwen3_moe", "deepseek_v3"):
         reference = torch.load(root / family / "reference.pt", weights_only=True)
-        model = build_model(json.loads((root / family / "section.json").read_text()))
+        model = build_model(
+            validate_section("model", json.loads((root / family / "section.json").read_text()))
+        )
         read = [0]
         real = hf_read.read_slice
 
@@ -247,6 +249,6 @@ def test_an_unreadable_shard_is_a_checkpoint_error_naming_the_file(hf_dirs, tmp_
     shutil.copytree(root / "llama", tmp_path / "hf")
     shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[0]
     shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
-    model = build_model(json.loads((root / "llama" / "section.json").read_text()))
+    model = build_model(validate_section("model", json.loads((root / "llama" / "section.json").read_text())))
     with pytest.raises(CheckpointError, match=f"{shard.name} is not a readable safetensors file"):
         load_hf_weights(model, tmp_path / "hf")

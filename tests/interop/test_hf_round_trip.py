@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lmforge.cli import main
-from lmforge.config import load_config
+from lmforge.config import load_config, validate_section
 from lmforge.errors import ConfigError
 from lmforge.models import build_model, load_hf_pretrained, save_hf_pretrained
 from lmforge.models.hf_io import read_safetensors_dir
@@ -27,7 +27,7 @@ def _training_checkpoint(tmp_path, section):
     """A checkpoint as training writes it: fp32 master weights, config.yaml naming ``section``
     (whose compute_dtype may be bfloat16)."""
     torch.manual_seed(0)
-    model = build_model({**section, "compute_dtype": "float32"})
+    model = build_model(validate_section("model", {**section, "compute_dtype": "float32"}))
     manager = CheckpointManager(
         tmp_path / "ckpt", no_save_optim=True, save_max=0, config_dict={"model": section}
     )
@@ -64,7 +64,7 @@ def test_export_dtype_typo_is_refused(tmp_path, tiny_section, capsys):
 
 def test_import_keeps_fp32_weights_and_takes_the_dtype_from_config_json(tmp_path, tiny_section):
     torch.manual_seed(0)
-    model = build_model(tiny_section("llama"))
+    model = build_model(validate_section("model", tiny_section("llama")))
     save_hf_pretrained(model, tmp_path / "hf", dtype=torch.float32)
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(
@@ -232,15 +232,18 @@ def test_load_path_hf_dir_with_a_yaml_section_disagreeing_in_rope_theta(tmp_path
     from lmforge.models.hf_io import section_from_hf_config
 
     section = section_from_hf_config(_written_config(qwen3_dir))
-    load_hf_weights(build_model(section), qwen3_dir)  # the same model loads
+    load_hf_weights(build_model(validate_section("model", section)), qwen3_dir)  # the same model loads
     # the section as a user writes it out in the YAML: the rope base left at its default
     by_hand = {k: v for k, v in section.items() if k not in ("rope_parameters", "hf_config")}
     by_hand["rope_scaling"] = QWEN3_JSON["rope_scaling"]
     with pytest.raises(CheckpointError, match="rope_theta: checkpoint 500000.0 vs model 10000.0"):
-        load_hf_weights(build_model(by_hand), qwen3_dir)
+        load_hf_weights(build_model(validate_section("model", by_hand)), qwen3_dir)
     with pytest.raises(CheckpointError, match="max_position_embeddings: checkpoint 512 vs model 2048"):
         load_hf_weights(
-            build_model({**by_hand, "rope_theta": 5.0e5, "max_position_embeddings": 2048}), qwen3_dir
+            build_model(
+                validate_section("model", {**by_hand, "rope_theta": 5.0e5, "max_position_embeddings": 2048})
+            ),
+            qwen3_dir,
         )
 
 
@@ -262,7 +265,7 @@ def test_an_export_killed_while_publishing_is_restored(tmp_path, tiny_section):
     """SIGKILL between the two renames of the publish leaves only .hf.old: the next reader or the next
     conversion puts it back; the killed run's temporary directory is removed."""
     torch.manual_seed(0)
-    save_hf_pretrained(build_model(tiny_section("llama")), tmp_path / "ckpt_src")
+    save_hf_pretrained(build_model(validate_section("model", tiny_section("llama"))), tmp_path / "ckpt_src")
     assert main(["convert", "--from-hf", str(tmp_path / "ckpt_src"), "--to", str(tmp_path / "ckpt")]) == 0
     export = ["convert", "--from", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf"), "--no-tokenizer"]
     assert main(export) == 0
@@ -304,7 +307,7 @@ def test_export_of_a_run_fine_tuned_from_an_hf_directory_writes_its_keys_back(tm
     section = {k: v for k, v in section_from_hf_config(original).items() if k != "hf_config"}
     run = {"model": section, "checkpoint": {"load_path": str(qwen3_dir), "no_load_optim": True}}
     manager = CheckpointManager(tmp_path / "ckpt", no_save_optim=True, save_max=0, config_dict=run)
-    assert manager.save(Checkpointable(model=build_model(section)), step=3)
+    assert manager.save(Checkpointable(model=build_model(validate_section("model", section))), step=3)
     manager.close()
     args = ["convert", "--from", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out"), "--no-tokenizer"]
     assert main(args) == 0

@@ -29,18 +29,21 @@ LORA = [
 
 def _tiny_model():
     return build_model(
-        {
-            "model_type": "qwen3",
-            "architectures": "Qwen3ForCausalLM",
-            "num_hidden_layers": 2,
-            "hidden_size": 32,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "intermediate_size": 64,
-            "vocab_size": 64,
-            "seq_length": 16,
-            "compute_dtype": "float32",
-        }
+        validate_section(
+            "model",
+            {
+                "model_type": "qwen3",
+                "architectures": "Qwen3ForCausalLM",
+                "num_hidden_layers": 2,
+                "hidden_size": 32,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 64,
+                "vocab_size": 64,
+                "seq_length": 16,
+                "compute_dtype": "float32",
+            },
+        )
     )
 
 

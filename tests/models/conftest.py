@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmforge.config import validate_section
 from lmforge.models import build_model
 
 YARN = {
@@ -133,7 +134,7 @@ def tiny_section(family: str, **overrides) -> dict:
 
 def build_tiny(family: str, **overrides):
     torch.manual_seed(0)
-    return build_model(tiny_section(family, **overrides)).eval()
+    return build_model(validate_section("model", tiny_section(family, **overrides))).eval()
 
 
 @pytest.fixture(scope="session")

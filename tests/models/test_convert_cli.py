@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lmforge.cli import main
+from lmforge.config import validate_section
 from lmforge.models import load_hf_pretrained
 
 
@@ -65,13 +66,13 @@ def test_load_hf_weights_into_existing_model_and_mismatch_error(tmp_path, make_h
         "max_position_embeddings": 128,
         "compute_dtype": "float32",
     }
-    model = build_model(section)
+    model = build_model(validate_section("model", section))
     load_hf_weights(model, tmp_path)
     ids = torch.randint(0, 128, (1, 8))
     with torch.no_grad():
         assert (model(ids).logits - hf(input_ids=ids).logits).abs().max() <= 1e-4
     with pytest.raises(CheckpointError, match="num_layers: checkpoint 2 vs model 3"):
-        load_hf_weights(build_model({**section, "num_hidden_layers": 3}), tmp_path)
+        load_hf_weights(build_model(validate_section("model", {**section, "num_hidden_layers": 3})), tmp_path)
 
 
 def test_model_section_from_the_config_loader():

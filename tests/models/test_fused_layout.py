@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmforge.config import validate_section
 from lmforge.models import build_model
 from lmforge.models.common import init
 from lmforge.train.checkpoint.compat.fused_layout_v1 import fused_rows
@@ -12,7 +13,7 @@ from lmforge.train.checkpoint.compat.fused_layout_v1 import fused_rows
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 def test_fused_weights_are_the_logical_draw_permuted_into_the_stored_layout(family, tiny_model_section):
-    model = build_model(tiny_model_section(family), seed=5)
+    model = build_model(validate_section("model", tiny_model_section(family)), seed=5)
     names = {id(p): n for n, p in model.named_parameters()}
     checked = 0
     for p, dim, rows, _ in fused_rows(model):

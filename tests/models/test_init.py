@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from lmforge.config import validate_section
 from lmforge.models import build_model
 from lmforge.models.common import init
 
@@ -36,8 +37,8 @@ def test_seed_and_name_change_the_values_wrapper_segments_do_not():
 def test_meta_build_then_init_equals_a_direct_build_and_fills_everything(tiny_model_section):
     # MLA, MoE with shared experts, a router with expert bias and MTP: every kind of parameter.
     section = tiny_model_section("deepseek_v3", n_shared_experts=1, num_nextn_predict_layers=1)
-    direct = build_model(section, seed=7)
-    late = build_model(section, device="meta")
+    direct = build_model(validate_section("model", section), seed=7)
+    late = build_model(validate_section("model", section), device="meta")
     late.to_empty(device="cpu")
     with torch.no_grad():
         for p in late.parameters():
@@ -51,11 +52,11 @@ def test_meta_build_then_init_equals_a_direct_build_and_fills_everything(tiny_mo
 def test_without_a_seed_torch_manual_seed_controls_the_init(tiny_model_section):
     section = tiny_model_section("deepseek_v3")
     torch.manual_seed(5)
-    a = build_model(section)
+    a = build_model(validate_section("model", section))
     torch.manual_seed(5)
-    b = build_model(section)
+    b = build_model(validate_section("model", section))
     torch.manual_seed(6)
-    c = build_model(section)
+    c = build_model(validate_section("model", section))
     w = "embedding.word_embeddings.weight"
     assert torch.equal(a.state_dict()[w], b.state_dict()[w])
     assert not torch.equal(a.state_dict()[w], c.state_dict()[w])

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
+from lmforge.config import validate_section
 from lmforge.errors import ConfigError
 from lmforge.models import (
     Family,
@@ -41,6 +42,7 @@ from lmforge.models.common import hf_names as h
 from lmforge.models.common.blocks import LayerBlocks, gqa_attention
 from lmforge.models.common.config_keys import FamilyKeys
 from lmforge.models.common.family_build import common_fields, positive_int
+from lmforge.models.common.section import FamilySection
 from lmforge.models.common.tp_plan import ColwiseShard, ReplicateInput, RowwiseShard, gqa_attention_plan
 
 TOY = "toy_gelu"
@@ -93,14 +95,14 @@ KEYS = FamilyKeys(
 )
 
 
-def to_transformer_config(values: dict) -> TransformerConfig:
-    approximate = values["gelu_approximate"]
+def to_transformer_config(values: FamilySection) -> TransformerConfig:
+    approximate = values.gelu_approximate
     if approximate not in ("none", "tanh"):
         raise ConfigError(f"model.gelu_approximate = {approximate!r} is not valid; use 'none' or 'tanh'.")
     return TransformerConfig(
         model_type=TOY,
         architectures="ToyGeluForCausalLM",
-        intermediate_size=positive_int(values, "intermediate_size"),
+        intermediate_size=positive_int(values.intermediate_size, "intermediate_size"),
         family_options={"gelu_approximate": approximate},
         **common_fields(values, family_qk_norm=False, family_mla=False),
     )
@@ -194,18 +196,20 @@ def test_unknown_names_keep_their_errors(toy):
     with pytest.raises(
         ConfigError, match=r"'toy_gelx' is not a known model type; known: .*toy_gelu, toy_gelu_alias"
     ):
-        build_model_config(section(model_type="toy_gelx"))
+        build_model_config(validate_section("model", section(model_type="toy_gelx")))
     with pytest.raises(
         ConfigError, match=r"does not match model.model_type = 'toy_gelu'; use ToyGeluForCausalLM"
     ):
-        build_model_config(section(architectures="LlamaForCausalLM"))
+        build_model_config(validate_section("model", section(architectures="LlamaForCausalLM")))
     with pytest.raises(
         ConfigError, match=r"model.gelu_aproximate is not a key .* Did you mean 'gelu_approximate'"
     ):
-        build_model_config(section(gelu_aproximate="tanh"))
+        build_model_config(validate_section("model", section(gelu_aproximate="tanh")))
     with pytest.raises(ConfigError, match=r"model.gelu_approximate = 'erf' is not valid"):
-        build_model_config(section(gelu_approximate="erf"))
-    assert build_model_config(section(model_type="toy_gelu_alias")).model_type == TOY
+        build_model_config(validate_section("model", section(gelu_approximate="erf")))
+    assert (
+        build_model_config(validate_section("model", section(model_type="toy_gelu_alias"))).model_type == TOY
+    )
 
 
 def test_register_refuses_a_taken_name(toy):
@@ -218,7 +222,7 @@ def test_register_refuses_a_taken_name(toy):
 
 
 def test_the_toy_blocks_compute_what_the_family_declares(toy):
-    model = build_model(section(gelu_approximate="tanh"), seed=1)
+    model = build_model(validate_section("model", section(gelu_approximate="tanh")), seed=1)
     assert isinstance(model, ToyGeluForCausalLM)
     mlp = model.decoder.layers[1].mlp
     assert isinstance(mlp, GeluMLP) and mlp.approximate == "tanh"
@@ -238,7 +242,7 @@ def test_the_toy_blocks_compute_what_the_family_declares(toy):
 
 
 def test_hugging_face_round_trip_is_exact(toy, tmp_path):
-    model = build_model(section(), seed=3)
+    model = build_model(validate_section("model", section()), seed=3)
     save_hf_pretrained(model, tmp_path / "hf")
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["model_type"] == TOY and written["architectures"] == ["ToyGeluForCausalLM"]
@@ -247,7 +251,7 @@ def test_hugging_face_round_trip_is_exact(toy, tmp_path):
     ours, theirs = model.state_dict(), loaded.state_dict()
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
-    fresh = build_model(section(), seed=4)
+    fresh = build_model(validate_section("model", section()), seed=4)
     load_hf_weights(fresh, tmp_path / "hf")
     assert all(torch.equal(ours[k], fresh.state_dict()[k]) for k in ours)
 
@@ -384,9 +388,9 @@ def test_a_family_from_an_entry_point_is_discovered(tmp_path, monkeypatch):
     try:
         found = families()
         assert "toy_plugin" in found
-        assert build_model_config(section(model_type="toy_plugin")).family_options == {
-            "gelu_approximate": "none"
-        }
+        assert build_model_config(
+            validate_section("model", section(model_type="toy_plugin"))
+        ).family_options == {"gelu_approximate": "none"}
     finally:
         registry.unregister("toy_plugin")
         sys.modules.pop("toy_plugin_family", None)

@@ -151,7 +151,7 @@ def test_memory_estimate_counts_compressed_moments():
         "intermediate_size": 128,
         "vocab_size": 256,
     }
-    model = build_model(section, device="meta")
+    model = build_model(validate_section("model", section), device="meta")
     n = sum(p.numel() for p in model.parameters())
     kw = dict(compute_dtype=torch.bfloat16, seq_length=64, local_batch_size=1, hidden_size=64, num_layers=2)
     dims = ParallelDims.from_section(ParallelismConfig(), 1)

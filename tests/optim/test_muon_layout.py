@@ -67,7 +67,7 @@ def test_muon_updates_are_the_same_in_layout_1_and_layout_2(family):
         compute_dtype="float32",
         **SECTIONS[family],
     )
-    model = build_model(section)
+    model = build_model(validate_section("model", section))
     names = {id(p): n for n, p in model.named_parameters()}
     rows = {names[id(p)]: (dim, r) for p, dim, r, _ in fused_rows(model)}
     schema = {k: MuonSplit(*v) for k, v in model.muon_split_schema().items()}

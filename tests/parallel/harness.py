@@ -147,7 +147,7 @@ def reference_run(
     """Single process, whole global batch, torch's AdamW (or the given optimizer) and clip_grad_norm_."""
     from lmforge.models import build_model
 
-    model = build_model(section)
+    model = build_model(validate_section("model", section))
     model.load_state_dict(state)
     opt = make_optimizer(model, optimizer)
     steps, gbs = data["input_ids"].shape[:2]
@@ -233,7 +233,7 @@ def build_parallel(rank: int, world: int, spec: dict[str, Any]):
     dims = ParallelDims.from_section(par, world)
     mesh = dims.build_mesh("cpu")
     accum = accumulation_steps(spec["gbs"], spec["lbs"], dims.dp)
-    model = build_model(spec["model"], device="meta")
+    model = build_model(validate_section("model", spec["model"]), device="meta")
     model, info = parallelize(
         model, dims, mesh, par, num_microbatches=accum, apply_activation=_activation(spec, dims, model)
     )
@@ -408,7 +408,7 @@ def checkpoint_task(rank: int, world: int, spec: dict[str, Any]) -> dict[str, An
     else:
         from lmforge.models import build_model
 
-        model = build_model(spec["model"], seed=INIT_SEED)
+        model = build_model(validate_section("model", spec["model"]), seed=INIT_SEED)
         dp_rank, dp_size, dp_group, pipeline = 0, 1, None, None
     opt = make_optimizer(model, spec.get("optimizer"))
     state = TrainState()

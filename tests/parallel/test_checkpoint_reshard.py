@@ -12,6 +12,8 @@ import math
 import pytest
 import torch
 
+from lmforge.config import validate_section
+
 from .harness import INIT_SEED, checkpoint_task, make_data, reference_run, run_workers, tiny_llama
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(200)]
@@ -24,7 +26,7 @@ def test_checkpoint_from_two_ranks_resumes_on_one_and_four(tmp_path):
 
     section = tiny_llama()
     torch.manual_seed(0)
-    model = build_model(section, seed=INIT_SEED)
+    model = build_model(validate_section("model", section), seed=INIT_SEED)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     data = make_data(STEPS, GBS, SEQ, section["vocab_size"])
     ref = reference_run(section, state, data, 1)["loss"]

@@ -181,7 +181,7 @@ def test_memory_estimate_scales_with_sharding():
         "vocab_size": 256,
         "tie_word_embeddings": False,
     }
-    model = build_model(section, device="meta")
+    model = build_model(validate_section("model", section), device="meta")
     n = sum(p.numel() for p in model.parameters())
     kw = dict(
         compute_dtype=torch.bfloat16,
@@ -230,7 +230,11 @@ def test_parallel_plan_for_check():
     }
     par = {"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2}
     lines = parallel_plan(
-        _par(par), model, _training(global_batch_size=8, local_batch_size=2), _optimizer(type="AdamW"), 8
+        _par(par),
+        validate_section("model", model),
+        _training(global_batch_size=8, local_batch_size=2),
+        _optimizer(type="AdamW"),
+        8,
     )
     text = "\n".join(lines)
     assert "pp 2 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2; expert parallel 2" in text
@@ -238,7 +242,13 @@ def test_parallel_plan_for_check():
     assert "pipeline stage 1 (pp rank 1): layers 2-3" in text
     assert "rank 7: pp stage 1" in text and "total with full recompute" in text
     with pytest.raises(ConfigError, match="parallelism.expert_parallel=3"):
-        parallel_plan(_par({"expert_parallel": 3}), model, _training(global_batch_size=8), _optimizer(), 6)
+        parallel_plan(
+            _par({"expert_parallel": 3}),
+            validate_section("model", model),
+            _training(global_batch_size=8),
+            _optimizer(),
+            6,
+        )
 
 
 def test_unsupported_combinations_are_reported_by_check_and_refused_at_start():
@@ -259,7 +269,7 @@ def test_unsupported_combinations_are_reported_by_check_and_refused_at_start():
     # A valid file (the original accepts it): check warns, the trainer's parallelize refuses.
     lines = parallel_plan(
         _par({"pipeline_parallel": 2, "tensor_parallel": 2}),
-        model,
+        validate_section("model", model),
         _training(global_batch_size=4),
         _optimizer(),
         4,
@@ -267,7 +277,11 @@ def test_unsupported_combinations_are_reported_by_check_and_refused_at_start():
     assert any("tied word embeddings" in line and "will refuse" in line for line in lines)
     dims = ParallelDims.from_section(_par({"pipeline_parallel": 2, "tensor_parallel": 2}), 4)
     with pytest.raises(NotSupportedError, match="tied word embeddings"):
-        refuse_unsupported(build_model(model, device="meta"), dims)
+        refuse_unsupported(build_model(validate_section("model", model), device="meta"), dims)
     assert parallel_plan(
-        _par({"pipeline_parallel": 2}), model, _training(global_batch_size=4), _optimizer(), 2
+        _par({"pipeline_parallel": 2}),
+        validate_section("model", model),
+        _training(global_batch_size=4),
+        _optimizer(),
+        2,
     )

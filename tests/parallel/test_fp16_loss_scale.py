@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+from lmforge.config import validate_section
+
 from .harness import INIT_SEED, make_data, reference_run, run_workers, tiny_llama
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -24,7 +26,10 @@ def test_fp16_layouts_match_the_fp32_single_process_run(tmp_path):
 
     fp32, fp16 = tiny_llama(), tiny_llama(compute_dtype="float16")
     torch.manual_seed(0)
-    state = {k: v.detach().clone() for k, v in build_model(fp32, seed=INIT_SEED).state_dict().items()}
+    state = {
+        k: v.detach().clone()
+        for k, v in build_model(validate_section("model", fp32), seed=INIT_SEED).state_dict().items()
+    }
     data = make_data(STEPS, GBS, SEQ, fp32["vocab_size"])
     ref = reference_run(fp32, state, data, 1)
     torch.save(state, tmp_path / "state.pt")

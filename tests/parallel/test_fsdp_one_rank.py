@@ -35,7 +35,7 @@ ADAMW = {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0
 
 
 def _train(default_comms: bool, steps: int = 3, all_gathers: list | None = None) -> dict[str, torch.Tensor]:
-    model, ctx = build_training_model(dict(SECTION), seed=0, device="cpu")
+    model, ctx = build_training_model(validate_section("model", dict(SECTION)), seed=0, device="cpu")
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     assert len(fsdp_modules) == 3  # two layers and the root (the fixture keeps a unit per layer)
     for m in fsdp_modules:  # installed by apply_fsdp at a shard group of one

@@ -41,16 +41,16 @@ def test_group_sizes_runs_consecutive_layers_up_to_the_limit():
 
 
 def test_a_small_model_at_one_rank_in_bf16_is_one_unit():
-    model, _ = build_training_model(dict(SECTION), seed=0, device="cpu")
+    model, _ = build_training_model(validate_section("model", dict(SECTION)), seed=0, device="cpu")
     assert isinstance(model, FSDPModule)
     assert _units(model) == []  # no unit below the root
 
 
 def test_layers_are_grouped_up_to_the_bound(monkeypatch):
-    probe, _ = build_training_model(dict(SECTION), seed=0, device="cpu")
+    probe, _ = build_training_model(validate_section("model", dict(SECTION)), seed=0, device="cpu")
     # Room for two layers per unit, less than the whole model.
     monkeypatch.setattr(fsdp, "ONE_RANK_UNIT_PARAMS", 2 * _layer_params(probe))
-    model, _ = build_training_model(dict(SECTION), seed=0, device="cpu")
+    model, _ = build_training_model(validate_section("model", dict(SECTION)), seed=0, device="cpu")
     assert _units(model) == [
         ["decoder.layers.0", "decoder.layers.1"],
         ["decoder.layers.2", "decoder.layers.3"],
@@ -62,7 +62,7 @@ def test_fp32_keeps_a_unit_per_layer(parallelism):
     # In fp32 a larger unit would hold more fp32 copies and gradients at once; that holds whether the
     # copies are resharded after forward (the default) or kept to backward (ZeRO-2).
     model, _ = build_training_model(
-        {**SECTION, "compute_dtype": "float32"},
+        validate_section("model", {**SECTION, "compute_dtype": "float32"}),
         seed=0,
         device="cpu",
         parallelism=validate_section("parallelism", parallelism),
@@ -72,13 +72,13 @@ def test_fp32_keeps_a_unit_per_layer(parallelism):
 
 def _train(limit: int, monkeypatch) -> dict[str, torch.Tensor]:
     monkeypatch.setattr(fsdp, "ONE_RANK_UNIT_PARAMS", limit)
-    model, ctx = build_training_model(dict(SECTION), seed=0, device="cpu")
+    model, ctx = build_training_model(validate_section("model", dict(SECTION)), seed=0, device="cpu")
     return train_steps(model, ctx, SECTION)
 
 
 @pytest.mark.parametrize("layers_per_unit", [2, None])  # None: the whole model in the root unit
 def test_grouped_units_train_bitwise_like_a_unit_per_layer(layers_per_unit, monkeypatch):
-    probe, _ = build_training_model(dict(SECTION), seed=0, device="cpu")
+    probe, _ = build_training_model(validate_section("model", dict(SECTION)), seed=0, device="cpu")
     per_layer = _train(0, monkeypatch)
     limit = DEFAULT_LIMIT if layers_per_unit is None else layers_per_unit * _layer_params(probe)
     grouped = _train(limit, monkeypatch)

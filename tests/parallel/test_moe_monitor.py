@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmforge.config import validate_section
+
 from .harness import INIT_SEED, moe_monitor_records, run_workers, tiny_qwen3_moe
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -20,7 +22,9 @@ def test_tokens_per_expert_under_tensor_parallel_equal_one_process(tmp_path):
 
     section = tiny_qwen3_moe()
     ids = torch.randint(0, section["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(5))
-    reference = moe_monitor_records(build_model(section, seed=INIT_SEED), ids, str(tmp_path / "one.jsonl"))
+    reference = moe_monitor_records(
+        build_model(validate_section("model", section), seed=INIT_SEED), ids, str(tmp_path / "one.jsonl")
+    )
     assert len(reference) == 2 * 2  # two micro-batches, two MoE layers
     assert all(sum(r["tpe"]) == 16 * section["num_experts_per_tok"] for r in reference)
     spec = {

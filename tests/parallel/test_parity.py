@@ -16,6 +16,8 @@ import math
 import pytest
 import torch
 
+from lmforge.config import validate_section
+
 from .harness import (
     INIT_SEED,
     make_data,
@@ -59,7 +61,7 @@ def _run_cases(cases: list[dict], world: int, tmp_path) -> None:
     for name in {c["model_name"] for c in cases}:
         section = MODELS[name]()
         torch.manual_seed(0)
-        model = build_model(section, seed=INIT_SEED)
+        model = build_model(validate_section("model", section), seed=INIT_SEED)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         data = make_data(STEPS, GBS, SEQ, section["vocab_size"], documents=name.endswith("_docs"))
         for case in cases:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmforge.config import validate_section
+
 from .harness import INIT_SEED, make_data, micro_batches, run_workers, tiny_qwen3_moe
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(200)]
@@ -27,7 +29,7 @@ def test_first_pipelined_step_counts_tokens_and_max_logits_like_one_process(tmp_
     section = tiny_qwen3_moe()
     data = make_data(1, GBS, SEQ, section["vocab_size"])
     torch.save(data, tmp_path / "data.pt")
-    reference = build_model(section, seed=INIT_SEED)
+    reference = build_model(validate_section("model", section), seed=INIT_SEED)
     reference.track_max_logits = True
     balancing = []
     for batch in micro_batches(data, 0, list(range(GBS)), 1):

@@ -26,6 +26,8 @@ import math
 import pytest
 import torch
 
+from lmforge.config import validate_section
+
 from .harness import (
     INIT_SEED,
     MAX_NORM,
@@ -53,7 +55,7 @@ def _reference(section: dict, state: dict, data: dict) -> tuple[list[dict], dict
     """Single process, whole global batch: per step loss, gradient norm and MTP losses; final weights."""
     from lmforge.models import build_model
 
-    model = build_model(section)
+    model = build_model(validate_section("model", section))
     model.load_state_dict(state)
     opt = make_optimizer(model, None)
     steps = []
@@ -141,7 +143,7 @@ def _check_cases(cases: dict, world: int, tmp_path) -> None:
     for name, (overrides, parallelism, *activation) in cases.items():
         section = _model(**overrides)
         torch.manual_seed(0)
-        model = build_model(section, seed=INIT_SEED)
+        model = build_model(validate_section("model", section), seed=INIT_SEED)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         data = make_data(STEPS, GBS, SEQ, section["vocab_size"], seed=7)
         refs[name] = _reference(section, state, data)
@@ -228,7 +230,7 @@ def test_memory_estimate_puts_the_mtp_layers_on_the_last_stage():
     from lmforge.tools.memory import estimate_memory
 
     def estimate(depth: int, pp: int, num_layers: int = 4):
-        model = build_model(_model(num_nextn_predict_layers=depth), device="meta")
+        model = build_model(validate_section("model", _model(num_nextn_predict_layers=depth)), device="meta")
         dims = ParallelDims.from_section(ParallelismConfig(pipeline_parallel=pp), pp)
         est = estimate_memory(
             model,
@@ -268,7 +270,10 @@ def test_pipeline_with_mtp_resumes_bit_for_bit(tmp_path):
     adamw = {"type": "AdamW", "weight_decay": 0.01}
     section = _model(tie_word_embeddings=True)
     torch.manual_seed(0)
-    state = {k: v.detach().clone() for k, v in build_model(section, seed=INIT_SEED).state_dict().items()}
+    state = {
+        k: v.detach().clone()
+        for k, v in build_model(validate_section("model", section), seed=INIT_SEED).state_dict().items()
+    }
     data = make_data(steps, GBS, SEQ, section["vocab_size"], seed=3)
     ref = reference_run(section, state, data, 1, adamw)["loss"]
     torch.save(state, tmp_path / "state.pt")

@@ -16,6 +16,8 @@ import math
 import pytest
 import torch
 
+from lmforge.config import validate_section
+
 from .harness import INIT_SEED, make_data, reference_run, run_workers, tiny_llama
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(200)]
@@ -34,7 +36,10 @@ def test_pipeline_run_resumes_bit_for_bit(tmp_path):
 
     section = tiny_llama(tie_word_embeddings=True)
     torch.manual_seed(0)
-    state = {k: v.detach().clone() for k, v in build_model(section, seed=INIT_SEED).state_dict().items()}
+    state = {
+        k: v.detach().clone()
+        for k, v in build_model(validate_section("model", section), seed=INIT_SEED).state_dict().items()
+    }
     data = make_data(STEPS, GBS, SEQ, section["vocab_size"])
     ref = reference_run(section, state, data, 1, ADAMW)["loss"]
     torch.save(state, tmp_path / "state.pt")

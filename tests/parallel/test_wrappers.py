@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lmforge.config import ParallelismConfig
+from lmforge.config import ParallelismConfig, validate_section
 from lmforge.models import build_model
 from tolerances import reordered
 
@@ -34,8 +34,8 @@ def test_context_parallel_attention_is_a_submodule_of_every_core_attention(one_r
     from lmforge.parallel.cp import ContextParallelAttention, apply_cp
 
     torch.manual_seed(0)
-    plain = build_model(tiny_llama(), seed=3).eval()
-    model = build_model(tiny_llama(), seed=3).eval()
+    plain = build_model(validate_section("model", tiny_llama()), seed=3).eval()
+    model = build_model(validate_section("model", tiny_llama()), seed=3).eval()
     names = {what: [n for n, _ in getattr(model, what)()] for what in ("named_parameters", "named_buffers")}
     keys = list(model.state_dict())
     apply_cp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))["cp"], method)
@@ -87,8 +87,8 @@ def test_routers_and_experts_keep_dtensor_weights_and_read_them_in_their_own_for
 
     from .harness import tiny_qwen3_moe
 
-    plain = build_model(tiny_qwen3_moe(), seed=3)
-    model = build_model(tiny_qwen3_moe(), seed=3)
+    plain = build_model(validate_section("model", tiny_qwen3_moe()), seed=3)
+    model = build_model(validate_section("model", tiny_qwen3_moe()), seed=3)
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("ep", "tp"))
     if layout == "ep_x_tp":
         apply_ep(model, mesh["ep"], ParallelismConfig(), tp_mesh=mesh["tp"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from lmforge.config import validate_section
 from lmforge.models import build_model
 
 _FAMILIES = {
@@ -45,7 +46,7 @@ def tiny_model(family: str = "qwen3", **overrides):
         **overrides,
     }
     torch.manual_seed(0)
-    return build_model(section).eval()
+    return build_model(validate_section("model", section)).eval()
 
 
 def grads(model) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lmforge.config import validate_section
 from lmforge.models import build_model
 from lmforge.models.common.fused_layout import WEIGHT_LAYOUT, gate_up_rows, per_head_rows, qkv_rows
 from lmforge.train.checkpoint import Checkpointable, CheckpointManager, load_checkpoint, resolve_checkpoint
@@ -35,7 +36,7 @@ def test_a_layout_1_checkpoint_loads_converted_and_resumes_exactly(family, caplo
     fixture = _fixture_module()
     expected = load_file(str(FIXTURES / family / "expected.safetensors"))
     torch.manual_seed(1)  # a different init: everything must come from the checkpoint
-    model = build_model(fixture.SECTIONS[family])
+    model = build_model(validate_section("model", fixture.SECTIONS[family]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     header = resolve_checkpoint(FIXTURES / family)
     # Written before common.json recorded the layout: format lmforge-dcp/1 without the key means layout 1.
@@ -61,11 +62,11 @@ def test_a_layout_1_checkpoint_loads_converted_and_resumes_exactly(family, caplo
 def test_new_checkpoints_record_the_layout_and_load_unchanged(tmp_path):
     fixture = _fixture_module()
     torch.manual_seed(0)
-    model = build_model(fixture.SECTIONS["llama"])
+    model = build_model(validate_section("model", fixture.SECTIONS["llama"]))
     CheckpointManager(tmp_path, save_max=1).save(Checkpointable(model=model), 1)
     header = resolve_checkpoint(tmp_path)
     assert header.common["weight_layout"] == WEIGHT_LAYOUT
-    twin = build_model(fixture.SECTIONS["llama"])
+    twin = build_model(validate_section("model", fixture.SECTIONS["llama"]))
     load_checkpoint(header, Checkpointable(model=twin), no_load_optim=True)
     for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
         assert torch.equal(a, b), name
@@ -73,7 +74,7 @@ def test_new_checkpoints_record_the_layout_and_load_unchanged(tmp_path):
 
 def test_an_unknown_future_layout_is_refused(tmp_path):
     fixture = _fixture_module()
-    model = build_model(fixture.SECTIONS["llama"])
+    model = build_model(validate_section("model", fixture.SECTIONS["llama"]))
     CheckpointManager(tmp_path, save_max=1).save(Checkpointable(model=model), 1)
     common = tmp_path / "iteration_00000001" / "common.json"
     data = json.loads(common.read_text())

@@ -301,6 +301,7 @@ def _load_for_export(src: Path, config: str | None, export_dtype: Any) -> tuple[
     machine)."""
     import torch
 
+    from lmforge.config import validate_section
     from lmforge.models import build_model, build_model_config, load_model_checkpoint
     from lmforge.models.io import SECTION_FILE
 
@@ -314,12 +315,11 @@ def _load_for_export(src: Path, config: str | None, export_dtype: Any) -> tuple[
     if "hf_config" not in section:  # a written-out section fine-tuned from a Hugging Face directory
         carried = _base_hf_config(model_section_for(src, config, "checkpoint"))
         section = {**section, "hf_config": carried} if carried else section
-    typed = build_model_config(section)
+    typed = build_model_config(validate_section("model", section))
     out_dtype = export_dtype or (torch.float32 if typed.compute_dtype_auto else typed.compute_dtype)
-    model = build_model({**section, "compute_dtype": "float32"}, device="meta")
+    model = build_model(validate_section("model", {**section, "compute_dtype": "float32"}), device="meta")
     lora = model_section_for(src, config, "lora_config")
     if lora is not None:
-        from lmforge.config import validate_section
         from lmforge.models.lora import apply_lora
 
         # The section is read raw from the run's file: typed once here, so that the adapters are read.

@@ -162,8 +162,10 @@ def _task_model(header: Any, cfg: Any, args: argparse.Namespace, device: torch.d
         model = _load_model(header.path, cfg.model, device, getattr(cfg, "lora_config", None))
     else:  # a model-only config.yaml, as `lmforge convert --from-hf` writes
         from lmforge.cli.convert import model_section_for
+        from lmforge.config import validate_section
 
-        model = _load_model(header.path, model_section_for(header.path, None), device)
+        section = validate_section("model", model_section_for(header.path, None))
+        model = _load_model(header.path, section, device)
     if tokenizer_path is None:
         saved = header.path / "tokenizer.json"
         fallback = find_tokenizer(cfg) if cfg is not None else None

@@ -79,12 +79,26 @@ def _load(path: str, overrides: list[str]) -> tuple[Any, int, str | None]:
     """
     try:
         cfg = load_config(path, overrides)
-        return cfg.lr_scheduler, cfg.training.steps, None
     except ConfigError:
         raw, source = read_raw(path)
         raw = apply_overrides(raw, overrides)
-        if not isinstance(raw.get("lr_scheduler"), dict):
-            raise
+        if (
+            not isinstance(raw.get("lr_scheduler"), dict)
+            or (raw.get("training") or {}).get("epochs") is not None
+        ):
+            raise  # with training.epochs the total comes from the data, which needs the whole file
+    else:
+        if cfg.training.epochs is None:
+            return cfg.lr_scheduler, cfg.training.steps, None
+        from lmforge.parallel.plan import RunPlan
+
+        steps = RunPlan.from_config(cfg, 1).total_steps
+        return (
+            cfg.lr_scheduler,
+            steps,
+            f"training.steps {steps} derived from training.epochs {cfg.training.epochs} for one process "
+            "(lmforge check --world-size N shows another layout's)",
+        )
     section = _section(LrSchedulerConfig, raw["lr_scheduler"], "lr_scheduler", source)
     training = _section(TrainingConfig, raw.get("training") or {}, "training", source)
     steps_from = (

@@ -41,6 +41,20 @@ INERT_FIELDS: dict[str, str] = {
     "profiler.mstx": "Ascend's lightweight marker collection; use torch.profiler record_function ranges",
     "optimizer.accumulate_allreduce_grads_in_fp32": "gradients are always accumulated in fp32 (as in the "
     "original's current version, which removed this flag)",
+    # The model section's keys are its family's (models/common/config_keys.py), not ModelConfig's: these
+    # warn whenever the file writes them. ep_size is a key of DeepSeek's own config.json.
+    "model.use_attn_mask_compression": "the model accepts attention_mask or actual_seq_len; the data "
+    "pipeline decides which it sends",
+    "model.use_eod_attn_mask_compression": "the model accepts attention_mask or actual_seq_len; the data "
+    "pipeline decides which it sends",
+    "model.use_pad_tokens": "routing is dropless",
+    "model.moe_grouped_gemm": "experts are always computed batched",
+    "model.moe_token_dispatcher_type": "the parallelism section chooses the dispatcher",
+    "model.moe_token_drop_policy": "routing is dropless",
+    "model.moe_router_fusion": "the router is plain PyTorch; there is no fused kernel to choose",
+    "model.moe_permute_fusion": "token permutation is plain PyTorch; there is no fused kernel to choose",
+    "model.mla_qkv_concat": "a weight layout choice; lmforge keeps the q and kv projections apart",
+    "model.ep_size": "the parallelism section's expert_parallel sets the expert-parallel degree",
 }
 
 # Sections that lmforge accepts but does not implement yet: a warning whenever the file writes them.
@@ -61,10 +75,14 @@ def _unknown_top_level(raw: Mapping[str, Any], sections: Mapping[str, Any]) -> l
     # ignored without a word; say so, with the closest section name.
     # output_dir: lmforge's run directory; eval_*: validation during training (lmforge.train.callbacks.validation),
     # which reads eval_dataset only when it evaluates.
-    known = [*sections, "output_dir", "eval_interval", "eval_steps"]
-    if raw.get("eval_interval"):
-        known.append("eval_dataset")
+    known = [*sections, "output_dir", "eval_interval", "eval_steps", "eval_dataset"]
     out = []
+    if raw.get("eval_dataset") is not None and not raw.get("eval_interval"):
+        # (null: no eval_dataset, as a checkpoint's config.yaml writes it back)
+        out.append(
+            "eval_dataset is set but eval_interval is 0: training does not evaluate on it (lmforge eval "
+            "--checkpoint DIR does); set eval_interval: N to validate every N steps"
+        )
     for key in raw:
         if key in known:
             continue
@@ -85,8 +103,10 @@ def collect_warnings(raw: Mapping[str, Any], cfg: Any) -> list[str]:
             continue
         section, name = dotted.rsplit(".", 1)
         cls = SECTION_CLASSES[section.split(".")[0]]
-        default = cls.model_fields[name].default if name in cls.model_fields else None
-        if value != default:
+        # A key the section class does not declare (the model section's are its family's) has no
+        # default here: writing it at all is what warns.
+        declared = name in cls.model_fields
+        if not declared or value != cls.model_fields[name].default:
             warnings.append(f"{dotted} = {value!r} has no effect in lmforge: {why}.")
     for section, why in INERT_SECTIONS.items():
         if raw.get(section) is not None:
@@ -123,6 +143,12 @@ def _conditionally_inert(parallelism: Any) -> list[str]:
             "gradients over data-parallel ranks and divides once, by the global token count, in the loss."
         )
     return notes
+
+
+def inert_fields(path: str) -> dict[str, str]:
+    """The keys of the section at ``path`` (e.g. ``"model"``) that INERT_FIELDS lists, with why each has
+    no effect."""
+    return {d.rsplit(".", 1)[1]: why for d, why in INERT_FIELDS.items() if d.rsplit(".", 1)[0] == path}
 
 
 def inert_keys(path: str, section: Any) -> list[str]:

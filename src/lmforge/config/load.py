@@ -31,7 +31,6 @@ _REQUIRED_HINTS = {
     "model": "the model section is required: model_type and architectures (e.g. qwen3 / Qwen3ForCausalLM) "
     "plus the structure of the model",
     "model.model_type": "model.model_type is required (e.g. qwen3, deepseek_v3)",
-    "model.architectures": "model.architectures is required, a string (e.g. Qwen3ForCausalLM)",
     "train_dataset": "the train_dataset section is required (at least train_dataset.dataloader.type)",
     "train_dataset.dataloader": "train_dataset.dataloader is required (at least its type)",
     "train_dataset.dataloader.type": "train_dataset.dataloader.type is required "

@@ -11,7 +11,8 @@ section, ``path`` its dotted name, ``cfg`` the sections of ``TrainConfig`` valid
 mapping of section name to section). It raises ``ValueError`` (``ConfigError`` is one) whose text
 names the dotted key. A schema registered under ``"*"`` takes every value no other schema takes
 (the model section: its families resolve ``model_type`` and aliases themselves, with their own
-messages). A package whose import is costly (torch) registers a *provider* instead: a callable run
+messages). The model section's keys are its family's, not ``ModelConfig``'s: its schema gets the
+section's keys as a plain mapping (``ModelConfig`` passes them). A package whose import is costly (torch) registers a *provider* instead: a callable run
 on the first validation of that section, which registers the schemas.
 """
 

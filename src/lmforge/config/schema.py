@@ -125,6 +125,15 @@ class TrainConfig(OpenSection):
         """Warnings found while loading: fields accepted without effect, overridden settings."""
         return self._warnings
 
+    def with_derived_steps(self, steps: int) -> TrainConfig:
+        """This configuration with ``training.steps`` derived from ``training.epochs`` (by the run plan,
+        from the data) and the lr schedule typed against that total, as load_config types it against
+        an explicit ``training.steps``. Raises ValueError naming the lr key that the total breaks."""
+        training = self.training.model_copy(update={"steps": int(steps)})
+        lr = self.lr_scheduler.model_copy()
+        lr._typed = typed_section("lr_scheduler", lr.type, lr, "lr_scheduler", {"training": training})
+        return self.model_copy(update={"training": training, "lr_scheduler": lr})
+
     @model_validator(mode="before")
     @classmethod
     def _omitted_checkpoint_saves_nothing(cls, data: Any) -> Any:
@@ -158,16 +167,11 @@ class TrainConfig(OpenSection):
     def _type_lr_scheduler(cls, section: LrSchedulerConfig, info: ValidationInfo) -> LrSchedulerConfig:
         # The scheduler's keys depend on its type and its total on training.steps: the schema lr/
         # registered for this type validates both now, before anything is built.
-        if "training" in info.data:
+        # With training.epochs the total is derived from the data by the run plan, which types the
+        # section then (lmforge.parallel.plan); until then it has no typed form.
+        training = info.data.get("training")
+        if training is not None and training.epochs is None:
             section._typed = typed_section("lr_scheduler", section.type, section, "lr_scheduler", info.data)
-        return section
-
-    @field_validator("model", mode="after")
-    @classmethod
-    def _type_model(cls, section: ModelConfig) -> ModelConfig:
-        # The model's keys depend on its family: the schema models/ registered for model_type
-        # resolves them through the family's keys now, before anything is built.
-        section._typed = typed_section("model", section.model_type, section, "model", {})
         return section
 
     @model_validator(mode="after")

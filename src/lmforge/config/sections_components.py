@@ -126,10 +126,12 @@ class TrainDatasetConfig(Section):
 
 class ModelConfig(OpenSection):
     model_type: str
-    architectures: str
+    # Required too, but refused by the family's schema, whose message names the architecture that
+    # model_type takes ("model.architectures is required ...; for model_type 'llama' use LlamaForCausalLM").
+    architectures: str | None = None
 
-    # The resolved structure and model class the registered schema of ``model_type`` made of this
-    # section (lmforge.config.registry); None when the section was validated on its own.
+    # The typed section, structure and model class the registered schema of ``model_type`` made of
+    # this section (lmforge.config.registry); None when no schema is registered (config used alone).
     _typed: Any = PrivateAttr(default=None)
 
     @model_validator(mode="before")
@@ -142,6 +144,14 @@ class ModelConfig(OpenSection):
     def typed(self) -> Any:
         """The typed, validated form of this section (``lmforge.models.schema.TypedModel``), or None."""
         return self._typed
+
+    @model_validator(mode="after")
+    def _type_by_family(self) -> ModelConfig:
+        # The model's keys depend on its family: the schema models/ registered for model_type validates
+        # them whenever the section is typed (load_config, or validate_section("model", ...)). Its keys
+        # are the family's, not this class's, so the schema gets them as the file gave them.
+        self._typed = typed_section("model", self.model_type, self.to_dict(), "model", {})
+        return self
 
     def layer_count(self) -> int | None:
         """Decoder layers plus MTP layers, or None when the section does not say."""

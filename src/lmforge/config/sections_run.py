@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_serializer, model_validator
 
 from lmforge.config.base import Float, OpenSection, Section, check_positive
 from lmforge.config.sections_trackers import MlflowConfig, WandbConfig
@@ -90,12 +90,55 @@ class CheckpointConfig(Section):
 
 class TrainingConfig(Section):
     steps: int = 1000
+    # lmforge extension (docs/config.md "lmforge's own keys"): passes over the training split; the run
+    # plan derives the steps from the data (parallel/plan.py). Exactly one of steps / epochs is given.
+    epochs: int | None = None
     local_batch_size: int = 1
     global_batch_size: int = 1
     max_norm: Float = 1.0
     seed: int = 42
     deterministic: bool = False
     rampup_batch_size: list[Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _steps_null_means_unset(cls, data: Any) -> Any:
+        # `--set training.steps=null` removes a recipe's steps so that `--set training.epochs=N` can
+        # replace it; null alone would silently mean the default 1000 steps, so it needs epochs.
+        if isinstance(data, dict) and "steps" in data and data["steps"] is None:
+            if data.get("epochs") is None:
+                raise ValueError(
+                    "training.steps: null leaves the run without a length; give training.steps (optimizer "
+                    "steps) or training.epochs (passes over the training data)."
+                )
+            data = {k: v for k, v in data.items() if k != "steps"}
+        return data
+
+    @model_validator(mode="after")
+    def _check_length(self) -> TrainingConfig:
+        if self.epochs is None:
+            return self
+        if self.epochs < 1:
+            raise ValueError(
+                f"training.epochs must be a positive number of passes over the training data, got {self.epochs}."
+            )
+        if "steps" in self.model_fields_set:
+            raise ValueError(
+                f"training.steps ({self.steps}) and training.epochs ({self.epochs}) are both set; give one: "
+                "steps is the number of optimizer steps, epochs the number of passes over the training data "
+                "(the steps are then derived from the data and shown by `lmforge check`). To replace a "
+                "file's steps on the command line: --set training.steps=null --set training.epochs=N."
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump_one_length(self, handler: Any) -> Any:
+        # A config written back (checkpoint config.yaml) keeps the key the user gave: with epochs, the
+        # steps are derived again from the data when it is read, so they are not written.
+        out = handler(self)
+        if self.epochs is not None and isinstance(out, dict):
+            out.pop("steps", None)
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> TrainingConfig:

@@ -296,6 +296,13 @@ def parse_text_loader(
     )
 
 
+def blend_choice(weights: list[float], taken: list[int], rows: int) -> int:
+    """The source the next row comes from, after ``rows`` rows of which ``taken[i]`` came from source i:
+    the one furthest behind its share (``weight * (rows + 1) - taken``)."""
+    deficits = [w * (rows + 1) - t for w, t in zip(weights, taken)]
+    return int(np.argmax(deficits))
+
+
 class _SourceStream:
     """Tokenized documents of one source for one rank, from a packing position, epoch after epoch.
 
@@ -470,9 +477,7 @@ class TextDataLoader:
         ]
 
     def _next_source(self) -> int:
-        k = self.rows + 1
-        deficits = [w * k - t for w, t in zip(self.s.weights, self.taken)]
-        return int(np.argmax(deficits))
+        return blend_choice(self.s.weights, self.taken, self.rows)
 
     def __iter__(self) -> TextDataLoader:
         return self
@@ -502,9 +507,12 @@ class TextDataLoader:
 
     @property
     def epoch(self) -> int:
-        """The pass over the data this rank is in, 1-based (with several sources: the one furthest
-        behind; every source has been read completely ``epoch - 1`` times)."""
-        return min(p.epoch for p in self.positions) + 1
+        """The pass over the data of the rows this rank served last, 1-based (with several sources:
+        the one furthest behind; every source has been read completely ``epoch - 1`` times)."""
+        if self._packers is None:
+            return min(p.epoch for p in self.positions) + 1
+        placed = [p.placed_epoch if p.placed_epoch is not None else p.position.epoch for p in self._packers]
+        return min(placed) + 1
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -62,6 +62,9 @@ class Packer:
         self.pad = pad
         self.position = position or PackPosition()
         self.truncated = 0
+        # The pass the last placed token came from (None before the first row): the position already
+        # points at the next document, which may open the next pass.
+        self.placed_epoch: int | None = None
         self._iter: Iterator | None = None
         self._current: tuple[int, int, np.ndarray, np.ndarray] | None = None
 
@@ -102,6 +105,7 @@ class Packer:
             if self.strategy == "whole" and remaining > space and pos > 0:
                 break  # the document opens the next row
             take = min(remaining, space)
+            self.placed_epoch = self.position.epoch
             tokens[pos : pos + take] = ids[off : off + take]
             mask[pos : pos + take] = dmask[off : off + take]
             starts.append(pos)

@@ -1,40 +1,44 @@
-"""``build_model`` / ``build_model_config``: the model section in, an ``nn.Module`` (or its config) out."""
+"""``build_model`` / ``build_model_config``: the typed model section in, an ``nn.Module`` (or its config) out."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from lmforge.config import ModelConfig
 from lmforge.models.common.gpt import GPTModel
 from lmforge.models.common.init import draw_seed
 from lmforge.models.common.transformer_config import TransformerConfig
-from lmforge.models.registry import resolve
+from lmforge.models.registry import TypedModel
 
 
-def typed_model(section: Any) -> tuple[TransformerConfig, type[GPTModel]]:
-    """The structure and model class of a ``model`` section: what ``load_config`` typed
-    (``section.typed``), or a plain mapping resolved by the same family schema."""
-    typed = getattr(section, "typed", None)
-    if typed is not None:
-        return typed.config, typed.model_class
-    if isinstance(section, Mapping):
-        return resolve(dict(section))
-    return resolve(section.to_dict())  # a ModelConfig validated without the registered schemas
+def typed_model(section: Any) -> TypedModel:
+    """The typed form of a validated ``model`` section: what ``load_config`` or
+    ``lmforge.config.validate_section("model", mapping)`` made (``section.typed``). Anything else is a
+    TypeError: validation happens once, when the section is made, never in a builder."""
+    typed = section.typed if isinstance(section, ModelConfig) else None
+    if not isinstance(typed, TypedModel):
+        raise TypeError(
+            f"expected the validated model section (cfg.model of load_config, or "
+            f"lmforge.config.validate_section('model', mapping)), got {type(section).__name__}."
+        )
+    return typed
 
 
-def build_model_config(section: Any) -> TransformerConfig:
-    """Validate the ``model`` section without building anything (``lmforge check``).
+def build_model_config(section: ModelConfig) -> TransformerConfig:
+    """The structure of a validated ``model`` section, without building anything (``lmforge check``).
 
-    Raises ``ConfigError`` naming ``model.<key>`` for an unknown key (with the valid keys), a bad type or
-    value, or an unknown ``model_type`` / ``architectures``.
+    The section was validated when it was made: an unknown key, a bad type or value, an unknown
+    ``model_type`` / ``architectures`` raised ``ConfigError`` naming ``model.<key>`` then.
     """
-    return typed_model(section)[0]
+    return typed_model(section).config
 
 
-def build_model(section: Any, device: torch.device | str | None = None, seed: int | None = None) -> GPTModel:
-    """Build the model of a ``model`` section.
+def build_model(
+    section: ModelConfig, device: torch.device | str | None = None, seed: int | None = None
+) -> GPTModel:
+    """Build the model of a validated ``model`` section (see :func:`typed_model`).
 
     Parameters are created in ``compute_dtype`` (routers in fp32). On a real device (default: CPU) the
     weights are initialised from ``initializer_range`` and ``seed`` (default: one drawn from torch's
@@ -42,8 +46,8 @@ def build_model(section: Any, device: torch.device | str | None = None, seed: in
     gives the same values. With ``device="meta"`` nothing is allocated: shard or place the model, then
     ``model.to_empty(device=...)`` and ``model.init_weights(seed)``.
     """
-    cfg, cls = typed_model(section)
-    return build_from_config(cfg, cls, device, seed)
+    typed = typed_model(section)
+    return build_from_config(typed.config, typed.model_class, device, seed)
 
 
 def build_from_config(

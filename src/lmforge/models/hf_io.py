@@ -116,18 +116,18 @@ def load_hf_weights(model: GPTModel, path: str | Path) -> None:
     path = Path(path)
     hf_cfg = _read_hf_config(path)
     try:
-        theirs, cls = resolve(section_from_hf_config(hf_cfg, model.config.compute_dtype))
+        theirs = resolve(section_from_hf_config(hf_cfg, model.config.compute_dtype))
     except ConfigError as exc:
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
     ours = model.config
-    diff = [f"{f}: checkpoint {a!r} vs model {b!r}" for f, a, b in numerics_differences(theirs, ours)]
+    diff = [f"{f}: checkpoint {a!r} vs model {b!r}" for f, a, b in numerics_differences(theirs.config, ours)]
     if diff:
         raise CheckpointError(
             f"{path} is a different model than the model section: {'; '.join(diff[:4])}. Make the model section "
             "match the checkpoint's config.json, or take it from there with model: {from_pretrained: "
             f"{path}}} (docs/models.md)."
         )
-    check_against_config(path, ours, cls)
+    check_against_config(path, ours, theirs.model_class)
     load_per_rank(model, path, ours, _adapter(ours).from_hf)
 
 
@@ -178,9 +178,10 @@ def load_hf_pretrained(
     path = Path(path)
     hf_cfg = _read_hf_config(path)
     try:
-        cfg, cls = resolve(section_from_hf_config(hf_cfg, dtype))
+        typed = resolve(section_from_hf_config(hf_cfg, dtype))
     except ConfigError as exc:
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
+    cfg, cls = typed.config, typed.model_class
     check_against_config(path, cfg, cls)
     sd = hf_state_dict(path, cfg)
     model = build_from_config(cfg, cls, "meta")

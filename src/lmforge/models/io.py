@@ -27,7 +27,7 @@ def saved_compute_dtype(path: str | Path) -> torch.dtype:
     depends on the machine: the dtype an export of it defaults to)."""
     section_file = Path(path) / SECTION_FILE
     try:
-        cfg, _ = resolve(json.loads(section_file.read_text()))
+        cfg = resolve(json.loads(section_file.read_text())).config
     except (OSError, ConfigError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{section_file}: {exc}") from None
     return torch.float32 if cfg.compute_dtype_auto else cfg.compute_dtype
@@ -61,10 +61,10 @@ def load_model_checkpoint(
         section = json.loads(section_file.read_text())
         if dtype is not None and isinstance(section, dict):
             section["compute_dtype"] = dtype_name(dtype)
-        cfg, cls = resolve(section)
+        typed = resolve(section)
     except (ConfigError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{section_file}: {exc}") from None
-    model = build_from_config(cfg, cls, "meta")
+    model = build_from_config(typed.config, typed.model_class, "meta")
     model.to_empty(device=device or "cpu")
     model.init_weights()
     missing, unexpected = model.load_state_dict(load_file(str(weights_file)), strict=False)

@@ -95,20 +95,20 @@ def expand_from_pretrained(data: Any) -> Any:
     valid = family_for(base["model_type"]).keys.valid_keys()
     # config.json's dtype says how the weights are stored, not how to train: the device's native choice
     # unless the YAML sets compute_dtype.
+    try:
+        typed_base = resolve(base)
+    except ConfigError as exc:
+        raise ConfigError(f"model.from_pretrained: {where}/config.json: {exc}") from None
     merged = {**base, "compute_dtype": AUTO}
     if any(k in given for k in _ROPE_KEYS):  # config.json's rope settings in the keys the YAML uses
-        theta, scaling = rope_settings(base)
         merged.pop("rope_parameters", None)
+        theta, scaling = rope_settings(typed_base.section)
         merged.update(rope_theta=theta, rope_scaling=scaling)
     for key in given:
         merged.pop(_canonical(key, valid), None)  # the YAML's alias replaces config.json's key
     merged.update(given)
-    try:
-        theirs, _ = resolve(base)
-    except ConfigError as exc:
-        raise ConfigError(f"model.from_pretrained: {where}/config.json: {exc}") from None
-    ours, _ = resolve(merged)
-    diff = numerics_differences(theirs, ours)
+    ours = resolve(merged).config
+    diff = numerics_differences(typed_base.config, ours)
     if diff:
         named = "; ".join(f"model.{f}: the YAML gives {b!r}, config.json {a!r}" for f, a, b in diff[:4])
         raise ConfigError(

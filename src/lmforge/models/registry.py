@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Mapping
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, NamedTuple
 
 from lmforge.errors import ConfigError
-from lmforge.models.common.config_keys import resolve_section
+from lmforge.models.common.config_checks import check_transformer_config
 from lmforge.models.common.gpt import GPTModel
+from lmforge.models.common.section import FamilySection, validate_family_section
 from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.models.family import Family
 
@@ -125,15 +127,24 @@ def architecture_name(raw: Any, family: Family) -> str:
     return arch
 
 
-def resolve(raw: dict[str, Any]) -> tuple[TransformerConfig, type[GPTModel]]:
-    """Validate a plain ``model`` section; return its TransformerConfig and model class."""
+class TypedModel(NamedTuple):
+    """A validated model section: the family's typed section, the structure built from it, and the
+    model class ``architectures`` names."""
+
+    section: FamilySection
+    config: TransformerConfig
+    model_class: type[GPTModel]
+
+
+def resolve(raw: Mapping[str, Any]) -> TypedModel:
+    """A model section as given (the YAML's, or one made from a Hugging Face config.json) validated by
+    its family's typed schema, with the structure built from it. ConfigError names ``model.<key>``."""
     family = family_for(raw.get("model_type"))
     arch = architecture_name(raw.get("architectures"), family)
-    values = resolve_section(raw, family.keys)
-    cfg = family.to_transformer_config(values)
+    section = validate_family_section(dict(raw), family.keys, arch)
+    cfg = family.to_transformer_config(section)
     cfg.section = dict(raw)
     # Dimensions and numeric domains the model relies on, whatever family built the structure.
-    from lmforge.models.common.config_checks import check_transformer_config
-
-    check_transformer_config(cfg)
-    return cfg, family.model_classes[arch]
+    # MLA families have no head_dim key.
+    check_transformer_config(cfg, head_dim_given=bool(getattr(section, "head_dim", None)))
+    return TypedModel(section, cfg, family.model_classes[arch])

@@ -1,34 +1,28 @@
 """The typed ``model`` section: every family's schema, registered with the config.
 
-``load_config`` dispatches on ``model.model_type``: each registered family (and alias) maps to the
-schema below, which resolves the section through that family's keys (models/common/config_keys.py)
-into a :class:`TypedModel` (``cfg.model.typed``). An unknown ``model_type`` falls to the catch-all
-schema, which reports it with the known types. Importing the families needs torch, so
+``load_config`` (and ``validate_section("model", ...)``) dispatch on ``model.model_type``: each
+registered family (and alias) maps to the schema below, which validates the section by that family's
+typed schema (``models/common/section.py``) into a :class:`TypedModel` (``cfg.model.typed``: the
+typed section, its ``TransformerConfig`` and the model class). An unknown ``model_type`` falls to the
+catch-all schema, which reports it with the known types. Importing the families needs torch, so
 ``lmforge/__init__.py`` registers :func:`register` as a provider, run on the first load.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from lmforge.config.registry import register_section_expander, register_section_schema
-from lmforge.models.common.gpt import GPTModel
-from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.models.pretrained import expand_from_pretrained
-from lmforge.models.registry import families, model_type_aliases, resolve
+from lmforge.models.registry import TypedModel, families, model_type_aliases, resolve
+
+__all__ = ["TypedModel", "register"]
 
 
-class TypedModel(NamedTuple):
-    """A validated model section: the structure and the model class ``architectures`` names."""
-
-    config: TransformerConfig
-    model_class: type[GPTModel]
-
-
-def _typed_model(section: Any, path: str, cfg: Mapping[str, Any]) -> TypedModel:
-    config, cls = resolve(section.to_dict())
-    return TypedModel(config, cls)
+def _typed_model(section: Mapping[str, Any], path: str, cfg: Mapping[str, Any]) -> TypedModel:
+    # The model section's keys are its family's: config/ hands over the keys as the file gave them.
+    return resolve(section)
 
 
 def register() -> None:

@@ -83,6 +83,17 @@ class BatchSchedule:
         """
         return self.accumulation_steps_at(consumed_samples) * self.samples_per_micro_step
 
+    def steps_within(self, samples: int) -> int:
+        """How many whole steps fit in ``samples`` samples (all data-parallel ranks together): the
+        length of a run of ``training.epochs`` passes, whose last partial global batch is not trained."""
+        steps = consumed = 0
+        while self.rampup is not None and consumed < self.rampup[2]:  # ramp-up: step by step
+            size = self.samples_of_step_at(consumed)
+            if consumed + size > samples:
+                return steps
+            steps, consumed = steps + 1, consumed + size
+        return steps + (samples - consumed) // self.samples_of_step_at(consumed)
+
     def problems(self) -> list[str]:
         """Why this schedule cannot run (empty when it can)."""
         per_step = self.samples_per_micro_step
@@ -139,6 +150,8 @@ class RunPlan:
     batches: BatchSchedule
     total_steps: int
     activation_summary: str | None = None
+    # training.epochs: how the steps were derived from the data (None when training.steps gives them)
+    epochs_note: str | None = None
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
     # ------------------------------------------------------------------ derived numbers
@@ -214,6 +227,8 @@ class RunPlan:
                 f"the first {samples} samples"
             )
         lines.append(f"  total steps: {self.total_steps}")
+        if self.epochs_note:
+            lines.append(f"  {self.epochs_note}")
         lines.append(f"  learning rate: {self.schedule.description}")
         boundaries = self.schedule.boundaries()
         lines.append(f"  warm-up steps: {boundaries.get('warm-up end') or 0}")
@@ -260,9 +275,11 @@ def _plan(cfg: TrainConfig, world_size: int, problems: list[str]) -> RunPlan | N
     training = cfg.training
     # load_config typed the model, optimizer and lr_scheduler sections (lmforge.config.registry): the
     # plan reads those typed forms and validates nothing again.
-    model_config, model_class = _typed(cfg.model, "model", problems) or (None, None)
+    typed_model = _typed(cfg.model, "model", problems)
+    model_config, model_class = (typed_model.config, typed_model.model_class) if typed_model else (None, None)
     optimizer = _typed(cfg.optimizer, "optimizer", problems)
-    schedule = _typed(cfg.lr_scheduler, "lr_scheduler", problems)
+    # With training.epochs the schedule's total is derived below (load_config left it untyped).
+    schedule = _typed(cfg.lr_scheduler, "lr_scheduler", problems) if training.epochs is None else None
     dims = _attempt(problems, lambda: ParallelDims.from_section(cfg.parallelism, world_size))
     batches = None
     if dims is not None:
@@ -283,6 +300,11 @@ def _plan(cfg: TrainConfig, world_size: int, problems: list[str]) -> RunPlan | N
     summary = None
     if dims is not None and model_config is not None:
         summary = _check_model_structure(cfg, dims, model_config, model_class, optimizer, problems)
+    total_steps, epochs_note = int(training.steps), None
+    if training.epochs is not None and batches is not None and model_config is not None:
+        derived = _attempt(problems, lambda: _steps_of_epochs(cfg, batches, model_config))
+        if derived is not None:
+            total_steps, schedule, epochs_note = derived
     if problems or batches is None:
         return None
     return RunPlan(
@@ -293,10 +315,48 @@ def _plan(cfg: TrainConfig, world_size: int, problems: list[str]) -> RunPlan | N
         optimizer=optimizer,
         schedule=schedule,
         batches=batches,
-        total_steps=int(training.steps),
+        total_steps=total_steps,
         activation_summary=summary,
+        epochs_note=epochs_note,
         warnings=tuple(batches.warnings()),
     )
+
+
+def _steps_of_epochs(cfg: TrainConfig, batches: BatchSchedule, model_config: Any) -> tuple[int, Any, str]:
+    """(steps, lr schedule over them, a line for ``check``) of ``training.epochs`` passes over the data."""
+    from lmforge.data.epochs import samples_of_epochs
+
+    epochs = int(cfg.training.epochs)
+    try:
+        length = samples_of_epochs(
+            cfg.train_dataset,
+            epochs,
+            local_batch_size=batches.local_batch_size,
+            dp_size=batches.data_parallel,
+            seed=int(cfg.training.seed),
+            seq_length=model_config.seq_length,
+            vocab_size=model_config.vocab_size,
+        )
+    except LmforgeError as exc:  # the data must be readable now: the steps are counted from it
+        if str(exc).startswith("training.epochs"):
+            raise
+        raise type(exc)(f"training.epochs {epochs} counts the steps from the training data: {exc}") from None
+    steps = batches.steps_within(length.samples)
+    if steps < 1:
+        raise ConfigError(
+            f"training.epochs: {epochs} pass(es) over the training data give {length.samples} samples "
+            f"({length.description}), fewer than one step of {batches.samples_of_step_at(0)} samples; use more "
+            "epochs or data, or a smaller training.global_batch_size."
+        )
+    try:
+        schedule = cfg.with_derived_steps(steps).lr_scheduler.typed
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (training.steps {steps} derived from training.epochs {epochs})") from None
+    note = (
+        f"steps from training.epochs {epochs}: {length.samples} samples ({length.description}) in whole "
+        f"steps of the batch schedule = {steps} steps"
+    )
+    return steps, schedule, note
 
 
 def _typed(section: Any, path: str, problems: list[str]) -> Any:

@@ -7,9 +7,7 @@ printed per rank.
 
 from __future__ import annotations
 
-from typing import Any
-
-from lmforge.config.sections_components import OptimizerConfig
+from lmforge.config.sections_components import ModelConfig, OptimizerConfig
 from lmforge.config.sections_parallel import ParallelismConfig, RecomputeConfig
 from lmforge.config.sections_run import TrainingConfig
 from lmforge.errors import ConfigError, NotSupportedError
@@ -21,14 +19,14 @@ MAX_RANK_LINES = 16
 
 def parallel_plan(
     parallelism: ParallelismConfig,
-    model: Any,
+    model: ModelConfig,
     training: TrainingConfig,
     optimizer: OptimizerConfig,
     world_size: int,
     recompute: RecomputeConfig | None = None,
 ) -> list[str]:
-    """Lines describing the parallel plan of the typed sections (``model``: the model section, typed or a
-    mapping ``build_model`` resolves); raises ConfigError for anything that would fail at start-up."""
+    """Lines describing the parallel plan of the typed sections (``model``: the validated model section);
+    raises ConfigError for anything that would fail at start-up."""
     import torch
 
     from lmforge.config.inert import inert_keys

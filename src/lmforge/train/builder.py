@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lmforge.config.schema import TrainConfig
+from lmforge.config.sections_components import ModelConfig
 from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.config.sections_run import LoraConfig
 from lmforge.config.sections_speed import Float8Config
@@ -151,7 +152,7 @@ def _refuse_absurd_model(cfg: TrainConfig, device: str | None, world_size: int) 
 
 
 def build_training_model(
-    section: Any,
+    section: ModelConfig,
     *,
     seed: int,
     device: str | None = None,
@@ -225,6 +226,8 @@ def build_trainer(
         # --output-dir moves every output, including the paths the file puts under its own output_dir.
         cfg = with_output_dir(cfg, output_dir)
     plan = _checked_plan(cfg, device)  # every configuration error, before anything exists
+    if cfg.training.epochs is not None:  # the trainer, its checkpoints and callbacks see the steps
+        cfg = cfg.with_derived_steps(plan.total_steps)
     ctx = distributed_env(device, float(cfg.parallelism.process_group_timeout))
     run_dir = _open_run_dir(cfg, plan, ctx)
     seed_everything(int(cfg.training.seed), bool(cfg.training.deterministic))

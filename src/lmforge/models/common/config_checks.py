@@ -34,8 +34,7 @@ def _finite(value: Any, key: str, low: float, why: str) -> None:
         raise ConfigError(f"model.{key} = {value!r} must be a finite number >= {low:g} ({why}).")
 
 
-def _check_attention(cfg: TransformerConfig) -> None:
-    given = cfg.section.get("head_dim") or cfg.section.get("kv_channels")
+def _check_attention(cfg: TransformerConfig, given: bool) -> None:
     if cfg.multi_latent_attention:
         for key in ("qk_nope_head_dim", "v_head_dim", "kv_lora_rank"):
             if getattr(cfg, key) < 1:
@@ -86,9 +85,10 @@ def _check_moe(cfg: TransformerConfig) -> None:
     )
 
 
-def check_transformer_config(cfg: TransformerConfig) -> None:
-    """Refuse dimensions and numeric values the model cannot train with (ConfigError naming the key)."""
-    _check_attention(cfg)
+def check_transformer_config(cfg: TransformerConfig, head_dim_given: bool) -> None:
+    """Refuse dimensions and numeric values the model cannot train with (ConfigError naming the key).
+    ``head_dim_given``: the section set ``head_dim`` (else it was derived as hidden_size / heads)."""
+    _check_attention(cfg, head_dim_given)
     _check_rope(cfg)
     _finite_positive(cfg.rms_norm_eps, "rms_norm_eps", "it keeps RMSNorm's division finite")
     _finite(cfg.initializer_range, "initializer_range", 0.0, "the standard deviation of the initial weights")

@@ -1,8 +1,9 @@
-"""Validation of a ``model`` section: known keys per family, types, aliases, "did you mean".
+"""The keys of a ``model`` section: per family, the original's, aliases, bookkeeping; rope settings.
 
 A family declares its Hugging Face structure keys with defaults (``FamilyKeys.hf``); every family also
 accepts the original's own keys that apply to it (``COMMON_MF_KEYS``, ``MOE_MF_KEYS``, ``MLA_MF_KEYS``)
-and the bookkeeping keys a Hugging Face ``config.json`` carries (token ids, ``use_cache`` ...). Any other
+and the bookkeeping keys a Hugging Face ``config.json`` carries (token ids, ``use_cache`` ...). These
+tables are what ``models/common/section.py`` makes the family's typed (pydantic) schema from; any other
 key is an error naming ``model.<key>`` and listing the valid keys: the original silently ignores typos.
 """
 
@@ -12,11 +13,17 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmforge.config.inert import inert_fields
 from lmforge.errors import ConfigError
-from lmforge.models.common.dtypes import parse_dtype
-from lmforge.utils.logging import get_logger
 
-_log = get_logger("lmforge.models")
+# Keys accepted so that the original's files load, with no effect here: their one table is
+# lmforge.config.inert.INERT_FIELDS (which warns at load); the key tables below only give defaults.
+_INERT = inert_fields("model")
+
+
+def _no_effect(key: str) -> str:
+    return f"no effect: {_INERT[key]}"
+
 
 # The original's keys every family accepts. Value: (default, meaning for docs).
 COMMON_MF_KEYS: dict[str, tuple[Any, str]] = {
@@ -46,9 +53,9 @@ COMMON_MF_KEYS: dict[str, tuple[Any, str]] = {
     "original_max_position_embeddings": (None, "YaRN / Llama-3 pre-training context length"),
     "qk_layernorm": (None, "must match the family (True for qwen3, qwen3_moe, deepseek_v3)"),
     "multi_latent_attention": (None, "must match the family (True only for deepseek_v3)"),
-    "use_attn_mask_compression": (False, "no effect: the model accepts attention_mask or actual_seq_len"),
-    "use_eod_attn_mask_compression": (False, "no effect: the model accepts attention_mask or actual_seq_len"),
-    "use_pad_tokens": (False, "no effect: routing is dropless"),
+    "use_attn_mask_compression": (False, _no_effect("use_attn_mask_compression")),
+    "use_eod_attn_mask_compression": (False, _no_effect("use_eod_attn_mask_compression")),
+    "use_pad_tokens": (False, _no_effect("use_pad_tokens")),
     "loss_chunk_size": (
         512,
         "lmforge extension: tokens per chunk of the output projection + cross-entropy, so the full "
@@ -56,14 +63,11 @@ COMMON_MF_KEYS: dict[str, tuple[Any, str]] = {
     ),
 }
 MOE_MF_KEYS: dict[str, tuple[Any, str]] = {
-    "moe_grouped_gemm": (True, "no effect: experts are always computed batched"),
-    "moe_token_dispatcher_type": (
-        "alltoall",
-        "no effect here: the parallelism section chooses the dispatcher",
-    ),
-    "moe_token_drop_policy": ("probs", "no effect: routing is dropless"),
-    "moe_router_fusion": (True, "no effect"),
-    "moe_permute_fusion": (False, "no effect"),
+    "moe_grouped_gemm": (True, _no_effect("moe_grouped_gemm")),
+    "moe_token_dispatcher_type": ("alltoall", _no_effect("moe_token_dispatcher_type")),
+    "moe_token_drop_policy": ("probs", _no_effect("moe_token_drop_policy")),
+    "moe_router_fusion": (True, _no_effect("moe_router_fusion")),
+    "moe_permute_fusion": (False, _no_effect("moe_permute_fusion")),
     "router_dense_type": ("float32", "the router runs in fp32; only float32 is accepted"),
     "moe_router_load_balancing_type": (None, "'none', 'aux_loss' or 'seq_aux_loss'"),
     "moe_aux_loss_coeff": (None, "weight of the load-balancing loss"),
@@ -75,7 +79,7 @@ MOE_MF_KEYS: dict[str, tuple[Any, str]] = {
     "moe_shared_expert_intermediate_size": (None, "total width of the shared experts"),
 }
 MLA_MF_KEYS: dict[str, tuple[Any, str]] = {
-    "mla_qkv_concat": (True, "no effect: a weight layout choice; lmforge keeps q and kv projections apart"),
+    "mla_qkv_concat": (True, _no_effect("mla_qkv_concat")),
     "mtp_loss_scaling_factor": (0.1, "weight of the mean MTP loss"),
     "moe_router_num_groups": (None, "alias of n_group"),
     "moe_router_group_topk": (None, "alias of topk_group"),
@@ -98,21 +102,6 @@ HF_BOOKKEEPING_KEYS = (
 # lmforge's keys naming where a model section came from (lmforge.models.pretrained): the Hugging Face
 # directory whose config.json it was taken from, and that file's keys lmforge does not model.
 SOURCE_KEYS = ("from_pretrained", "hf_config")
-# lmforge's keys naming where a model section came from (lmforge.models.pretrained): the Hugging Face
-# directory whose config.json it was taken from, and that file's keys lmforge does not model.
-SOURCE_KEYS = ("from_pretrained", "hf_config")
-INERT_KEYS = {
-    "use_attn_mask_compression",
-    "use_eod_attn_mask_compression",
-    "use_pad_tokens",
-    "moe_grouped_gemm",
-    "moe_token_dispatcher_type",
-    "moe_token_drop_policy",
-    "moe_router_fusion",
-    "moe_permute_fusion",
-    "mla_qkv_concat",
-    "ep_size",
-}
 FP32_ONLY_KEYS = ("layernorm_compute_dtype", "softmax_compute_dtype", "rotary_dtype", "router_dense_type")
 # alias -> the Hugging Face key(s) it stands for (the first one the family has is used). The original's
 # TransformerConfig names (DeepseekV3ConfigConverter's rename table) and its moe_router_* spellings.
@@ -191,92 +180,18 @@ def unknown_key_error(key: str | list[str], valid: list[str], where: str) -> Con
     return ConfigError(f"{named} are not keys of {where}. {valid_text}")
 
 
-def _check_type(key: str, value: Any, default: Any) -> None:
-    if value is None or default is None:
-        return
-    ok = True
-    if isinstance(default, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif isinstance(default, str):
-        ok = isinstance(value, str)
-    if not ok:
-        raise ConfigError(
-            f"model.{key} = {value!r} has type {type(value).__name__}; expected {type(default).__name__} "
-            f"(e.g. {default!r}). Note: YAML reads 1e-6 without a dot as a string; write 1.e-6."
-        )
+def require_value(value: Any, key: str, allowed: tuple[Any, ...], why: str) -> None:
+    """Refuse ``value`` of ``model.<key>`` unless it is unset (None) or one of ``allowed``."""
+    if value is not None and value not in allowed:
+        raise ConfigError(f"model.{key} = {value!r} is not supported: {why}. Valid: {list(allowed)}.")
 
 
-def resolve_section(raw: dict[str, Any], family: FamilyKeys) -> dict[str, Any]:
-    """Validated values for every key of the family (defaults filled, aliases folded into canonical keys)."""
-    valid = family.valid_keys()
-    unknown = [key for key in raw if key not in valid]
-    if unknown:
-        raise unknown_key_error(unknown, valid, f"model_type '{family.model_type}'")
-    values: dict[str, Any] = {k: v for k, v in family.hf.items()}
-    values.update({k: d for k, (d, _) in family.mf_keys().items()})
-    for key, value in raw.items():
-        default = family.hf.get(key, family.mf_keys().get(key, (None, ""))[0])
-        if key in family.hf or key in family.mf_keys():
-            _check_type(key, value, default)
-        values[key] = value
-    for alias in ALIASES:
-        canonical = alias_target(alias, list(values))
-        if alias in raw and canonical is not None:
-            if canonical in raw and raw[canonical] != raw[alias]:
-                raise ConfigError(
-                    f"model.{alias} = {raw[alias]!r} contradicts model.{canonical} = {raw[canonical]!r}; "
-                    f"they are the same setting, give one of them (or equal values)."
-                )
-            _check_type(alias, raw[alias], family.hf.get(canonical))
-            values[canonical] = raw[alias]
-    for key in FP32_ONLY_KEYS:
-        if key in raw and parse_dtype(raw[key], f"model.{key}") != parse_dtype("float32", key):
-            raise ConfigError(
-                f"model.{key} = {raw[key]!r} is not supported: lmforge always computes this in float32 "
-                "(the original's default). Use 'float32' or remove the key."
-            )
-    if "params_dtype" in raw and parse_dtype(raw["params_dtype"], "model.params_dtype") != parse_dtype(
-        "float32", "params_dtype"
-    ):
-        _log.warning(
-            "model.params_dtype = %r has no effect: lmforge keeps float32 master weights for every "
-            "low-precision parameter (parameters themselves are stored in compute_dtype).",
-            raw["params_dtype"],
-        )
-    if raw.get("use_flash_attention") is False:
-        _log.warning(
-            "model.use_flash_attention: false has no effect: attention always runs through "
-            "scaled_dot_product_attention, which picks its own kernel."
-        )
-    inert = sorted(k for k in raw if k in INERT_KEYS)
-    if inert:
-        _log.warning(
-            "model: %s accepted but have no effect in lmforge (see docs/models.md)", ", ".join(inert)
-        )
-    bookkeeping = [k for k in raw if k in HF_BOOKKEEPING_KEYS]
-    if bookkeeping:
-        _log.warning(
-            "model: %s accepted but have no effect in lmforge: Hugging Face config.json bookkeeping (the "
-            "data's eod/pad come from train_dataset, the dtype from model.compute_dtype).",
-            ", ".join(f"model.{k}" for k in bookkeeping),
-        )
-    return values
-
-
-def require_value(values: dict[str, Any], key: str, allowed: tuple[Any, ...], why: str) -> None:
-    if values.get(key) is not None and values[key] not in allowed:
-        raise ConfigError(f"model.{key} = {values[key]!r} is not supported: {why}. Valid: {list(allowed)}.")
-
-
-def rope_settings(values: dict[str, Any], key_prefix: str = "model") -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from rope_theta / rope_scaling / rope_parameters / position_embedding_type."""
-    theta = values.get("rope_theta")
-    scaling = values.get("rope_scaling")
-    params = values.get("rope_parameters")
+def rope_settings(values: Any, key_prefix: str = "model") -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) of a typed model section (``models/common/section.py``), from its
+    rope_theta / rope_scaling / rope_parameters / position_embedding_type and YaRN keys."""
+    theta = values.rope_theta
+    scaling = values.rope_scaling
+    params = values.rope_parameters
     if params:
         if not isinstance(params, dict):
             raise ConfigError(f"{key_prefix}.rope_parameters must be a mapping, got {type(params).__name__}.")
@@ -293,24 +208,24 @@ def rope_settings(values: dict[str, Any], key_prefix: str = "model") -> tuple[fl
         scaling["rope_type"] = scaling.pop("type", scaling.get("rope_type", "default"))
         if scaling["rope_type"] == "default":
             scaling = None
-    pe_type = values.get("position_embedding_type") or "rope"
+    pe_type = values.position_embedding_type or "rope"
     if pe_type not in ("rope", "yarn", "llama3"):
         raise ConfigError(
             f"{key_prefix}.position_embedding_type = {pe_type!r} is not supported; valid: 'rope', 'yarn', 'llama3'."
         )
     if pe_type == "yarn" and not scaling:
         # The original's MLATransformerConfig defaults for the YaRN keys it reads from the model section.
-        def pick(key: str, default: Any) -> Any:
-            return values.get(key) if values.get(key) is not None else default
+        def pick(given: Any, default: Any) -> Any:
+            return given if given is not None else default
 
         scaling = {
             "rope_type": "yarn",
-            "factor": float(pick("rotary_scaling_factor", 40)),
-            "original_max_position_embeddings": int(pick("original_max_position_embeddings", 4096)),
-            "beta_fast": float(pick("beta_fast", 32)),
-            "beta_slow": float(pick("beta_slow", 1)),
-            "mscale": float(pick("mscale", 0.707)),
-            "mscale_all_dim": float(pick("mscale_all_dim", 0.707)),
+            "factor": float(pick(values.rotary_scaling_factor, 40)),
+            "original_max_position_embeddings": int(pick(values.original_max_position_embeddings, 4096)),
+            "beta_fast": float(pick(values.beta_fast, 32)),
+            "beta_slow": float(pick(values.beta_slow, 1)),
+            "mscale": float(pick(values.mscale, 0.707)),
+            "mscale_all_dim": float(pick(values.mscale_all_dim, 0.707)),
         }
     if scaling and "factor" not in scaling:
         raise ConfigError(f"{key_prefix}.rope_scaling needs 'factor' for rope_type {scaling['rope_type']!r}.")

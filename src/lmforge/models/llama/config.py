@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from lmforge.models.common.config_keys import FamilyKeys
 from lmforge.models.common.family_build import common_fields, positive_int
+from lmforge.models.common.section import FamilySection
 from lmforge.models.common.transformer_config import TransformerConfig
 
 KEYS = FamilyKeys(
@@ -32,12 +31,12 @@ KEYS = FamilyKeys(
 )
 
 
-def to_transformer_config(values: dict[str, Any]) -> TransformerConfig:
+def to_transformer_config(values: FamilySection) -> TransformerConfig:
     return TransformerConfig(
         model_type="llama",
         architectures="LlamaForCausalLM",
-        intermediate_size=positive_int(values, "intermediate_size"),
-        attention_bias=bool(values.get("attention_bias")),
-        mlp_bias=bool(values.get("mlp_bias")),
+        intermediate_size=positive_int(values.intermediate_size, "intermediate_size"),
+        attention_bias=bool(values.attention_bias),
+        mlp_bias=bool(values.mlp_bias),
         **common_fields(values, family_qk_norm=False, family_mla=False),
     )

@@ -6,6 +6,7 @@ from typing import Any
 
 from lmforge.models.common.config_keys import FamilyKeys, require_value
 from lmforge.models.common.family_build import common_fields, positive_int
+from lmforge.models.common.section import FamilySection
 from lmforge.models.common.transformer_config import TransformerConfig
 
 QWEN3_ATTENTION_KEYS: dict[str, Any] = {
@@ -33,9 +34,14 @@ QWEN3_ATTENTION_KEYS: dict[str, Any] = {
 KEYS = FamilyKeys(model_type="qwen3", architectures=("Qwen3ForCausalLM",), hf=dict(QWEN3_ATTENTION_KEYS))
 
 
-def check_full_attention(values: dict[str, Any]) -> None:
-    require_value(values, "use_sliding_window", (False,), "sliding-window attention is not implemented")
-    layer_types = values.get("layer_types")
+def check_full_attention(values: FamilySection) -> None:
+    require_value(
+        values.use_sliding_window,
+        "use_sliding_window",
+        (False,),
+        "sliding-window attention is not implemented",
+    )
+    layer_types = values.layer_types
     if layer_types and any(t != "full_attention" for t in layer_types):
         from lmforge.errors import ConfigError
 
@@ -44,13 +50,13 @@ def check_full_attention(values: dict[str, Any]) -> None:
         )
 
 
-def to_transformer_config(values: dict[str, Any]) -> TransformerConfig:
+def to_transformer_config(values: FamilySection) -> TransformerConfig:
     check_full_attention(values)
     return TransformerConfig(
         model_type="qwen3",
         architectures="Qwen3ForCausalLM",
-        intermediate_size=positive_int(values, "intermediate_size"),
-        attention_bias=bool(values.get("attention_bias")),
+        intermediate_size=positive_int(values.intermediate_size, "intermediate_size"),
+        attention_bias=bool(values.attention_bias),
         qk_norm=True,
         **common_fields(values, family_qk_norm=True, family_mla=False),
     )

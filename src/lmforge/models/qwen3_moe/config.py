@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from lmforge.errors import ConfigError
 from lmforge.models.common.config_keys import FamilyKeys
 from lmforge.models.common.family_build import check_experts, common_fields, moe_balance, positive_int
+from lmforge.models.common.section import FamilySection
 from lmforge.models.common.transformer_config import TransformerConfig
 from lmforge.models.qwen3.config import QWEN3_ATTENTION_KEYS, check_full_attention
 
@@ -33,12 +31,12 @@ KEYS = FamilyKeys(
 )
 
 
-def to_transformer_config(values: dict[str, Any]) -> TransformerConfig:
+def to_transformer_config(values: FamilySection) -> TransformerConfig:
     check_full_attention(values)
     common = common_fields(values, family_qk_norm=True, family_mla=False)
-    num_experts = positive_int(values, "num_experts", allow_zero=True)
-    step = positive_int(values, "decoder_sparse_step")
-    only_dense = set(values.get("mlp_only_layers") or [])
+    num_experts = positive_int(values.num_experts, "num_experts", allow_zero=True)
+    step = positive_int(values.decoder_sparse_step, "decoder_sparse_step")
+    only_dense = set(values.mlp_only_layers or [])
     moe_layers = tuple(
         i
         for i in range(common["num_layers"])
@@ -46,29 +44,24 @@ def to_transformer_config(values: dict[str, Any]) -> TransformerConfig:
     )
     top_k = check_experts(values, "num_experts", num_experts) if num_experts else 1
     # Hugging Face adds router_aux_loss_coef × the Switch loss only with output_router_logits; same default here.
-    default_type = "aux_loss" if values.get("output_router_logits") else "none"
-    kind, coeff = moe_balance(values, default_type, float(values["router_aux_loss_coef"]))
-    bias = values.get("moe_router_enable_expert_bias")
-    if values.get("scoring_func") not in (None, "softmax"):
-        raise ConfigError(
-            f"model.moe_router_score_function = {values['scoring_func']!r}: qwen3_moe routes with softmax."
-        )
+    default_type = "aux_loss" if values.output_router_logits else "none"
+    kind, coeff = moe_balance(values, default_type, float(values.router_aux_loss_coef))
+    bias = values.moe_router_enable_expert_bias
     return TransformerConfig(
         model_type="qwen3_moe",
         architectures="Qwen3MoeForCausalLM",
-        intermediate_size=positive_int(values, "intermediate_size"),
-        attention_bias=bool(values.get("attention_bias")),
+        intermediate_size=positive_int(values.intermediate_size, "intermediate_size"),
+        attention_bias=bool(values.attention_bias),
         qk_norm=True,
         num_experts=num_experts,
         moe_layers=moe_layers,
         num_experts_per_tok=top_k,
-        moe_intermediate_size=positive_int(values, "moe_intermediate_size"),
-        shared_expert_intermediate_size=int(values.get("moe_shared_expert_intermediate_size") or 0),
-        routed_scaling_factor=float(values.get("routed_scaling_factor") or 1.0),
-        norm_topk_prob=bool(values.get("norm_topk_prob")),
+        moe_intermediate_size=positive_int(values.moe_intermediate_size, "moe_intermediate_size"),
+        shared_expert_intermediate_size=int(values.moe_shared_expert_intermediate_size or 0),
+        norm_topk_prob=bool(values.norm_topk_prob),
         score_function="softmax",
         enable_expert_bias=bool(bias),
-        bias_update_rate=float(values["moe_router_bias_update_rate"]),
+        bias_update_rate=float(values.moe_router_bias_update_rate),
         load_balancing_type=kind,
         aux_loss_coeff=coeff,
         **common,

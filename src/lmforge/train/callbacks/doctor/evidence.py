@@ -73,6 +73,7 @@ _FACT_TYPES: dict[str, tuple[type, type | None]] = {
             "moe_num_experts",
             "moe_top_k",
             "not_updated_checked_at_step",
+            "training_steps",
         )
     },
 }

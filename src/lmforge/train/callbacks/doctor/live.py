@@ -102,6 +102,11 @@ class DoctorCallback(TrainerCallback):
                 self.facts["train_samples_per_epoch"] = per_epoch  # for the repeated-data rule
             self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
             self._start = {n: _sample(p) for n, p in self._params.items()}
+        training = getattr(args, "training", None)
+        if getattr(training, "epochs", None) is not None:
+            self.facts["training_steps"] = int(
+                training.steps
+            )  # derived from the data; config.yaml keeps epochs
         self._write_files()
 
     def _parameter_facts(self, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:

@@ -193,7 +193,8 @@ def healthy_lr(base: float, factor: float = 0.1) -> float:
 
 
 def _steps_configured(ev: RunEvidence) -> int | None:
-    v = ev.section("training").get("steps")
+    # With training.epochs the config holds no steps: the run derived them (doctor_facts.json).
+    v = ev.section("training").get("steps", ev.facts.get("training_steps"))
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
