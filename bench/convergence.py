@@ -223,10 +223,12 @@ def train_one(model: str, optimizer: str, lr: float, args: argparse.Namespace, v
         trainer = build_trainer(cfg, output_dir=out, device=args.device)
         result.params = sum(p.numel() for p in trainer.model.parameters())
         summary = trainer.fit()
-        if trainer.stop_requested and not str(trainer.stop_reason or "").startswith("diverged"):
+        if trainer.stop_agreement.requested and not str(trainer.stop_agreement.reason or "").startswith(
+            "diverged"
+        ):
             # SIGTERM/SIGINT: the trainer stopped cleanly; stop the study too, keeping finished runs.
             raise SystemExit(
-                f"stopped ({trainer.stop_reason}); finished runs are kept under {args.output_dir}"
+                f"stopped ({trainer.stop_agreement.reason}); finished runs are kept under {args.output_dir}"
             )
         result.status = "completed" if summary.get("status", "completed") == "completed" else str(summary)
     except Exception as exc:  # a diverged or broken run is a result of the sweep, not the end of it

@@ -5,6 +5,7 @@ import inside a function counts too."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import lmforge
@@ -23,9 +24,16 @@ RANK = {
 BUILDING_BLOCKS = 2
 
 
+@functools.cache
+def _source(path: Path) -> tuple[str, ast.Module]:
+    """A file's text and syntax tree, read once for all the checks of this module."""
+    text = path.read_text(encoding="utf-8")
+    return text, ast.parse(text)
+
+
 def _imports(path: Path) -> list[str]:
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(_source(path)[1]):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append(node.module)
         elif isinstance(node, ast.Import):
@@ -67,3 +75,63 @@ def test_the_check_sees_an_upward_and_a_sideways_import(tmp_path):
         "models/y.py: models imports lmforge.data.tokenizer",
         "train/x.py: train imports lmforge.cli",
     ]
+
+
+# Compatibility with lmforge's own earlier checkpoint formats (removed in lmforge 0.3) is reached from
+# these places only: one call that detects and names the older formats, one fallback for pickled skeletons.
+COMPAT = "lmforge.train.checkpoint.compat"
+COMPAT_ENTRIES = ["train/checkpoint/load.py", "train/checkpoint/safe_load.py"]
+
+
+def compat_importers(root: Path) -> list[str]:
+    """Modules outside the compat package that import it."""
+    inside = root / COMPAT.split(".", 1)[1].replace(".", "/")
+    return sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if inside not in path.parents
+        and any(m == COMPAT or m.startswith(COMPAT + ".") for m in _imports(path))
+    )
+
+
+def test_compatibility_with_older_checkpoints_is_reached_from_the_load_path_only():
+    assert compat_importers(Path(lmforge.__file__).parent) == COMPAT_ENTRIES
+
+
+def test_the_compat_package_states_its_removal_version():
+    package = Path(lmforge.__file__).parent / "train" / "checkpoint" / "compat" / "__init__.py"
+    assert "Removed in lmforge 0.3." in ast.get_docstring(_source(package)[1])
+    assert 'REMOVED_IN = "0.3"' in _source(package)[0]  # the version the load's warning names
+
+
+MAX_FUNCTION_LINES = 100
+MAX_MODULE_LINES = 600
+
+
+def oversized(root: Path) -> list[str]:
+    """``file: name (n lines)`` for every function over 100 lines and every module over 600 lines."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        text, tree = _source(path)
+        where = path.relative_to(root)
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            bad.append(f"{where}: module ({len(text.splitlines())} lines)")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    bad.append(f"{where}: {node.name} ({lines} lines)")
+    return bad
+
+
+def test_no_function_over_100_lines_and_no_module_over_600():
+    assert oversized(Path(lmforge.__file__).parent) == []
+
+
+def test_the_size_check_sees_a_long_function_and_a_long_module(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    (tmp_path / "ok.py").write_text(f"def f():\n{body}")  # exactly 100 lines
+    method = "".join(f"    {line}\n" for line in body.splitlines())
+    (tmp_path / "long.py").write_text(f"class C:\n    async def g(self):\n{method}        pass\n")
+    (tmp_path / "big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert oversized(tmp_path) == ["big.py: module (601 lines)", "long.py: g (101 lines)"]

@@ -70,7 +70,7 @@ def main() -> int:
         cfg = tiny_config(root / phase, training={"steps": steps}, checkpoint=checkpoint)
         trainer = tiny_trainer(cfg, callbacks=[TermAt(phase)])
         trainer.fit()
-        print(f"{phase}: {trainer.stop_reason}", flush=True)
+        print(f"{phase}: {trainer.stop_agreement.reason}", flush=True)
     return 0
 
 

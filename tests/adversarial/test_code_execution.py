@@ -89,7 +89,7 @@ def _save_with_skeleton(run, monkeypatch, dst, fake_encode):
         str(run / "train.yaml"), [f"checkpoint.load_path={run / 'ckpt'}", f"output_dir={dst}/run"]
     )
     trainer = build_trainer(cfg)
-    trainer._resume_or_start()
+    trainer.resumption.resume_or_start()
     monkeypatch.setattr(state_codec, "encode_skeleton", fake_encode)
     manager = ckpt_mod.CheckpointManager(dst / "ckpt", config_dict=None)
     assert manager.save(trainer.checkpointable(), 2)
@@ -127,7 +127,7 @@ def test_checkpoints_of_older_lmforge_with_pickled_skeletons_still_resume(run_co
     saved = _save_with_skeleton(run_copy, monkeypatch, tmp_path, legacy_encode)
     cfg = load_config(str(run_copy / "train.yaml"), [f"checkpoint.load_path={tmp_path / 'ckpt'}"])
     resumed = build_trainer(cfg)
-    resumed._resume_or_start()
+    resumed.resumption.resume_or_start()
     assert resumed.state.global_step == 2 and resumed.state.to_dict() == saved.state.to_dict()
     a, b = saved.optimizer.state_dict(), resumed.optimizer.state_dict()
     for p in a["state"]:

@@ -148,7 +148,7 @@ def resumed(run_copy):
 
     cfg = load_config(str(run_copy / "train.yaml"), [f"checkpoint.load_path={run_copy / 'ckpt'}"])
     trainer = build_trainer(cfg)
-    trainer._resume_or_start()
+    trainer.resumption.resume_or_start()
     return trainer
 
 
@@ -160,7 +160,7 @@ def _assert_resumable(run, step):
 
     cfg = load_config(str(run / "train.yaml"), [f"checkpoint.load_path={run / 'ckpt'}"])
     trainer = build_trainer(cfg)
-    trainer._resume_or_start()
+    trainer.resumption.resume_or_start()
     assert trainer.state.global_step == step
 
 

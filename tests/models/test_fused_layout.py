@@ -8,7 +8,7 @@ import torch
 from lmforge.config import validate_section
 from lmforge.models import build_model
 from lmforge.models.common import init
-from lmforge.train.checkpoint.layout_upgrade import fused_rows
+from lmforge.train.checkpoint.compat.fused_layout_v1 import fused_rows
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])

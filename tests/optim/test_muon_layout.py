@@ -15,7 +15,7 @@ from torch import nn
 from lmforge.config import validate_section
 from lmforge.models import build_model
 from lmforge.optim import build_optimizer
-from lmforge.train.checkpoint.layout_upgrade import fused_rows
+from lmforge.train.checkpoint.compat.fused_layout_v1 import fused_rows
 from lmforge.utils.muon_split import MuonSplit
 
 SECTIONS = {

@@ -41,7 +41,7 @@ def test_override_wins_and_is_validated():
 def test_the_denominator_is_the_peak_of_the_compute_dtype_not_of_the_fp32_masters(monkeypatch):
     from types import SimpleNamespace
 
-    from lmforge.train import trainer as trainer_module
+    from lmforge.train import perf
 
     asked = []
 
@@ -49,12 +49,12 @@ def test_the_denominator_is_the_peak_of_the_compute_dtype_not_of_the_fp32_master
         asked.append(dtype)
         return SimpleNamespace(flops=1e12, source="test")
 
-    monkeypatch.setattr(trainer_module, "mfu_peak", fake_peak)
+    monkeypatch.setattr(perf, "mfu_peak", fake_peak)
     model = torch.nn.Linear(2, 2)  # fp32 parameters, as the masters are
     model.compute_dtype = torch.bfloat16
-    fake = SimpleNamespace(peak_flops=None, model=model, config=None, ctx=SimpleNamespace(device="cpu"))
-    assert trainer_module.Trainer._peak(fake) == 1e12
-    assert asked == [torch.bfloat16]
+    meter = perf.MfuMeter(model, torch.device("cpu"))
+    assert meter.peak() == 1e12 and meter.peak() == 1e12
+    assert asked == [torch.bfloat16]  # worked out once
 
 
 def test_a_16_bit_peak_is_measured_in_that_dtype_and_says_so():

@@ -45,6 +45,12 @@ def test_a_layout_1_checkpoint_loads_converted_and_resumes_exactly(family, caplo
     with caplog.at_level(logging.INFO, logger="lmforge.train.checkpoint"):
         load_checkpoint(header, Checkpointable(model=model, optimizer=opt), no_load_optim=False)
     assert "layout 1" in caplog.text and f"converted to layout {WEIGHT_LAYOUT}" in caplog.text
+    # The detection names the older formats it found and when their support ends (train/checkpoint/compat).
+    assert (
+        "written by an earlier lmforge (fused weight layout 1; no optimizer_type in common.json)"
+        in caplog.text
+    )
+    assert "which is removed in lmforge 0.3" in caplog.text
     ids, labels = expected["input_ids"], expected["labels"]
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected["logits_at_checkpoint"], atol=1e-5, rtol=0)

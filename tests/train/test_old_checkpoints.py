@@ -16,7 +16,7 @@ import yaml
 from lmforge.config import load_config
 from lmforge.train.builder import build_trainer
 from lmforge.train.callbacks import read_metrics
-from lmforge.train.checkpoint.layout_upgrade import fused_rows
+from lmforge.train.checkpoint.compat.fused_layout_v1 import fused_rows
 
 from .test_train_cli import ADAMW, write_config
 
@@ -45,8 +45,8 @@ def test_old_single_device_checkpoint_resumes(tmp_path, folder, weights_in):
     Path(path).write_text(yaml.safe_dump(raw))
     saved = _saved_tensors(fixture / "ckpt" / "iteration_00000004", tmp_path)
     trainer = build_trainer(load_config(path))
-    trainer._resume_or_start()
-    converted = "written by the old single-device path" in (trainer.output_dir / "train.log").read_text()
+    trainer.resumption.resume_or_start()
+    converted = "(the old single-device path)" in (trainer.output_dir / "train.log").read_text()
     assert converted == (weights_in == "masters")
     assert trainer.state.global_step == 4
     # The fixtures also predate the shard-clean fused layout (weight layout 2): their fused rows are

@@ -182,7 +182,7 @@ def test_fine_tune_from_a_hugging_face_directory(tmp_path):
         [f"checkpoint.load_path={tmp_path / 'hf'}", "checkpoint.no_load_optim=true"],
     )
     trainer = build_trainer(cfg)
-    trainer._resume_or_start()
+    trainer.resumption.resume_or_start()
     ours = dict(trainer.model.named_parameters())
     for name, p in source.named_parameters():
         # fp32 parameters (sharded over the one process) holding the bf16 weights exactly.

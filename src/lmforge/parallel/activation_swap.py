@@ -53,16 +53,12 @@ class ActivationSwap:
 
     def __init__(self, prefetch: int = 1) -> None:
         self.prefetch = prefetch
-        self.swapped_bytes = 0  # total bytes packed by the hooks since the last reset (a statistic)
+        self.swapped_bytes = 0  # total bytes packed by the hooks (a statistic)
         self.fetches_started: list[int] = []  # layer ids whose fetch was started, in order (diagnostic)
         self._records: dict[int, list[weakref.ref[_SwappedTensor]]] = {}
         self._fetched_layers: set[int] = set()  # copies back started (this backward)
         self._visited_layers: set[int] = set()  # backward has unpacked from these
         self._stream: Any = None
-
-    def reset_stats(self) -> None:
-        self.swapped_bytes = 0
-        self.fetches_started.clear()
 
     @property
     def layer_ids(self) -> list[int]:
@@ -209,7 +205,3 @@ def count_saved_activation_bytes(model: nn.Module | None = None) -> Iterator[dic
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield result
-
-
-def is_swapped(module: nn.Module) -> bool:
-    return isinstance(module, Swapped)

@@ -167,11 +167,6 @@ class ParallelDims:
         return self.dp_shard * self.cp
 
     @property
-    def loss_reduce_size(self) -> int:
-        """Ranks whose token sums form one step's loss (every dp and cp rank)."""
-        return self.dp * self.cp
-
-    @property
     def expert_fsdp_size(self) -> int:
         return self.fsdp_size // self.ep
 

@@ -252,6 +252,221 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} TiB"  # pragma: no cover
 
 
+@dataclass
+class _ParameterShares:
+    """What one rank holds of the model's parameters (element counts, fractional under sharding)."""
+
+    dense: float = 0.0
+    experts: float = 0.0
+    muon_matrices: float = 0.0  # the 2-D non-vocabulary parameters (Muon's momentum only)
+    largest_layer: int = 0  # elements of the largest decoder layer, unsharded
+    outside_layers: int = 0  # elements outside the decoder layers, unsharded
+    per_layer: list[float] = field(default_factory=list)  # per layer (in order), one rank of its stage
+
+    @property
+    def local(self) -> float:
+        return self.dense + self.experts
+
+
+def _parameter_shares(model: nn.Module, dims: ParallelDims) -> _ParameterShares:
+    shares = _ParameterShares()
+    per_layer: dict[str, int] = {}
+    layer_local: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if "layers." in name:
+            owner, rest = name.split("layers.", 1)
+            key = owner + rest.split(".", 1)[0]
+            share = dims.tp * (dims.ep * dims.expert_fsdp_size if _is_expert(name) else dims.fsdp_size)
+            layer_local[key] = layer_local.get(key, 0.0) + n / share
+        # The MTP layers all live on the last pipeline stage (parallel/pp.py), the others spread over pp.
+        pp_share = 1 if name.startswith("mtp.") else dims.pp
+        if _is_expert(name):
+            local = n / (pp_share * dims.tp * dims.ep) / dims.expert_fsdp_size
+            shares.experts += local
+        else:
+            local = n / (pp_share * dims.tp) / dims.fsdp_size
+            if not _is_vocab(name) and "layers." not in name:
+                local = n / dims.fsdp_size  # norms outside the layers: replicated over tp/pp
+            shares.dense += local
+        if p.ndim == 2 and not _is_vocab(name):
+            shares.muon_matrices += local
+        if "layers." in name:
+            key = name.split("layers.", 1)[1].split(".", 1)[0]
+            per_layer[key] = per_layer.get(key, 0) + n
+        else:
+            shares.outside_layers += n
+    shares.largest_layer = max(per_layer.values(), default=0)
+    shares.per_layer = list(layer_local.values())
+    return shares
+
+
+def _fsdp_bytes(
+    shares: _ParameterShares, dims: ParallelDims, cbytes: int, num_layers: int
+) -> tuple[int, int]:
+    """(gathered compute copies, 16-bit gradients of the largest FSDP unit) on one rank."""
+    local = shares.local
+    # The current layer and the prefetched next one, plus the root unit (embedding, output layer,
+    # final norm: a stage's share under pp), which FSDP keeps gathered from forward to backward.
+    gathered = int((2 * shares.largest_layer + shares.outside_layers / dims.pp) / dims.tp * cbytes)
+    if dims.fsdp_size != 1 or cbytes >= 4:
+        return gathered, 0
+    # A shard group of one computing in 16 bits keeps every layer's compute copy from forward to
+    # backward (parallel/fsdp.py), and groups layers into the units parallel/fsdp.py forms there: the
+    # whole model when it is within the bound, otherwise runs of consecutive layers (this stage's, under pp).
+    gathered = int(local * cbytes)
+    sizes = shares.per_layer
+    if dims.pp > 1:
+        sizes = sizes[: -(-num_layers // dims.pp)]
+    limit = fsdp.ONE_RANK_UNIT_PARAMS
+    if local <= limit:
+        return gathered, int(local * cbytes)
+    if sizes:
+        return gathered, int(
+            max(sum(sizes[i] for i in run) for run in fsdp.group_sizes(sizes, limit)) * cbytes
+        )
+    return gathered, 0
+
+
+def _optimizer_state_bytes(optimizer_type: str, shares: _ParameterShares, moment_bytes: int) -> int:
+    opt = optimizer_type.lower()
+    local = shares.local
+    if opt == "muon":
+        # momentum for Muon matrices, Adam's two moments for the rest
+        return int(shares.muon_matrices * moment_bytes + (local - shares.muon_matrices) * 2 * moment_bytes)
+    if opt == "lion":
+        return int(local * moment_bytes)  # one momentum
+    return int(local * 2 * moment_bytes)
+
+
+@dataclass
+class _StepShape:
+    """The facts of one step on one rank that the activation and loss estimates share."""
+
+    config: Any
+    dims: ParallelDims
+    cbytes: int
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    tokens: float  # this rank's tokens of one micro-batch (the sequence split by cp)
+    accumulation_steps: int
+
+    @property
+    def layers_here(self) -> int:
+        return -(-self.num_layers // self.dims.pp)
+
+    @property
+    def chunk(self) -> int:
+        return self.config.loss_chunk_size if isinstance(self.config, TransformerConfig) else 0
+
+
+def _loss_bytes(shape: _StepShape, notes: list[str]) -> tuple[float, float, float]:
+    """(what stays outside the layers until backward, the loss backward's peak, what the loss leaves to
+    the MLP backward of the last layer)."""
+    tokens, h, c, vocab, dims = shape.tokens, shape.hidden_size, shape.cbytes, shape.vocab_size, shape.dims
+    chunk = shape.chunk
+    # The plain path's logits live to the end of the step on one process (the model returns them with the
+    # loss); the pipeline's last stage returns only the loss, so there they are freed after its forward.
+    logits_kept = dims.pp == 1
+    if chunk > 0:
+        # The chunked loss (models/common/loss.py; under pp the last stage's, per micro-batch): no logits
+        # are saved. Its forward holds one chunk's logits over this rank's vocabulary rows, two buffers at
+        # most at once in 16 bits (the fp32 copy, turned into the softmax in place, beside the 16-bit
+        # logits it is made from or the 16-bit gradient made from it; measured on 2 ranks); in fp32 one
+        # buffer serves all three. It keeps the hidden states' gradient and the output weight's
+        # gradient until backward. The train step announces the loss's gradient scale, so a 16-bit
+        # weight's gradient is summed in 16 bits over one or two chunks and in fp32 over more, rounded
+        # to 16 bits at the end of forward, when the fp32 sum and its copy meet (the chunks' logits are
+        # freed by then).
+        rest = tokens * (h * (2 * c + 4) + _REST_CONST)
+        vocab_here = vocab / dims.tp
+        chunk_bytes = 4 if c >= 4 else 4 + c
+        weight_grad = vocab_here * h
+        if c < 4 and math.ceil(tokens / chunk) <= 2:
+            chunks, sum_bytes = min(chunk, tokens) * vocab_here * chunk_bytes, weight_grad * c
+        elif c < 4:
+            chunks = max(min(chunk, tokens) * vocab_here * chunk_bytes, weight_grad * c)
+            sum_bytes = weight_grad * 4
+        else:
+            chunks, sum_bytes = min(chunk, tokens) * vocab_here * chunk_bytes, weight_grad * 4
+        logits_grad = chunks + tokens * h * c + sum_bytes
+        notes.append(f"chunked loss ({chunk} tokens per chunk): the [tokens, vocab] logits never exist")
+        # The output weight's unsharded gradient in the compute dtype (FSDP reduces the root unit only
+        # after the embedding's backward).
+        return rest, logits_grad, vocab / dims.tp * h * c
+    # Outside the layers: embedding output, final norm (2 copies in 16-bit), and the logits themselves in
+    # the compute dtype where the step returns them (they live to the end). Under tp the plain loss path
+    # gathers the final norm's output and the output weight, so every tp rank computes the
+    # full-vocabulary logits (sequence and vocabulary unsplit).
+    kept = c * vocab if logits_kept else 0
+    rest = tokens * (h * (2 * c + 4) + kept + _REST_CONST)
+    # The loss backward's first step, its peak: three fp32 logits-sized tensors (the log-softmax saved
+    # for backward, the gradient coming into it and the one it returns). The output weight's gradient
+    # comes after they are freed (the MLP-backward moment counts it: the gathered weight's gradient and
+    # the logits the step returns).
+    logits_grad = tokens * vocab * 4 * 3
+    return rest, logits_grad, ((tokens if logits_kept else 0) + h) * vocab * c
+
+
+def _activation_bytes(
+    shape: _StepShape, recompute_select: dict[int, set[str]] | None, notes: list[str]
+) -> tuple[int, int, int, int]:
+    """(activations, with full recompute, a recomputed layer's backward, the last layer's MLP backward)
+    of the most loaded pipeline stage."""
+    config, dims, c, h, tokens = shape.config, shape.dims, shape.cbytes, shape.hidden_size, shape.tokens
+    num_layers, layers_here = shape.num_layers, shape.layers_here
+    per_layer_act = layer_activation_bytes_per_token(config, h, c) * tokens / dims.tp
+    mtp_act, mtp_inputs = _mtp_activation_bytes(config, per_layer_act, tokens, h, c, dims)
+    rest, logits_grad, loss_left = _loss_bytes(shape, notes)
+    # 1F1B keeps up to pp micro-batches in flight on the first stage; GPipe keeps all of them.
+    in_flight = min(dims.pp, shape.accumulation_steps) if dims.pp > 1 else 1
+    layer_inputs = layers_here * tokens * h * c / dims.tp  # what full recompute keeps
+    stage_layers_act = layers_here * per_layer_act
+    recomputed_last_mlp = 0.0
+    if recompute_select:
+        # The selected modules keep only their input (already counted as the norm's output). Under
+        # pipeline parallelism the stage with the most selected layers is not known here: count the
+        # smallest saving a stage can have (the selected layers spread evenly).
+        part = layer_activation_parts_per_token(config, h, c)
+        freed = sum(part[name] for names in recompute_select.values() for name in names)
+        stage_layers_act -= freed / dims.pp * tokens / dims.tp
+        notes.append("recompute select: the selected attention / MLP modules' activations are not kept")
+        if dims.pp == 1 and "mlp" in recompute_select.get(num_layers - 1, ()):
+            # its backward runs the MLP's forward again first: its activations are back
+            recomputed_last_mlp = part["mlp"] * tokens / dims.tp
+    # The MLP backward of the stage's last layer, the first layer backward reaches (the peak of the 2-rank
+    # FSDP steps with the chunked loss in tests/tools, where one chunk's logits are smaller than the
+    # MLP's gradients). Alive then, besides every saved activation: the MLP's gradients
+    # (:func:`mlp_backward_bytes`; its input rows are the whole local sequence, gathered under sequence
+    # parallel) and what the loss left (:func:`_loss_bytes`). Outside the layers the final norm's saved
+    # tensors are gone; the embedding output and the hidden states' gradient (compute dtype) remain.
+    rest_in_backward = tokens * (2 * h * c + _REST_CONST)
+    mlp_grads_last = mlp_backward_bytes(config, num_layers - 1, tokens, h, c, dims)
+    last_stage = (
+        stage_layers_act + mtp_act + recomputed_last_mlp + rest_in_backward + loss_left + mlp_grads_last
+    )
+    if dims.pp == 1:
+        return (
+            int(stage_layers_act + mtp_act + rest + logits_grad),
+            int(layer_inputs + mtp_inputs + rest + logits_grad),
+            int(layer_inputs + per_layer_act + rest),
+            int(last_stage),
+        )
+    # The first stage keeps ``in_flight`` micro-batches of its layers; the last stage one micro-batch
+    # plus the loss. The larger of the two.
+    first_stage_last = min(layers_here, num_layers) - 1
+    first_stage = stage_layers_act * in_flight + mlp_backward_bytes(
+        config, first_stage_last, tokens, h, c, dims
+    )
+    return (
+        int(max(stage_layers_act * in_flight, stage_layers_act + mtp_act + rest + logits_grad)),
+        int(max(layer_inputs * in_flight, layer_inputs + mtp_inputs + rest + logits_grad)),
+        int(max(layer_inputs * in_flight, layer_inputs + rest) + per_layer_act),
+        int(max(first_stage, last_stage)),
+    )
+
+
 def estimate_memory(
     model: nn.Module,
     dims: ParallelDims,
@@ -279,176 +494,34 @@ def estimate_memory(
     ``total(recompute=False)`` uses).
     """
     cbytes = _DTYPE_BYTES.get(compute_dtype, 4)
-    notes: list[str] = []
-    dense_local = expert_local = 0.0
-    muon_local = 0.0
-    largest_layer = 0
-    per_layer: dict[str, int] = {}
-    layer_local: dict[str, float] = {}  # per layer (in order), what one rank of its stage holds
-    for name, p in model.named_parameters():
-        n = p.numel()
-        if "layers." in name:
-            owner, rest = name.split("layers.", 1)
-            key = owner + rest.split(".", 1)[0]
-            share = dims.tp * (dims.ep * dims.expert_fsdp_size if _is_expert(name) else dims.fsdp_size)
-            layer_local[key] = layer_local.get(key, 0.0) + n / share
-        # The MTP layers all live on the last pipeline stage (parallel/pp.py), the others spread over pp.
-        pp_share = 1 if name.startswith("mtp.") else dims.pp
-        if _is_expert(name):
-            local = n / (pp_share * dims.tp * dims.ep) / dims.expert_fsdp_size
-            expert_local += local
-        else:
-            local = n / (pp_share * dims.tp) / dims.fsdp_size
-            if not _is_vocab(name) and "layers." not in name:
-                local = n / dims.fsdp_size  # norms outside the layers: replicated over tp/pp
-            dense_local += local
-        if p.ndim == 2 and not _is_vocab(name):
-            muon_local += local
-        if "layers." in name:
-            key = name.split("layers.", 1)[1].split(".", 1)[0]
-            per_layer[key] = per_layer.get(key, 0) + n
-    largest_layer = max(per_layer.values(), default=0)
-    outside_layers = sum(p.numel() for name, p in model.named_parameters() if "layers." not in name)
-    local = dense_local + expert_local
-    params = int(local * 4)
-    notes.append("FSDP2 keeps the (sharded) parameters in fp32; they are the master weights.")
-    # The current layer and the prefetched next one, plus the root unit (embedding, output layer,
-    # final norm: a stage's share under pp), which FSDP keeps gathered from forward to backward.
-    gathered = int((2 * largest_layer + outside_layers / dims.pp) / dims.tp * cbytes)
-    if dims.fsdp_size == 1 and cbytes < 4:
-        # A shard group of one computing in 16 bits keeps every layer's compute copy from forward to
-        # backward (parallel/fsdp.py).
-        gathered = int(local * cbytes)
-    grads = int(local * 4)
-    unit_grads = 0
-    if dims.fsdp_size == 1 and cbytes < 4:
-        # The units parallel/fsdp.py forms there: the whole model when it is within the bound, otherwise
-        # runs of consecutive layers (this stage's, under pp).
-        sizes = list(layer_local.values())
-        if dims.pp > 1:
-            sizes = sizes[: -(-num_layers // dims.pp)]
-        limit = fsdp.ONE_RANK_UNIT_PARAMS
-        if local <= limit:
-            unit_grads = int(local * cbytes)
-        elif sizes:
-            unit_grads = int(
-                max(sum(sizes[i] for i in run) for run in fsdp.group_sizes(sizes, limit)) * cbytes
-            )
-    opt = optimizer_type.lower()
-    if opt == "muon":
-        # momentum for Muon matrices, Adam's two moments for the rest
-        states = int(muon_local * moment_bytes + (local - muon_local) * 2 * moment_bytes)
-    elif opt == "lion":
-        states = int(local * moment_bytes)  # one momentum
-    else:
-        states = int(local * 2 * moment_bytes)
+    notes = ["FSDP2 keeps the (sharded) parameters in fp32; they are the master weights."]
+    shares = _parameter_shares(model, dims)
+    gathered, unit_grads = _fsdp_bytes(shares, dims, cbytes, num_layers)
+    states = _optimizer_state_bytes(optimizer_type, shares, moment_bytes)
     if offload_states:
         notes.append("optimizer states are in CPU memory (optimizer.offload_states)")
         states = 0
-    layers_here = -(-num_layers // dims.pp)
-    tokens = seq_length * local_batch_size / dims.cp
-    config = getattr(model, "config", None)  # checked (with a clear error) by the per-token estimate
-    per_token_layer = layer_activation_bytes_per_token(config, hidden_size, cbytes)
-    per_layer_act = per_token_layer * tokens / dims.tp
-    mtp_act, mtp_inputs = _mtp_activation_bytes(config, per_layer_act, tokens, hidden_size, cbytes, dims)
-    # 1F1B keeps up to pp micro-batches in flight on the first stage; GPipe keeps all of them.
-    in_flight = min(dims.pp, accumulation_steps) if dims.pp > 1 else 1
-    # Outside the layers: embedding output, final norm (2 copies in 16-bit), on the plain path the logits.
-    # Under tp the plain loss path gathers the final norm's output and the output weight, so every tp
-    # rank computes the full-vocabulary logits (sequence and vocabulary unsplit).
-    full_tokens = seq_length * local_batch_size / dims.cp
-    chunk = config.loss_chunk_size if isinstance(config, TransformerConfig) else 0
-    # The plain path's logits live to the end of the step on one process (the model returns them with the
-    # loss); the pipeline's last stage returns only the loss, so there they are freed after its forward.
-    logits_kept = dims.pp == 1
-    if chunk > 0:
-        # The chunked loss (models/common/loss.py; under pp the last stage's, per micro-batch): no logits
-        # are saved. Its forward holds one chunk's logits over this rank's vocabulary rows, two buffers at
-        # most at once in 16 bits (the fp32 copy, turned into the softmax in place, beside the 16-bit
-        # logits it is made from or the 16-bit gradient made from it; measured on 2 ranks); in fp32 one
-        # buffer serves all three. It keeps the hidden states' gradient and the output weight's
-        # gradient until backward. The train step announces the loss's gradient scale, so a 16-bit
-        # weight's gradient is summed in 16 bits over one or two chunks and in fp32 over more, rounded
-        # to 16 bits at the end of forward, when the fp32 sum and its copy meet (the chunks' logits are
-        # freed by then).
-        rest = full_tokens * (hidden_size * (2 * cbytes + 4) + _REST_CONST)
-        vocab_here = vocab_size / dims.tp
-        chunk_bytes = 4 if cbytes >= 4 else 4 + cbytes
-        weight_grad = vocab_here * hidden_size
-        if cbytes < 4 and math.ceil(full_tokens / chunk) <= 2:
-            chunks, sum_bytes = min(chunk, full_tokens) * vocab_here * chunk_bytes, weight_grad * cbytes
-        elif cbytes < 4:
-            chunks = max(min(chunk, full_tokens) * vocab_here * chunk_bytes, weight_grad * cbytes)
-            sum_bytes = weight_grad * 4
-        else:
-            chunks, sum_bytes = min(chunk, full_tokens) * vocab_here * chunk_bytes, weight_grad * 4
-        logits_grad = chunks + full_tokens * hidden_size * cbytes + sum_bytes
-        notes.append(f"chunked loss ({chunk} tokens per chunk): the [tokens, vocab] logits never exist")
-    else:
-        # The logits themselves in the compute dtype where the step returns them (they live to the end).
-        kept = cbytes * vocab_size if logits_kept else 0
-        rest = full_tokens * (hidden_size * (2 * cbytes + 4) + kept + _REST_CONST)
-        # The loss backward's first step, its peak: three fp32 logits-sized tensors (the log-softmax saved
-        # for backward, the gradient coming into it and the one it returns). The output weight's gradient
-        # comes after they are freed (the MLP-backward moment counts it).
-        logits_grad = full_tokens * vocab_size * 4 * 3
-    layer_inputs = layers_here * tokens * hidden_size * cbytes / dims.tp  # what full recompute keeps
-    stage_layers_act = layers_here * per_layer_act
-    recomputed_last_mlp = 0.0
-    if recompute_select:
-        # The selected modules keep only their input (already counted as the norm's output). Under
-        # pipeline parallelism the stage with the most selected layers is not known here: count the
-        # smallest saving a stage can have (the selected layers spread evenly).
-        part = layer_activation_parts_per_token(config, hidden_size, cbytes)
-        freed = sum(part[name] for names in recompute_select.values() for name in names)
-        stage_layers_act -= freed / dims.pp * tokens / dims.tp
-        notes.append("recompute select: the selected attention / MLP modules' activations are not kept")
-        if dims.pp == 1 and "mlp" in recompute_select.get(num_layers - 1, ()):
-            # its backward runs the MLP's forward again first: its activations are back
-            recomputed_last_mlp = part["mlp"] * tokens / dims.tp
-    # The MLP backward of the stage's last layer, the first layer backward reaches (the peak of the 2-rank
-    # FSDP steps with the chunked loss in tests/tools, where one chunk's logits are smaller than the
-    # MLP's gradients). Alive then, besides every saved activation: the MLP's gradients
-    # (:func:`mlp_backward_bytes`; its input rows are the whole local sequence, gathered under sequence
-    # parallel) and what the loss left: the output weight's unsharded gradient in the compute dtype (FSDP
-    # reduces the root unit only after the embedding's backward; the plain path's is the gathered weight's)
-    # and, on the plain path, the logits the step returns. Outside the layers the final norm's saved tensors
-    # are gone; the embedding output and the hidden states' gradient (compute dtype) remain.
-    rest_in_backward = full_tokens * (2 * hidden_size * cbytes + _REST_CONST)
-    if chunk > 0:
-        loss_left = vocab_size / dims.tp * hidden_size * cbytes
-    else:
-        loss_left = ((full_tokens if logits_kept else 0) + hidden_size) * vocab_size * cbytes
-    first_stage_last = min(layers_here, num_layers) - 1
-    mlp_grads_last = mlp_backward_bytes(config, num_layers - 1, full_tokens, hidden_size, cbytes, dims)
-    last_stage = (
-        stage_layers_act + mtp_act + recomputed_last_mlp + rest_in_backward + loss_left + mlp_grads_last
+    shape = _StepShape(
+        config=getattr(model, "config", None),  # checked (with a clear error) by the per-token estimate
+        dims=dims,
+        cbytes=cbytes,
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        tokens=seq_length * local_batch_size / dims.cp,
+        accumulation_steps=accumulation_steps,
     )
-    if dims.pp > 1:
-        # The first stage keeps ``in_flight`` micro-batches of its layers; the last stage one
-        # micro-batch plus the loss. The larger of the two.
-        act = int(max(stage_layers_act * in_flight, stage_layers_act + mtp_act + rest + logits_grad))
-        act_rc = int(max(layer_inputs * in_flight, layer_inputs + mtp_inputs + rest + logits_grad))
-        recompute_backward = int(max(layer_inputs * in_flight, layer_inputs + rest) + per_layer_act)
-        first_stage = stage_layers_act * in_flight + mlp_backward_bytes(
-            config, first_stage_last, full_tokens, hidden_size, cbytes, dims
-        )
-        mlp_backward = int(max(first_stage, last_stage))
-    else:
-        act = int(stage_layers_act + mtp_act + rest + logits_grad)
-        act_rc = int(layer_inputs + mtp_inputs + rest + logits_grad)
-        recompute_backward = int(layer_inputs + per_layer_act + rest)
-        mlp_backward = int(last_stage)
+    act, act_rc, recompute_backward, mlp_backward = _activation_bytes(shape, recompute_select, notes)
     if accumulation_steps > 1:
         notes.append("gradients stay allocated while later micro-batches run (gradient accumulation)")
     return MemoryEstimate(
-        parameters=params,
-        gradients=grads,
+        parameters=int(shares.local * 4),
+        gradients=int(shares.local * 4),
         optimizer_states=states,
         gathered_parameters=gathered,
         activations=act,
         activations_recompute=act_rc,
-        local_parameter_count=int(local),
+        local_parameter_count=int(shares.local),
         notes=notes,
         recompute_backward=recompute_backward,
         mlp_backward=mlp_backward,

@@ -1,4 +1,5 @@
-"""Throughput helpers: the MFU denominator (datasheet or measured peak) and peak memory."""
+"""Throughput helpers: the MFU meter the trainer holds, its denominator (datasheet or measured peak) and
+peak memory."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from lmforge.utils.native_dtype import cpu_capability
 
@@ -34,6 +37,41 @@ DATASHEET_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 class MfuPeak:
     flops: float  # FLOP/s per device
     source: str  # what the number is, for the log: "datasheet bf16 peak of ...", "measured ...", "mfu.peak_tflops"
+
+
+class MfuMeter:
+    """The two factors of a step's MFU: the model's FLOPs per token and the device's peak FLOP/s, each
+    worked out once, when first asked (the peak may be measured: a fraction of a second)."""
+
+    def __init__(
+        self, model: nn.Module, device: torch.device, mfu_section: Any = None, peak_flops: float | None = None
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.mfu_section = mfu_section  # the typed ``mfu:`` section (peak_tflops), or None
+        self.peak_flops = peak_flops
+        self._flops_per_token: float | None = None
+
+    def flops_per_token(self, seq_length: int) -> float:
+        if self._flops_per_token is None:
+            fn = getattr(self.model, "flops_per_token", None)
+            if callable(fn):
+                self._flops_per_token = float(fn(seq_length))
+            else:  # dense approximation: 6 FLOPs per parameter per token (forward + backward)
+                self._flops_per_token = 6.0 * sum(p.numel() for p in self.model.parameters())
+        return self._flops_per_token
+
+    def peak(self) -> float:
+        if self.peak_flops is None:
+            # The dtype the matmuls run in (the parameters are the fp32 masters).
+            dtype = getattr(self.model, "compute_dtype", None) or next(
+                (p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32
+            )
+            override = getattr(self.mfu_section, "peak_tflops", None)
+            peak = mfu_peak(self.device, dtype, override)
+            logger.info("MFU denominator: %s", peak.source)
+            self.peak_flops = peak.flops
+        return self.peak_flops
 
 
 def datasheet_peak_tflops(device_name: str) -> float | None:

@@ -170,9 +170,48 @@ class TrainStep:
 
     def __call__(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> StepResult:
         ctx = self.ctx
-        device = ctx.device
-        accum = len(micro_batches)
-        batches = [_to_device(b, device) for b in micro_batches]
+        batches = [_to_device(b, ctx.device) for b in micro_batches]
+        counts, n_global, input_tokens, samples = self._global_counts(batches)
+        # fp16: backpropagate loss x scale (gradients divided by it again before clipping).
+        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        loss_sum, model_tokens, aux_totals = self._forward_backward(batches, n_global, loss_scale)
+        if not torch.equal(model_tokens, counts.sum()):
+            raise RuntimeError(
+                f"the model counted {float(model_tokens)} loss tokens but the trainer counted {float(counts.sum())} "
+                "(labels >= 0, weighted by loss_mask): the model's loss masking disagrees with the trainer's"
+            )
+        loss, aux_losses = self._reduced_losses(loss_sum, aux_totals, n_global)
+
+        # One pass and one reduction for both norms; every rank joins it (under pipeline parallel only the
+        # first stage holds the embedding).
+        norms = grad_norms(self.params, ctx, self.embedding_params).tolist()
+        grad_norm = norms[0] / loss_scale
+        emb_norm = norms[1] / loss_scale if (self.embedding_params or ctx.distributed) else None
+        result = StepResult(
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=self._current_lr(),
+            num_tokens=int(n_global),
+            input_tokens=int(input_tokens),
+            samples=int(samples),
+            aux_losses=aux_losses,
+            embedding_grad_norm=emb_norm,
+            loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else None,
+        )
+        reason = self._skip_or_scale(result)
+        if reason is not None:
+            # Nothing is applied: gradients are dropped; the lr schedule and the optimizer's step
+            # counter stay where they are, so the next update gets the lr this one would have had.
+            self.optimizer.zero_grad(set_to_none=True)
+            result.skipped, result.skip_reason = True, reason
+            return result
+        self._update(grad_norm, loss_scale)
+        return result
+
+    def _global_counts(self, batches: list[dict[str, Any]]) -> tuple[torch.Tensor, float, float, float]:
+        """(this rank's loss tokens per micro-batch, and over the global batch: loss tokens, input tokens,
+        samples), counted before the first forward."""
+        device = self.ctx.device
         counts = torch.stack([count_loss_tokens(b) for b in batches]).to(torch.float64)
         local_stats = torch.stack(
             [
@@ -185,16 +224,21 @@ class TrainStep:
                 ),
             ]
         )
-        if ctx.distributed:
-            dist.all_reduce(local_stats, group=ctx.dp_group)
+        if self.ctx.distributed:
+            dist.all_reduce(local_stats, group=self.ctx.dp_group)
         n_global, input_tokens, samples = (float(x) for x in local_stats.tolist())
-        # fp16: backpropagate loss x scale (gradients divided by it again before clipping).
-        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        return counts, n_global, input_tokens, samples
+
+    def _forward_backward(
+        self, batches: list[dict[str, Any]], n_global: float, loss_scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward and backward of every micro-batch: (loss sum, loss tokens the model counted, the
+        auxiliary losses averaged over micro-batches) on this rank."""
+        ctx, device, accum = self.ctx, self.ctx.device, len(batches)
         # FSDP2 sums gradients over data-parallel ranks: each rank's objective is already divided by the
         # global token count, so the sum is the gradient of the global-batch token mean.
         inv_tokens = loss_scale / max(n_global, 1.0)
         aux_scale = loss_scale / (accum * ctx.dp_size)
-
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         model_tokens = torch.zeros((), dtype=torch.float64, device=device)
         aux_totals: dict[str, torch.Tensor] = {}
@@ -227,52 +271,34 @@ class TrainStep:
             objective.backward()
             loss_sum += out.loss_sum.detach().to(torch.float64)
             model_tokens += torch.as_tensor(out.num_tokens, device=device).to(torch.float64)
+        return loss_sum, model_tokens, aux_totals
 
-        if not torch.equal(model_tokens, counts.sum()):
-            raise RuntimeError(
-                f"the model counted {float(model_tokens)} loss tokens but the trainer counted {float(counts.sum())} "
-                "(labels >= 0, weighted by loss_mask): the model's loss masking disagrees with the trainer's"
-            )
-
+    def _reduced_losses(
+        self, loss_sum: torch.Tensor, aux_totals: dict[str, torch.Tensor], n_global: float
+    ) -> tuple[float, dict[str, float]]:
+        """(the global batch's token-mean loss, each auxiliary loss averaged over the data-parallel ranks)."""
         reduced = torch.stack([loss_sum, *aux_totals.values()]) if aux_totals else loss_sum.reshape(1)
-        if ctx.distributed:
-            dist.all_reduce(reduced, group=ctx.dp_group)
+        if self.ctx.distributed:
+            dist.all_reduce(reduced, group=self.ctx.dp_group)
         loss = float(reduced[0]) / max(n_global, 1.0)
-        aux_losses = {k: float(v) / ctx.dp_size for k, v in zip(aux_totals, reduced[1:].tolist())}
+        aux_losses = {k: float(v) / self.ctx.dp_size for k, v in zip(aux_totals, reduced[1:].tolist())}
+        return loss, aux_losses
 
-        # One pass and one reduction for both norms; every rank joins it (under pipeline parallel only the
-        # first stage holds the embedding).
-        norms = grad_norms(self.params, ctx, self.embedding_params).tolist()
-        grad_norm = norms[0] / loss_scale
-        emb_norm = norms[1] / loss_scale if (self.embedding_params or ctx.distributed) else None
-        lr = self._current_lr()
-        result = StepResult(
-            loss=loss,
-            grad_norm=grad_norm,
-            lr=lr,
-            num_tokens=int(n_global),
-            input_tokens=int(input_tokens),
-            samples=int(samples),
-            aux_losses=aux_losses,
-            embedding_grad_norm=emb_norm,
-            loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else None,
-        )
+    def _skip_or_scale(self, result: StepResult) -> str | None:
+        """Why this update is skipped (None: it is applied); under fp16, the loss scale updated."""
         reason = self._skip_reason(result)
         if self.loss_scaler is not None:
             # Overflow: the loss is finite but the scaled gradients are not (NaN/inf in backward).
-            result.overflow = math.isfinite(loss) and not math.isfinite(grad_norm)
+            result.overflow = math.isfinite(result.loss) and not math.isfinite(result.grad_norm)
             if result.overflow:
                 old = self.loss_scaler.scale
                 reason = f"float16 gradient overflow at loss scale {old:g} (lowered to {old * self.loss_scaler.backoff_factor:g})"
             if reason is None or result.overflow:
                 self.loss_scaler.update(result.overflow)
-        if reason is not None:
-            # Nothing is applied: gradients are dropped; the lr schedule and the optimizer's step
-            # counter stay where they are, so the next update gets the lr this one would have had.
-            self.optimizer.zero_grad(set_to_none=True)
-            result.skipped, result.skip_reason = True, reason
-            return result
+        return reason
 
+    def _update(self, grad_norm: float, loss_scale: float) -> None:
+        """Clip (and unscale), step the optimizer and the schedule, update the expert biases."""
         # Clipping and, under fp16, unscaling: one factor. lmforge's optimizers fold it into the update
         # (AdamW: into its fused kernel), which saves a pass over every gradient; others get it applied.
         coef = min(1.0, self.max_norm / (grad_norm + CLIP_EPS)) / loss_scale
@@ -292,7 +318,6 @@ class TrainStep:
             # sequence parallel ranks). Summing over data parallel only here missed the other ranks.
             update_bias()
         self.optimizer.zero_grad(set_to_none=True)
-        return result
 
     def _current_lr(self) -> float:
         group = self.optimizer.param_groups[0]

@@ -9,12 +9,12 @@ from lmforge.train.checkpoint import read_tracker
 
 
 def _status(trainer: Any) -> str:
-    reason = trainer.stop_reason or ""
+    reason = trainer.stop_agreement.reason or ""
     if reason.startswith("diverged"):
         if "recovery." in reason:
             return "stopped: recovery could not repair the run"
         return "stopped: too many consecutive skipped steps"
-    if trainer.stopping:
+    if trainer.stop_agreement.stopping:
         return f"stopped early ({reason})"
     return "completed"
 
@@ -33,7 +33,7 @@ def run_summary(trainer: Any) -> dict[str, Any]:
         "final loss": f"{s.last_loss:.6f}",
         "best loss": f"{s.best_loss:.6f}",
         "skipped steps": s.skipped_steps,
-        "resumed from": trainer._resumed_from or "-",
+        "resumed from": trainer.resumption.resumed_from or "-",
         "checkpoints": f"{ck.get('save_path')} (latest: iteration {latest})" if latest is not None else "-",
         "metrics": str(trainer.output_dir / "metrics.jsonl"),
     }

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,18 +25,14 @@ from lmforge.train.callbacks import (
     build_callback,
 )
 from lmforge.train.callbacks.logging import format_summary
-from lmforge.train.checkpoint import (
-    Checkpointable,
-    CheckpointManager,
-    load_checkpoint,
-    recover_save_path,
-)
-from lmforge.train.checkpoint.resume import checkpoint_to_load
+from lmforge.train.checkpoint import Checkpointable, CheckpointManager, recover_save_path
 from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext
-from lmforge.train.perf import device_memory_gib, mfu_peak
+from lmforge.train.perf import MfuMeter, device_memory_gib
+from lmforge.train.resumption import Resumption
 from lmforge.train.state import TrainState
 from lmforge.train.step import SkipPolicy, StepResult, TrainingStopped, TrainStep
+from lmforge.train.stop_agreement import StopAgreement
 from lmforge.utils.atomic import check_output_dir, write_text_atomic
 from lmforge.utils.logging import get_logger, setup_logging
 
@@ -53,6 +47,10 @@ class Trainer:
     ``dataloader_factory(consumed_samples)`` returns the micro-batch iterable positioned at that
     sample (it is called after a checkpoint's position is known). Build a Trainer from a YAML with
     :func:`lmforge.train.builder.build_trainer`.
+
+    The trainer keeps the loop and delegates to components it holds: ``resumption`` (which checkpoint,
+    the data position, what follows a restore), ``stop_agreement`` (signals, the stop all ranks agree
+    on) and ``mfu`` (FLOPs per token and the peak).
     """
 
     def __init__(
@@ -81,7 +79,7 @@ class Trainer:
         self.ctx = ctx or ParallelContext(device=_model_device(model))
         self.output_dir = Path(output_dir or getattr(config, "output_dir", None) or "./output")
         self.hf_loader = hf_loader
-        self.peak_flops = peak_flops
+        self.mfu = MfuMeter(model, self.ctx.device, getattr(config, "mfu", None), peak_flops)
         # Regional torch.compile (parallel/compile.py): log how long compiling took, and any recompile.
         self._compile_watch = None
         if getattr(getattr(config, "compile", None), "enable", False):
@@ -89,12 +87,7 @@ class Trainer:
 
             self._compile_watch = CompileWatch()
         self.log_to_file = log_to_file
-        # stop_requested is this rank's wish (a signal, request_stop); stopping is what all ranks
-        # agreed at the last stop agreement. Only stopping may change what a rank does next.
-        self.stop_requested = False
-        self.stopping = False
-        self.stop_reason: str | None = None
-        self._stop_signal = 0  # the number of the last stop signal this rank received (0: none)
+        self.stop_agreement = StopAgreement()
         self.final_save: tuple[int, float] | None = None  # (step, seconds) of the save after the loop
         self.artifacts: dict[str, str] = {}
         self._setup_run_dir()
@@ -131,10 +124,9 @@ class Trainer:
             self.callbacks.add(cb)
         for i, item in enumerate(getattr(config, "callbacks", None) or []):
             self.callbacks.add(build_callback(item, i))
-        self._flops_per_token: float | None = None
         self._run_started = 0.0
         self._run_tokens = 0
-        self._resumed_from: str | None = None
+        self.resumption = Resumption(self)
         from lmforge.train.recovery import build_recovery
 
         # None unless recovery.enable
@@ -186,7 +178,9 @@ class Trainer:
         return self._checkpoint_manager
 
     def checkpointable(self) -> Checkpointable:
-        return Checkpointable(self.model, self.optimizer, self.scheduler, self.dataloader, self.state)
+        return Checkpointable(
+            self.model, self.optimizer, self.scheduler, self.dataloader, self.state, self.callbacks
+        )
 
     def _hook_kwargs(self) -> dict[str, Any]:
         return {
@@ -211,17 +205,22 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         # Signals are handled from the start to the end of the run (also during the final save), so
         # SIGTERM at any moment ends with a complete checkpoint; the run's directories are locked.
-        previous_handlers = self._install_signal_handlers()
-        locks = self._lock_run_dirs()
-        try:
-            summary = self._fit()
-        finally:
-            for lock in locks:
-                lock.release()
-            self._restore_signal_handlers(previous_handlers)
-        if self.stop_reason and self.stop_reason.startswith("diverged"):
-            raise TrainingStopped(self.stop_reason[len("diverged: ") :])
+        with self.stop_agreement.signals_handled():
+            locks = self._lock_run_dirs()
+            try:
+                summary = self._fit()
+            finally:
+                for lock in locks:
+                    lock.release()
+        reason = self.stop_agreement.reason
+        if reason and reason.startswith("diverged"):
+            raise TrainingStopped(reason[len("diverged: ") :])
         return summary
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the run to stop (signal-safe: flags only): all ranks agree on it before the next step,
+        save and stop (:class:`~lmforge.train.stop_agreement.StopAgreement`)."""
+        self.stop_agreement.request(reason)
 
     def _lock_run_dirs(self) -> list[Any]:
         from lmforge.utils.run_lock import lock_dirs, run_dirs
@@ -234,7 +233,7 @@ class Trainer:
         return locks
 
     def _fit(self) -> dict[str, Any]:
-        self._resume_or_start()
+        self.resumption.resume_or_start()
         if self.ctx.rank == 0 and self.ctx.device.type == "cpu":
             from lmforge.utils import malloc
 
@@ -252,76 +251,12 @@ class Trainer:
             write_text_atomic(self.output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
-    def _resume_or_start(self) -> None:
-        header, own = checkpoint_to_load(self.checkpoint_cfg)
-        # This job's own checkpoint (auto-resume) continues completely, optimizer included.
-        no_load_optim = False if own else bool(self.checkpoint_cfg.get("no_load_optim", False))
-        consumed = 0
-        if header is not None and header.kind == "dcp" and not no_load_optim:
-            consumed = int(header.common.get("consumed_samples", 0))
-        self.dataloader = self.dataloader_factory(consumed)
-        if header is not None:
-            load_checkpoint(
-                header,
-                self.checkpointable(),
-                no_load_optim=no_load_optim,
-                hf_loader=self.hf_loader,
-                partial_load=bool(self.checkpoint_cfg.get("partial_load", False)),
-                reset_optimizer=bool(self.checkpoint_cfg.get("reset_optimizer", False)),
-            )
-            self._resumed_from = str(header.path)
-            if header.kind == "dcp" and not no_load_optim:
-                saved_gbs = int(header.common.get("global_batch_size") or 0)
-                current = self.batches.global_batch_at(self.state.consumed_samples)
-                if self.batches.rampup is None and saved_gbs and saved_gbs != current:
-                    # As the original: keep the sample position, re-express it in steps of the new batch.
-                    self.state.global_step = int(self.state.global_step * saved_gbs / current)
-                    logger.warning(
-                        "The checkpoint was trained with global_batch_size %d, this run uses %d: resuming at step %d.",
-                        saved_gbs,
-                        current,
-                        self.state.global_step,
-                    )
-        self._record_lora_base(header)
-        self.after_restore()
-        if self._recovery is not None:
-            self._recovery.start(self.state)
-        scaler = self.step_fn.loss_scaler
-        if scaler is not None:
-            logger.info(
-                "model.compute_dtype float16: dynamic loss scaling from %g (x%g after %d clean updates, x%g "
-                "on overflow)",
-                scaler.scale,
-                scaler.growth_factor,
-                scaler.growth_interval,
-                scaler.backoff_factor,
-            )
-
-    def after_restore(self) -> None:
-        """After a checkpoint was loaded into the live objects (resume, or recovery's rollback)."""
-        self.state.max_steps = int(self.config.training.steps)
-        scaler = self.step_fn.loss_scaler
-        if scaler is not None:
-            if self.state.loss_scaler:
-                scaler.load_state_dict(self.state.loss_scaler)  # the scale of the checkpoint
-            self.state.loss_scaler = scaler.state_dict()
+    def _restart_data_iteration(self) -> None:
+        """After a restore: the data iterator restarts at the loader's (restored) position."""
         self._data_iter: Iterator | None = None
         self._epoch_open = False
         # Micro-batches this rank has consumed (the data position in loader steps).
         self._micro_fetched = self.state.consumed_samples // self.batches.samples_per_micro_step
-
-    def _record_lora_base(self, header: Any) -> None:
-        """A LoRA run saves small checkpoints: the adapters plus where the frozen base came from."""
-        from lmforge.train.checkpoint.lora import base_record, has_adapters
-
-        manager = getattr(self, "_checkpoint_manager", None)
-        if manager is None or not has_adapters(self.model):
-            return
-        seed = int(self.config.training.seed)
-        if self.ctx.rank == 0:  # only rank 0 writes common.json
-            manager.lora_base = base_record(header, seed)
-        else:
-            manager.lora_base = {}  # every rank must leave the frozen base out of the state dict
 
     def _next_micro_batch(self) -> dict[str, torch.Tensor]:
         """The next micro-batch; epoch hooks fire at the loader's epoch boundaries.
@@ -371,7 +306,7 @@ class Trainer:
         while state.global_step < state.max_steps or (
             recovery is not None and recovery.vote_at_end(self.ctx)
         ):
-            if self._stop_agreed():
+            if self.stop_agreement.agreed(self.ctx, recovery, state.global_step):
                 if recovery is not None and recovery.agreed is not None:
                     # A stop agreed together with a rollback: roll back first, so the stop keeps good weights.
                     recovery.roll_back(self)
@@ -423,12 +358,12 @@ class Trainer:
                     if policy.spike_skipping
                     else f"{limit} consecutive non-finite steps; monitor.health_checkpoint.global_norm_skip_time sets it"
                 )
-                self.stop_reason = (
+                self.stop_agreement.reason = (
                     f"diverged: {state.consecutive_skips} consecutive steps were skipped (last: {result.skip_reason}) "
                     f"at step {state.global_step}. Training stops ({why}). Lower lr_scheduler.learning_rate, check "
                     f"the data, or resume from the last checkpoint with different settings."
                 )
-                logger.error(self.stop_reason[len("diverged: ") :])
+                logger.error(self.stop_agreement.reason[len("diverged: ") :])
                 break
 
     def _account(self, r: StepResult) -> None:
@@ -451,9 +386,9 @@ class Trainer:
         self, r: StepResult, step_time: float, first_batch: dict[str, torch.Tensor]
     ) -> dict[str, Any]:
         tokens_per_s = r.input_tokens / step_time if step_time > 0 else 0.0
-        flops_per_token = self._model_flops_per_token(int(first_batch["input_ids"].shape[-1]))
+        flops_per_token = self.mfu.flops_per_token(int(first_batch["input_ids"].shape[-1]))
         achieved = flops_per_token * tokens_per_s / self.ctx.world_size  # per device
-        peak = self._peak()
+        peak = self.mfu.peak()
         m: dict[str, Any] = {
             "step": self.state.global_step,
             "consumed_samples": self.state.consumed_samples,
@@ -477,92 +412,6 @@ class Trainer:
             m["skipped"] = True
             m["skip_reason"] = r.skip_reason
         return m
-
-    def _model_flops_per_token(self, seq_length: int) -> float:
-        if self._flops_per_token is None:
-            fn = getattr(self.model, "flops_per_token", None)
-            if callable(fn):
-                self._flops_per_token = float(fn(seq_length))
-            else:  # dense approximation: 6 FLOPs per parameter per token (forward + backward)
-                self._flops_per_token = 6.0 * sum(p.numel() for p in self.model.parameters())
-        return self._flops_per_token
-
-    def _peak(self) -> float:
-        if self.peak_flops is None:
-            # The dtype the matmuls run in (the parameters are the fp32 masters).
-            dtype = getattr(self.model, "compute_dtype", None) or next(
-                (p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32
-            )
-            override = getattr(getattr(self.config, "mfu", None), "peak_tflops", None)
-            peak = mfu_peak(self.ctx.device, dtype, override)
-            logger.info("MFU denominator: %s", peak.source)
-            self.peak_flops = peak.flops
-        return self.peak_flops
-
-    # -- stopping -----------------------------------------------------------------------------
-
-    def request_stop(self, reason: str) -> None:
-        """Ask the run to stop: all ranks agree on it before the next step, save and stop.
-
-        Safe inside a signal handler: it only sets flags (no logging, no I/O, no collective).
-        """
-        self.stop_reason = self.stop_reason or reason
-        self.stop_requested = True
-
-    def _stop_agreed(self) -> bool:
-        """Every rank stops at the same step, even if only one received the signal.
-
-        Called at one fixed point of the loop, before each step, on every rank: an all-reduce (MAX)
-        of [this rank wants to stop, the signal it received]. Everything a rank does differently on
-        stopping (breaking out of the loop, the final save) follows the agreed value, never the local
-        flag: a signal handled during a step, or right after this all-reduce, is only acted on at the
-        next agreement, so no rank can enter a save's collectives while another trains on.
-        """
-        if self.stopping:
-            return True
-        votes = [1 if self.stop_requested else 0, self._stop_signal]
-        if self._recovery is not None:  # recovery's rollback vote rides on the same all-reduce
-            votes += self._recovery.vote_values()
-        if self.ctx.distributed:
-            flag = torch.tensor(votes, dtype=torch.int64, device=self.ctx.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            votes = [int(v) for v in flag.tolist()]
-        agreed, signum = bool(votes[0]), votes[1]
-        if self._recovery is not None:
-            self._recovery.agree(votes[2:])
-        if not agreed:
-            return False
-        if signum and self._stop_signal != signum:  # the strongest signal any rank received
-            self.stop_reason = f"received {signal.Signals(signum).name} (on another rank)"
-        self.stop_reason = self.stop_reason or "stop requested on another rank"
-        self.stop_requested = self.stopping = True
-        logger.warning(
-            "%s: all ranks stop after step %d (with a checkpoint of it when saving is on).",
-            self.stop_reason,
-            self.state.global_step,
-        )
-        return True
-
-    def _install_signal_handlers(self) -> dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.getsignal(sig)
-
-            def handler(signum: int, frame: Any, _prev: Any = previous[sig]) -> None:
-                if self.stop_requested and signum == signal.SIGINT:
-                    raise KeyboardInterrupt  # a second Ctrl-C stops at once
-                # Flags only: the stop is agreed and logged at the next fixed point of the loop.
-                self._stop_signal = max(self._stop_signal, int(signum))
-                self.request_stop(f"received {signal.Signals(signum).name}")
-
-            signal.signal(sig, handler)
-        return previous
-
-    def _restore_signal_handlers(self, previous: dict[int, Any]) -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
     # -- the end ------------------------------------------------------------------------------
 

@@ -71,11 +71,6 @@ class NamePattern:
         return f"NamePattern({self.text!r})"
 
 
-def name_matches(name: str, pattern: str) -> bool:
-    """Whether ``pattern`` matches the dotted ``name`` (the rule of this module)."""
-    return NamePattern(pattern).fullmatch(name)
-
-
 def first_match(names: Iterable[str], patterns: Iterable[str]) -> str | None:
     """The first pattern (in pattern order) that matches any of ``names`` (a tied parameter has several)."""
     names = list(names)

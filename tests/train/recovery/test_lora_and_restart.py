@@ -62,5 +62,5 @@ def test_the_rollback_count_survives_a_restart(tmp_path):
         recovery={"enable": True, "data": "replay", "max_rollbacks": 3},
     )
     resumed = tiny_trainer(cfg)
-    resumed._resume_or_start()
+    resumed.resumption.resume_or_start()
     assert resumed.state.global_step == 8 and resumed._recovery.rollbacks == 1

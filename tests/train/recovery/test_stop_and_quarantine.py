@@ -71,7 +71,7 @@ def test_a_stop_at_the_detection_step_keeps_the_restored_state_and_the_resume_en
     )
     (event,) = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r.get("event") == "rollback"]
     assert (event["step"], event["to_step"]) == (5, 3)
-    assert trainer.state.global_step == 3 and trainer.stop_reason == "test stop"
+    assert trainer.state.global_step == 3 and trainer.stop_agreement.reason == "test stop"
     ckpt = tmp_path / "ckpt"
     assert read_tracker(ckpt) == 3 and complete_iterations(ckpt) == [1, 2, 3]
     assert moved(tmp_path) == {"anomaly_1_step_5": ["iteration_00000004"]}
@@ -79,7 +79,7 @@ def test_a_stop_at_the_detection_step_keeps_the_restored_state_and_the_resume_en
     assert record["moved"] == ["iteration_00000004"] and record["reason"].startswith("loss spike")
 
     resumed = resume(tmp_path, data="replay")
-    assert resumed._resumed_from == str(ckpt / "iteration_00000003")
+    assert resumed.resumption.resumed_from == str(ckpt / "iteration_00000003")
     assert resumed._recovery.rollbacks == 1  # saved with the restored state
     assert_bitwise(weights(resumed), undamaged[0])
     assert timeline(tmp_path) == undamaged[1]
@@ -104,7 +104,7 @@ def test_giving_up_leaves_the_newest_safe_checkpoint_as_the_latest(tmp_path):
         tmp_path, checkpoint={"auto_resume": True}, recovery={"enable": True, "max_rollbacks": 1}
     )
     again = tiny_trainer(cfg)
-    again._resume_or_start()
+    again.resumption.resume_or_start()
     assert again.state.global_step == 2 and again._recovery.rollbacks == 1
 
 

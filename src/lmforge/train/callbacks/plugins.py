@@ -93,7 +93,3 @@ def resolve_callback(name: Any, index: int) -> type | None:
     if not isinstance(name, str) or not name:
         return None
     return _from_entry_point(name, index) or _from_import_path(name, index)
-
-
-def entry_point_names() -> list[str]:
-    return sorted(ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP))

@@ -12,7 +12,6 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmforge.errors import CheckpointError
-from lmforge.models.common.fused_layout import WEIGHT_LAYOUT
 from lmforge.train.checkpoint.files import COMMON_FILE, LEGACY_FORMAT, _distributed, _quiet_single_process
 from lmforge.train.checkpoint.resolve import CheckpointHeader, _read_metadata, resolve_checkpoint
 from lmforge.train.checkpoint.safe_load import load_dcp
@@ -21,10 +20,7 @@ from lmforge.train.checkpoint.state_dicts import (
     Checkpointable,
     _model_state_dict,
     _non_strict,
-    _old_masters,
     _optimizer_options,
-    _with_old_masters,
-    _without_old_masters,
 )
 from lmforge.train.checkpoint.verify import verify_checkpoint
 from lmforge.train.rng import restore_rng_state
@@ -76,23 +72,18 @@ def load_checkpoint(
     keys = metadata.state_dict_metadata
     rank = dist.get_rank() if _distributed() else 0
     model_sd, adapters_only = _model_entries(header, target, keys, hf_loader, no_load_optim, partial_load)
-    masters = _old_masters(model_sd, keys)
-    if masters:
-        logger.warning(
-            "Checkpoint %s was written by the old single-device path (bf16 weights, fp32 masters in the "
-            "optimizer state): converting on load, its fp32 masters become the fp32 parameters. Checkpoints "
-            "saved from now on hold the fp32 weights themselves.",
-            header.path,
-        )
-    # The old path's masters load straight into the fp32 parameters (not its bf16 copies of them).
-    sd: dict[str, Any] = {"model": {k: v for k, v in model_sd.items() if k not in masters}}
-    if masters:
-        sd["optimizer"] = {"state": {k: {"master": v} for k, v in masters.items()}}
+    # Formats of earlier lmforge versions: detected (and named in the log) here, converted after the load
+    # below by train/checkpoint/compat (removed in lmforge 0.3); nothing else in this module knows them.
+    from lmforge.train.checkpoint.compat import detect_older_formats
+
+    older = detect_older_formats(header, keys, model_sd)
+    sd: dict[str, Any] = {"model": model_sd}
     optimizer_format = header.common.get("optimizer_format") or "plain"
     local_param_names = None
     if load_optimizer:
-        check_optimizer_type(header, target, keys, optimizer_format)
-        local_param_names = _allocate_optimizer(sd, metadata, target, optimizer_format, masters)
+        saved_type = header.common.get("optimizer_type") or older.saved_optimizer(target, optimizer_format)
+        check_optimizer_type(header, target, saved_type)
+        local_param_names = _allocate_optimizer(sd, metadata, target, optimizer_format)
     if resume:
         _allocate_run_state(sd, metadata, header, target, rank)
 
@@ -106,9 +97,9 @@ def load_checkpoint(
 
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(target.model, {**sd["model"], **masters}, options=_non_strict())
+    set_model_state_dict(target.model, sd["model"], options=_non_strict())
     if not resume:
-        _upgrade_layout(header, target, adapters_only)
+        older.upgrade(target, adapters_only)
         logger.info(
             "Loaded model weights from %s (no_load_optim: optimizer and step start fresh).", header.path
         )
@@ -123,7 +114,7 @@ def load_checkpoint(
             header.common.get("optimizer_type") or "type not recorded",
             type(target.optimizer).__name__,
         )
-    _upgrade_layout(header, target, adapters_only)
+    older.upgrade(target, adapters_only)
     _restore_run_state(sd, header, target, rank)
     logger.info("Resumed from %s at step %d.", header.path, target.state.global_step)
 
@@ -182,7 +173,7 @@ def _model_entries(
 
 
 def _allocate_optimizer(
-    sd: dict[str, Any], metadata: Any, target: Checkpointable, optimizer_format: str, masters: dict[str, Any]
+    sd: dict[str, Any], metadata: Any, target: Checkpointable, optimizer_format: str
 ) -> list[Any] | None:
     """Put the optimizer's entries to load into ``sd``; returns each group's own parameter names (nested form)."""
     if optimizer_format not in ("fqn", "fqn_flat"):
@@ -190,10 +181,9 @@ def _allocate_optimizer(
         return None
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state = get_optimizer_state_dict(
+    sd["optimizer"] = get_optimizer_state_dict(
         target.model, target.optimizer, options=_optimizer_options(optimizer_format)
     )
-    sd["optimizer"] = _with_old_masters(state, masters)
     if optimizer_format == "fqn":
         return [group["params"] for group in sd["optimizer"]["param_groups"]]
     return None
@@ -206,7 +196,7 @@ def _set_optimizer(sd: dict[str, Any], target: Checkpointable, optimizer_format:
         set_optimizer_state_dict(
             target.model,
             target.optimizer,
-            _without_old_masters(sd["optimizer"]),
+            sd["optimizer"],
             options=_optimizer_options(optimizer_format),
         )
     else:
@@ -227,6 +217,8 @@ def _allocate_run_state(
     same_layout = int(header.common.get("world_size", 1)) == (dist.get_world_size() if _distributed() else 1)
     if target.dataloader is not None and same_layout and _has_key(keys, f"dataloader.{own}"):
         sd["dataloader"] = {own: _allocate_encoded(metadata, f"dataloader.{own}")}
+    if target.callbacks is not None and _has_key(keys, f"callbacks.{own}"):
+        sd["callbacks"] = {own: _allocate_encoded(metadata, f"callbacks.{own}")}
 
 
 def _restore_run_state(
@@ -247,26 +239,20 @@ def _restore_run_state(
         )
     if "dataloader" in sd and hasattr(target.dataloader, "load_state_dict"):
         target.dataloader.load_state_dict(decode_state(sd["dataloader"][own]))
+    if target.callbacks is not None:
+        # A rank the checkpoint has no callback state for (a run saved on fewer ranks): {} lets the
+        # handler name every stateful callback that starts fresh.
+        saved = decode_state(sd["callbacks"][own]) if "callbacks" in sd else {}
+        target.callbacks.load_state_dict(saved, where=str(header.path))
 
 
-def check_optimizer_type(
-    header: CheckpointHeader, target: Checkpointable, keys: Any, optimizer_format: str
-) -> None:
+def check_optimizer_type(header: CheckpointHeader, target: Checkpointable, saved: str | None) -> None:
     """Refuse to resume one optimizer's state into another (Lion would silently reuse AdamW's moments).
 
-    The type recorded in ``common.json`` decides; a checkpoint from before that record is compared by the
-    names of its per-parameter states instead (for the parameters this rank holds).
+    ``saved``: the type recorded in ``common.json`` (or, for a checkpoint from before that record, what
+    ``compat`` tells from its state names); None when unknown.
     """
     current = type(target.optimizer).__name__
-    saved = header.common.get("optimizer_type")
-    if saved is None and optimizer_format in ("fqn", "fqn_flat"):
-        saved_keys, live_keys = _state_names(keys, "optimizer.state."), _live_state_names(target)
-        if (
-            saved_keys is not None
-            and live_keys
-            and any(saved_keys.get(p, set()) != s for p, s in live_keys.items())
-        ):
-            saved = "an optimizer with other per-parameter states"
     if saved is None or saved == current:
         return
     raise CheckpointError(
@@ -276,32 +262,6 @@ def check_optimizer_type(
         "position continue), checkpoint.no_load_optim: true to start a new run from the weights only, or use the "
         "optimizer.type the checkpoint was trained with."
     )
-
-
-def _state_names(keys: Any, prefix: str) -> dict[str, set[str]] | None:
-    """parameter name -> names of its optimizer states, from DCP keys ``<prefix><param>.<state>``."""
-    out: dict[str, set[str]] = {}
-    for key in keys:
-        if key.startswith(prefix):
-            param, _, state = key[len(prefix) :].rpartition(".")
-            if state != "master":  # the old single-device path's masters are loaded into the weights
-                out.setdefault(param, set()).add(state)
-    return out
-
-
-def _live_state_names(target: Checkpointable) -> dict[str, set[str]]:
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    flat = get_optimizer_state_dict(target.model, target.optimizer, options=_optimizer_options("fqn_flat"))
-    return _state_names(flat, "state.") or {}
-
-
-def _upgrade_layout(header: CheckpointHeader, target: Checkpointable, adapters_only: bool) -> None:
-    from lmforge.train.checkpoint.layout_upgrade import checkpoint_layout, upgrade_fused_layout
-
-    layout = checkpoint_layout(header.common)
-    if layout != WEIGHT_LAYOUT:
-        upgrade_fused_layout(target.model, target.optimizer, layout, header.path, adapters_only)
 
 
 def load_model_weights(path: str | os.PathLike, model: nn.Module) -> CheckpointHeader:

@@ -279,6 +279,9 @@ class CheckpointManager:
         sd["rng"] = {f"rank_{self.rank}": encode_state(capture_rng_state())}
         if target.dataloader is not None and hasattr(target.dataloader, "state_dict"):
             sd["dataloader"] = {f"rank_{self.rank}": encode_state(target.dataloader.state_dict())}
+        callbacks_state = target.callbacks.state_dict() if target.callbacks is not None else None
+        if callbacks_state:
+            sd["callbacks"] = {f"rank_{self.rank}": encode_state(callbacks_state)}
         state = target.state
         common = {
             # The original's CommonInfo fields.

@@ -10,7 +10,8 @@ classes the format itself uses, and lmforge's own state is stored as JSON:
   ``torch.load(weights_only=False)``; :class:`SafeLoadPlanner` loads them with ``weights_only=True``.
 * lmforge's state "skeleton" (the structure of an optimizer, scheduler, RNG or loader state around
   its tensors) is JSON (:func:`encode_skeleton`). Skeletons of older checkpoints are pickles; they
-  are decoded by an unpickler that admits only plain containers, numpy arrays and the tensor marker.
+  are decoded by an unpickler that admits only plain containers, numpy arrays and the tensor marker
+  (``compat/pickled_skeleton.py``, removed in lmforge 0.3).
 
 A file that names anything else is refused with :class:`~lmforge.errors.CheckpointError` before any
 of it is used.
@@ -57,7 +58,7 @@ class UnsafeFileError(CheckpointError):
     """A checkpoint file names Python objects outside its format (possibly code to run)."""
 
 
-def _refuse(what: str, module: str, name: str) -> UnsafeFileError:
+def refuse_unsafe(what: str, module: str, name: str) -> UnsafeFileError:
     return UnsafeFileError(
         f"{what} names the Python object {module}.{name}, which is not part of the checkpoint format; "
         "lmforge refuses to load it because unpickling it could run code. Use checkpoints from a source "
@@ -96,7 +97,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise _refuse(self.what, module, name)
+        raise refuse_unsafe(self.what, module, name)
 
 
 def read_dcp_metadata(path: str | Path) -> Any:
@@ -262,36 +263,6 @@ def encode_skeleton(skeleton: Any) -> bytes:
     return SKELETON_MAGIC + json.dumps(_to_json(skeleton), separators=(",", ":")).encode("utf-8")
 
 
-# Older checkpoints pickled the skeleton; these are all the globals such a pickle may name.
-_LEGACY_GLOBALS = {
-    ("lmforge.train.checkpoint", "_TensorRef"): TensorRef,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("collections", "OrderedDict"): dict,
-}
-_NUMPY_GLOBALS = {
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy.core.multiarray", "scalar"),
-    ("numpy._core.multiarray", "scalar"),
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-}
-
-
-class _LegacySkeletonUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _LEGACY_GLOBALS:
-            return _LEGACY_GLOBALS[(module, name)]
-        if (module, name) in _NUMPY_GLOBALS:
-            return super().find_class(module, name)
-        if module == "numpy.dtypes" and name.endswith("DType") and name != "ObjectDType":
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise _refuse("A checkpoint state skeleton (pickled by an older lmforge)", module, name)
-
-
 def decode_skeleton(data: Any, where: str = "checkpoint state") -> Any:
     """The skeleton :func:`encode_skeleton` wrote, or an older pickled one, read without running code."""
     if isinstance(data, io.BytesIO):
@@ -302,7 +273,10 @@ def decode_skeleton(data: Any, where: str = "checkpoint state") -> Any:
     try:
         if data.startswith(SKELETON_MAGIC):
             return _from_json(json.loads(data[len(SKELETON_MAGIC) :].decode("utf-8")))
-        return _LegacySkeletonUnpickler(io.BytesIO(data)).load()
+        # Compatibility: pickled by an older lmforge (train/checkpoint/compat, removed in lmforge 0.3).
+        from lmforge.train.checkpoint.compat.pickled_skeleton import decode_pickled_skeleton
+
+        return decode_pickled_skeleton(data)
     except UnsafeFileError:
         raise
     except Exception as exc:

@@ -24,6 +24,8 @@ class Checkpointable:
     scheduler: Any = None
     dataloader: Any = None
     state: TrainState = field(default_factory=TrainState)
+    # The callbacks' own state (``CallbackHandler.state_dict``), saved per rank like the RNG.
+    callbacks: Any = None
 
 
 def _model_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -61,33 +63,6 @@ def _optimizer_options(optimizer_format: str) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(flatten_optimizer_state_dict=optimizer_format == "fqn_flat")
-
-
-def _old_masters(model_sd: dict[str, Any], keys: Any) -> dict[str, Any]:
-    """Weights a checkpoint of the old single-device path holds as fp32 masters in the optimizer state
-    (``optimizer.state.<name>.master``; its ``model.<name>`` entry is the bf16 copy): name -> the
-    parameter they load into. Checkpoints written since 71445a7 store the fp32 weight as ``model.<name>``."""
-    return {k: v for k, v in model_sd.items() if f"optimizer.state.{k}.master" in keys}
-
-
-def _with_old_masters(sd: dict[str, Any], masters: dict[str, Any]) -> dict[str, Any]:
-    """``sd`` (either optimizer form) plus the old masters' entries, which DCP loads into the parameters.
-    New dicts: torch's optimizer state dict shares them with the live optimizer state."""
-    if not isinstance(sd.get("state"), dict):  # flattened: "state.<name>.<key>"
-        return {**sd, **{f"state.{k}.master": v for k, v in masters.items()}}
-    state = {k: dict(v) for k, v in sd["state"].items()}
-    for k, v in masters.items():
-        state.setdefault(k, {})["master"] = v
-    return {**sd, "state": state}
-
-
-def _without_old_masters(sd: dict[str, Any]) -> dict[str, Any]:
-    if not isinstance(sd.get("state"), dict):
-        return {k: v for k, v in sd.items() if not (k.startswith("state.") and k.endswith(".master"))}
-    return {
-        **sd,
-        "state": {k: {kk: vv for kk, vv in v.items() if kk != "master"} for k, v in sd["state"].items()},
-    }
 
 
 def _optimizer_holds_model_params(model: nn.Module, optimizer: Any) -> bool:

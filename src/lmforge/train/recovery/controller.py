@@ -180,7 +180,7 @@ class Recovery:
             loader.load_state_dict(detected_position)
         elif not hasattr(loader, "load_state_dict"):  # a loader without a position to restore: a new one
             trainer.dataloader = trainer.dataloader_factory(int(state.consumed_samples))
-        trainer.after_restore()
+        trainer.resumption.after_restore()
         self.rollbacks += 1
         self.detector.forget_after(to_step)
         self.lr_scaled_until = to_step + int(self.section.lr_scale_steps)
@@ -300,14 +300,13 @@ class Recovery:
             else "no checkpoint from before it exists: save earlier (checkpoint.save_interleaved_steps) and start again"
         )
         aside = f"; the checkpoints that may hold the damage are in {moved}" if moved is not None else ""
-        trainer.stop_reason = (
+        trainer.stop_agreement.stop_now(
             f"diverged: {anomaly.reason}; {why}, after {self.rollbacks} rollback(s). Training stops; {where}, with "
             "a lower lr_scheduler.learning_rate, recovery.lr_scale < 1 or recovery.data: skip (a resume keeps "
             "the count of rollbacks used: raise recovery.max_rollbacks to allow more), or check the data "
             f"around that step{aside}."
         )
-        trainer.stop_requested = trainer.stopping = True
-        logger.error("%s", trainer.stop_reason[len("diverged: ") :])
+        logger.error("%s", trainer.stop_agreement.reason[len("diverged: ") :])
         return None
 
 

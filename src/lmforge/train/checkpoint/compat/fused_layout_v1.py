@@ -1,4 +1,4 @@
-"""Loading checkpoints written with an older row layout of the fused weights.
+"""Loading checkpoints written with an older row layout of the fused weights (removed in lmforge 0.3).
 
 ``common.json`` records ``weight_layout`` (``models/common/fused_layout.py``); a checkpoint without it has
 layout 1 (``[Q; K; V]``, ``[gate; up]``, MLA pieces grouped by part). After such a checkpoint is loaded,
@@ -21,10 +21,6 @@ logger = get_logger("lmforge.train.checkpoint")
 
 # The parameters of a fused child that share its output rows (an nn.Linear, a LoRALinear, an ExpertWeight).
 _ROW_PARAMS = ("weight", "bias", "lora_B.weight")
-
-
-def checkpoint_layout(common: dict[str, Any]) -> int:
-    return int(common.get("weight_layout", 1))
 
 
 def fused_rows(model: nn.Module) -> list[tuple[nn.Parameter, int, torch.Tensor, str]]:
