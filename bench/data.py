@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from benchdoc import write_section
+from lmforge.config import validate_section
 from lmforge.data import build_dataloader
 from lmforge.data.demo import build_demo, kjv_chapters, kjv_path
 from lmforge.data.preprocess import preprocess
@@ -108,6 +109,7 @@ def bench_loader(work: Path, demo: Path, repeats: int, samples: int) -> tuple[fl
         },
         "num_parallel_workers": 1,
     }
+    section = validate_section("train_dataset", section)
     steps = samples // BATCH
     ours_times, peer_times = [], []
     bin_path = demo / "train.bin"
@@ -168,6 +170,7 @@ def bench_text(work: Path, demo: Path, repeats: int) -> dict[str, Any]:
                 },
                 "num_parallel_workers": workers,
             }
+            section = validate_section("train_dataset", section)
             t0 = time.perf_counter()
             loader = build_dataloader(section, local_batch_size=BATCH)
             next(loader)  # starts the workers and fills the pipeline

@@ -61,6 +61,7 @@ def test_epoch_from_the_loader_and_in_the_line():
 
 def test_text_loader_counts_its_epochs(tmp_path):
     from data.text_helpers import write_jsonl, write_tokenizer
+    from lmforge.config import validate_section
     from lmforge.data import build_dataloader
 
     tok = write_tokenizer(tmp_path / "tok")
@@ -74,7 +75,7 @@ def test_text_loader_counts_its_epochs(tmp_path):
         },
         "num_parallel_workers": 0,
     }
-    loader = build_dataloader(section, local_batch_size=1, seq_length=7)
+    loader = build_dataloader(validate_section("train_dataset", section), local_batch_size=1, seq_length=7)
     epochs = []
     for _ in range(6):
         next(loader)
@@ -85,6 +86,7 @@ def test_text_loader_counts_its_epochs(tmp_path):
 def test_megatron_loader_counts_its_epochs(tmp_path):
     import numpy as np
 
+    from lmforge.config import validate_section
     from lmforge.data import IndexedDatasetWriter, build_dataloader
 
     with IndexedDatasetWriter(tmp_path / "docs", np.uint16) as writer:
@@ -103,7 +105,7 @@ def test_megatron_loader_counts_its_epochs(tmp_path):
         },
         "num_parallel_workers": 0,
     }
-    loader = build_dataloader(section, local_batch_size=2, seq_length=7)
+    loader = build_dataloader(validate_section("train_dataset", section), local_batch_size=2, seq_length=7)
     per_epoch = loader.steps_per_epoch
     epochs = []
     for _ in range(2 * per_epoch + 1):

@@ -119,6 +119,7 @@ def _train_on_a_terminal(tmp_path: Path, config: dict) -> tuple[int, str]:
 
 
 def test_held_out_documents_are_never_trained_on(tmp_path):
+    from lmforge.config import validate_section
     from lmforge.data import build_dataloader
 
     tok = write_tokenizer(tmp_path / "tok")
@@ -129,7 +130,9 @@ def test_held_out_documents_are_never_trained_on(tmp_path):
         "tokenizer": tok,
         "seq_length": 8,
     }
-    section = {"dataloader": {**loader, "validation_split": 0.25}, "num_parallel_workers": 0}
+    section = validate_section(
+        "train_dataset", {"dataloader": {**loader, "validation_split": 0.25}, "num_parallel_workers": 0}
+    )
     train = build_dataloader(section, local_batch_size=4, seq_length=8)
     # A row's last token is a label only: both columns together hold every token of the rows.
     seen = {

@@ -15,12 +15,12 @@ from lmforge.errors import ConfigError
 
 
 def test_sections_are_typed_at_load(base_config: dict[str, Any]) -> None:
-    from lmforge.lr.schedules import Schedule
+    from lmforge.lr import SchedulerSpec
     from lmforge.models.schema import TypedModel
     from lmforge.optim.options import OptimizerOptions
 
     cfg = load_config(base_config)
-    assert isinstance(cfg.lr_scheduler.typed, Schedule) and cfg.lr_scheduler.typed.total_steps == 10
+    assert isinstance(cfg.lr_scheduler.typed, SchedulerSpec) and cfg.lr_scheduler.typed.warmup_steps == 2
     assert isinstance(cfg.model.typed, TypedModel) and cfg.model.typed.config.hidden_size == 64
     assert isinstance(cfg.optimizer.typed, OptimizerOptions) and cfg.optimizer.typed.type == "AdamW"
     assert "CosineWithWarmUpLR" in section_values("lr_scheduler") and "qwen3" in section_values("model")
@@ -175,5 +175,5 @@ def test_data_builder_takes_the_typed_section(base_config: dict[str, Any], monke
     monkeypatch.setattr(schema, "type_dataloader", parse_again)
     with pytest.raises(DataError, match="data/none/train"):
         build_dataset(cfg.train_dataset)  # reaches the files: the typed section was used as is
-    with pytest.raises(ParsedAgain):
-        build_dataset(cfg.train_dataset.to_dict())  # a plain mapping is typed by the same schema
+    with pytest.raises(TypeError, match="validate_section"):
+        build_dataset(cfg.train_dataset.to_dict())  # a mapping is the config's to validate, not the builder's

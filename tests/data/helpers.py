@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lmforge.config import validate_section
 from lmforge.data import IndexedDatasetWriter
 
 # The worked example of the data reference: three documents ending in EOD = 0.
@@ -38,3 +39,8 @@ def loader_section(config: dict, *, sizes=None, columns=None, shuffle=False, wor
     if sizes is not None:
         section["dataloader"]["sizes"] = sizes
     return section
+
+
+def typed(section: dict):
+    """The typed ``train_dataset`` section the builders take, validated as load_config validates it."""
+    return validate_section("train_dataset", section)

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from lmforge.cli import main
+from lmforge.config import load_config
 from lmforge.data import IndexedDataset, build_dataloader
 from lmforge.data.demo import FILES, build_demo, kjv_chapters, kjv_path
 from lmforge.utils.tokenizer import load_tokenizer
@@ -68,13 +69,7 @@ def test_demo_config_trains_from_the_demo_data(demo_dir, tmp_path, monkeypatch):
     (tmp_path / "data" / "demo").symlink_to(demo_dir, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
     model = config["model"]
-    section = config["train_dataset"]
-    try:  # the validated pydantic section, as the trainer passes it
-        from lmforge.config import load_config
-
-        section = load_config(str(demo_yaml)).train_dataset
-    except ImportError:
-        pass
+    section = load_config(str(demo_yaml)).train_dataset  # the typed section, as the trainer passes it
     loader = build_dataloader(
         section,
         local_batch_size=config["training"]["local_batch_size"],
@@ -84,9 +79,7 @@ def test_demo_config_trains_from_the_demo_data(demo_dir, tmp_path, monkeypatch):
     )
     batch = next(loader)
     assert batch["input_ids"].shape == (config["training"]["local_batch_size"], model["seq_length"])
-    valid = build_dataloader(
-        config["train_dataset"], local_batch_size=2, phase="valid", vocab_size=model["vocab_size"]
-    )
+    valid = build_dataloader(section, local_batch_size=2, phase="valid", vocab_size=model["vocab_size"])
     assert valid is not None and len(valid) > 10
 
 

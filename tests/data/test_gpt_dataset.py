@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 
 from lmforge.data import build_dataset
-from lmforge.data.config import parse_gpt_config
 from lmforge.data.gpt_dataset import actual_seq_len, make_sample_columns
 from lmforge.errors import ConfigError, DataError
 
-from .helpers import TOY_DOCS, loader_section, random_docs, write_docs
+from .helpers import TOY_DOCS, loader_section, random_docs, typed, write_docs
 
 
 def megatron_build(cfg_kwargs: dict, sizes: list):
@@ -75,7 +74,7 @@ def test_same_samples_in_the_same_order_as_megatron(tmp_path, case, flags, sizes
     ours_cfg["path_to_cache"] = str(tmp_path / "ours_cache")
     theirs_cfg["path_to_cache"] = None  # Megatron caches blends only under torch.distributed
     section = loader_section(ours_cfg, sizes=sizes, columns=["input_ids"])
-    ours, _ = build_dataset(section, phase=phase)
+    ours, _ = build_dataset(typed(section), phase=phase)
     theirs = megatron_build(theirs_cfg, sizes)[{"train": 0, "valid": 1}[phase]]
     assert len(ours) == len(theirs) > 0
     for k in range(len(ours)):
@@ -87,8 +86,13 @@ def test_same_samples_in_the_same_order_as_megatron(tmp_path, case, flags, sizes
         np.testing.assert_array_equal(mine["attention_mask"], ref["attention_mask"].numpy())
 
 
+def gpt_config(config: dict):
+    """The typed GPTDataset config of a loader section (validated as load_config validates it)."""
+    return typed(loader_section(config)).dataloader.typed.config
+
+
 def _cfg(**kw):
-    return parse_gpt_config({"seq_length": 6, "train_data_path": ["x"], **kw})
+    return gpt_config({"seq_length": 6, "train_data_path": ["x"], "create_attention_mask": True, **kw})
 
 
 def test_masks_and_positions_on_a_hand_made_sample():
@@ -118,7 +122,7 @@ def test_compressed_eod_mask():
     # MindSpore Transformers' example: S = 8, documents of 2, 2 and 4 tokens -> [2, 4, 8, 8, ...].
     tokens = np.array([3, 0, 4, 0, 5, 6, 7, 0])
     assert actual_seq_len(tokens == 0, 128).tolist() == [2, 4] + [8] * 126
-    cfg = parse_gpt_config(
+    cfg = gpt_config(
         {
             "seq_length": 8,
             "train_data_path": ["x"],
@@ -144,7 +148,7 @@ def test_padded_validation_sample_masks_the_padding(tmp_path):
         "valid_data_path": [prefix],
         "drop_last_partial_validation_sequence": False,
     }
-    ds, _ = build_dataset(loader_section(cfg), phase="valid")
+    ds, _ = build_dataset(typed(loader_section(cfg)), phase="valid")
     # 13 tokens, S = 5, one extra token: ceil(12 / 5) = 3 samples, the last one padded.
     assert len(ds) == 3
     texts = sorted((ds[k]["input_ids"].tolist(), ds[k]["loss_mask"].tolist()) for k in range(3))
@@ -163,10 +167,10 @@ def test_index_cache_is_written_and_reused(tmp_path):
         "split": "1",
         "path_to_cache": str(tmp_path / "cache"),
     }
-    first, _ = build_dataset(loader_section(cfg), phase="train")
+    first, _ = build_dataset(typed(loader_section(cfg)), phase="train")
     files = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert len(files) == 4 and any(f.endswith("-GPTDataset-train-shuffle_index.npy") for f in files)
-    second, _ = build_dataset(loader_section(cfg), phase="train")
+    second, _ = build_dataset(typed(loader_section(cfg)), phase="train")
     assert isinstance(second.shuffle_index.base, np.memmap)  # loaded from the cache, not rebuilt
     assert not isinstance(first.shuffle_index.base, np.memmap)
     np.testing.assert_array_equal(first.sample_index, second.sample_index)
@@ -175,7 +179,7 @@ def test_index_cache_is_written_and_reused(tmp_path):
 
 def test_default_cache_is_next_to_the_data(tmp_path):
     prefix = write_docs(tmp_path / "a", random_docs(5, 30))
-    build_dataset(loader_section({"seq_length": 8, "train_data_path": [prefix]}), phase="train")
+    build_dataset(typed(loader_section({"seq_length": 8, "train_data_path": [prefix]})), phase="train")
     assert len(list((tmp_path / "cache" / "GPTDataset_indices").glob("*.npy"))) == 3
 
 
@@ -195,12 +199,28 @@ def test_default_cache_is_next_to_the_data(tmp_path):
 )
 def test_config_errors_name_the_key(config, message):
     with pytest.raises(ConfigError, match=message):
-        parse_gpt_config(config)
+        gpt_config(config)
 
 
 def test_eod_outside_the_vocabulary():
     with pytest.raises(ConfigError, match=r"config\.eod = 9000 .*model\.vocab_size = 8192"):
-        parse_gpt_config({"seq_length": 8, "train_data_path": ["x"], "eod": 9000}, vocab_size=8192)
+        loader = typed(loader_section({"seq_length": 8, "train_data_path": ["x"], "eod": 9000})).dataloader
+        loader.typed.check_against_model(None, 8192)
+
+
+def test_the_typed_config_keeps_defaults_reads_aliases_and_names_every_problem():
+    cfg = gpt_config(
+        {"seq_length": 8, "train_data_path": ["x"], "eod_mask_loss": None, "compressed_eod_mask_length": 16}
+    )
+    assert (cfg.eod_mask_loss, cfg.eod_pad_length, cfg.seed, cfg.split_weights) == (False, 16, 1234, None)
+    assert gpt_config({"seq_length": 8, "data_path": ["x"], "split": 3}).split_weights == [1.0, 0.0, 0.0]
+    with pytest.raises(ConfigError) as info:
+        gpt_config({"seq_length": 8, "train_data_path": ["x"], "pad": -2, "mmap_bin_files": 1})
+    text = str(info.value)
+    assert "2 problems" in text
+    assert (
+        "config.pad must be >= -1; got -2" in text and "config.mmap_bin_files must be true or false" in text
+    )
 
 
 def test_weights_need_sizes(tmp_path):
@@ -208,7 +228,7 @@ def test_weights_need_sizes(tmp_path):
     b = write_docs(tmp_path / "b", random_docs(2, 20))
     section = loader_section({"seq_length": 8, "data_path": ["1", a, "1", b], "split": "1"})
     with pytest.raises(DataError, match="need a sample count"):
-        build_dataset(section, phase="train")
+        build_dataset(typed(section), phase="train")
 
 
 def test_missing_prefix_is_named(tmp_path):
@@ -218,4 +238,4 @@ def test_missing_prefix_is_named(tmp_path):
     with pytest.raises(
         DataError, match=r"train_dataset\.dataloader\.config\.data_path: no Megatron dataset at .*nope"
     ):
-        build_dataset(section, phase="train")
+        build_dataset(typed(section), phase="train")

@@ -9,7 +9,7 @@ import torch
 from lmforge.data import build_dataloader, build_dataset
 from lmforge.errors import ConfigError, DataError
 
-from .helpers import loader_section, random_docs, write_docs
+from .helpers import loader_section, random_docs, typed, write_docs
 
 COLUMNS = ["input_ids", "labels", "loss_mask", "position_ids"]
 
@@ -22,7 +22,7 @@ def prefix(tmp_path):
 def section_for(prefix, tmp_path, **kw):
     cfg = {"seq_length": 16, "eod": 0, "train_data_path": [prefix], "path_to_cache": str(tmp_path / "cache")}
     cfg.update(kw.pop("config", {}))
-    return loader_section(cfg, **kw)
+    return typed(loader_section(cfg, **kw))
 
 
 def take(loader, n):
@@ -133,7 +133,7 @@ def test_validation_loader_runs_one_epoch_per_iteration(prefix, tmp_path):
         "split": "80,20,0",
         "path_to_cache": str(tmp_path / "c"),
     }
-    section = loader_section(cfg)
+    section = typed(loader_section(cfg))
     valid = build_dataloader(section, local_batch_size=2, phase="valid")
     first = list(valid)
     assert len(first) == len(valid) > 0
@@ -189,6 +189,7 @@ def test_spec_skeleton_section_feeds_batches(tmp_path):
         "drop_remainder": True,
         "num_parallel_workers": 8,
     }
+    section = typed(section)
     loader = build_dataloader(section, local_batch_size=2, vocab_size=1000, seq_length=64)
     assert loader.num_samples == 1000
     batch = next(loader)
@@ -203,7 +204,7 @@ def test_unsupported_loader_types_are_refused(kind):
     with pytest.raises(
         ConfigError, match=r"train_dataset\.dataloader\.type .*Supported: BlendedMegatronDatasetDataLoader"
     ):
-        build_dataloader(section, local_batch_size=1)
+        typed(section)
 
 
 @pytest.mark.parametrize(
@@ -215,9 +216,8 @@ def test_unsupported_loader_types_are_refused(kind):
     ],
 )
 def test_column_errors(prefix, tmp_path, columns, config, message):
-    section = section_for(prefix, tmp_path, columns=columns, config=config)
     with pytest.raises(ConfigError, match=rf"column_names .*{message}"):
-        build_dataloader(section, local_batch_size=1)
+        section_for(prefix, tmp_path, columns=columns, config=config)
 
 
 def test_token_ids_beyond_the_vocabulary(prefix, tmp_path):
@@ -232,7 +232,7 @@ def test_seq_length_must_match_the_model(prefix, tmp_path):
 
 def test_too_small_for_one_step(tmp_path):
     prefix = write_docs(tmp_path / "tiny", [[1, 2, 3, 0]] * 5)
-    section = loader_section({"seq_length": 4, "train_data_path": [prefix]})
+    section = typed(loader_section({"seq_length": 4, "train_data_path": [prefix]}))
     with pytest.raises(DataError, match="fewer than one step"):
         build_dataloader(section, local_batch_size=8)
 
@@ -274,7 +274,7 @@ def test_batched_rows_equal_dataset_samples(prefix, tmp_path, config, extra_colu
         **config,
     }
     columns = ALL_COLUMNS + ([extra_column] if extra_column else [])
-    section = loader_section(cfg, sizes=[300, 64, 0], columns=columns, drop_remainder=False)
+    section = typed(loader_section(cfg, sizes=[300, 64, 0], columns=columns, drop_remainder=False))
     dataset, _ = build_dataset(section, phase=phase)
     loader = build_dataloader(section, local_batch_size=7, phase=phase)
     steps = list(loader) if phase == "valid" else take(loader, len(loader))
@@ -290,17 +290,42 @@ def test_batched_rows_equal_dataset_samples(prefix, tmp_path, config, extra_colu
 
 
 def test_validate_section_needs_no_files(tmp_path):
-    from lmforge.data import validate_dataset_section
-
     section = loader_section({"seq_length": 16, "train_data_path": [str(tmp_path / "not-built-yet")]})
-    validate_dataset_section(section, vocab_size=100, seq_length=16)
+    loader = typed(section).dataloader.typed
+    loader.check_against_model(16, 100)
     with pytest.raises(ConfigError, match=r"config\.seq_length \(16\) must equal model\.seq_length \(8\)"):
-        validate_dataset_section(section, seq_length=8)
+        loader.check_against_model(8, None)
     with pytest.raises(ConfigError, match=r"column_names .*create_attention_mask is false"):
-        validate_dataset_section(
-            loader_section({"seq_length": 16, "train_data_path": ["x"]}, columns=["attention_mask"])
-        )
+        typed(loader_section({"seq_length": 16, "train_data_path": ["x"]}, columns=["attention_mask"]))
     with pytest.raises(ConfigError, match=r"train_dataset\.num_parallel_workers must be an integer >= 0"):
-        validate_dataset_section({**section, "num_parallel_workers": -2})
+        typed({**section, "num_parallel_workers": -2})
     with pytest.raises(ConfigError, match="MindDataset"):
-        validate_dataset_section({"dataloader": {"type": "MindDataset"}})
+        typed({"dataloader": {"type": "MindDataset"}})
+
+
+@pytest.mark.parametrize(
+    "wrong", [{"dataloader": {"type": "BlendedMegatronDatasetDataLoader"}}, None, "train"]
+)
+def test_builders_take_only_the_typed_section(wrong):
+    """A mapping (or anything but the typed section) is a TypeError naming what to pass: a builder
+    validates nothing itself."""
+    with pytest.raises(
+        TypeError, match=r"build_dataloader takes the typed train_dataset section .*validate_section"
+    ):
+        build_dataloader(wrong, local_batch_size=1)
+    with pytest.raises(TypeError, match=r"build_dataset takes the typed train_dataset section"):
+        build_dataset(wrong)
+
+
+def test_keys_the_megatron_loader_does_not_read_are_warned_about_at_load(base_config):
+    from lmforge.config import load_config
+
+    base_config["train_dataset"]["dataloader"].update({"num_shards": 4, "seed_offset": None})
+    base_config["train_dataset"]["dataloader"]["config"]["num_dataset_builder_threads"] = 4
+    warnings = load_config(base_config).warnings
+    assert any(
+        "train_dataset.dataloader.num_shards, train_dataset.dataloader.seed_offset are not used by "
+        "BlendedMegatronDatasetDataLoader" in w
+        for w in warnings
+    ), warnings
+    assert any("config.num_dataset_builder_threads has no effect" in w for w in warnings), warnings

@@ -8,6 +8,7 @@ import torch
 from lmforge.data import build_dataloader
 from lmforge.errors import ConfigError, DataError
 
+from .helpers import typed
 from .text_helpers import text_rows, token_id, write_jsonl, write_tokenizer
 
 S = 16
@@ -28,7 +29,7 @@ def _section(data_path, tokenizer, workers=0, **loader):
 
 
 def _batches(section, n, lbs=2, **kw):
-    loader = build_dataloader(section, local_batch_size=lbs, **kw)
+    loader = build_dataloader(typed(section), local_batch_size=lbs, **kw)
     out = [next(loader) for _ in range(n)]
     loader.close()
     return out
@@ -114,7 +115,7 @@ def test_resume_continues_bitwise_without_retokenizing_the_start(tmp_path, tok, 
     other = str(tmp_path / "b")  # a directory of files: the position crosses a file boundary
     section = _section(["0.6", path, "0.4", other], tok)
     straight = _batches(section, 12)
-    loader = build_dataloader(section, local_batch_size=2)
+    loader = build_dataloader(typed(section), local_batch_size=2)
     for _ in range(8):
         next(loader)
     state = loader.state_dict()
@@ -128,7 +129,7 @@ def test_resume_continues_bitwise_without_retokenizing_the_start(tmp_path, tok, 
         return original(self, rows, source, locations)
 
     monkeypatch.setattr(text_format.RowFormatter, "encode_rows", counting)
-    resumed = build_dataloader(section, local_batch_size=2, consumed_samples=16)
+    resumed = build_dataloader(typed(section), local_batch_size=2, consumed_samples=16)
     resumed.load_state_dict(state)
     for k in range(8, 12):
         b = next(resumed)
@@ -138,7 +139,7 @@ def test_resume_continues_bitwise_without_retokenizing_the_start(tmp_path, tok, 
 
 def test_resume_without_position_is_refused(tmp_path, tok):
     path = write_jsonl(tmp_path / "a.jsonl", text_rows(30))
-    loader = build_dataloader(_section(path, tok), local_batch_size=2, consumed_samples=8)
+    loader = build_dataloader(typed(_section(path, tok)), local_batch_size=2, consumed_samples=8)
     with pytest.raises(DataError, match="same number of data-parallel ranks"):
         next(loader)
 
@@ -202,8 +203,8 @@ def test_bad_sections_are_clear_errors(tmp_path, tok):
         section = _section(path, tok)
         section["dataloader"].update(extra)
         with pytest.raises(ConfigError, match=match):
-            build_dataloader(section, local_batch_size=1)
+            build_dataloader(typed(section), local_batch_size=1)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"title": "x"}\n')
     with pytest.raises(DataError, match="has neither 'text'"):
-        next(build_dataloader(_section(str(bad), tok), local_batch_size=1))
+        next(build_dataloader(typed(_section(str(bad), tok)), local_batch_size=1))

@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
-from lmforge.data import build_dataloader, validate_dataset_section
+from lmforge.data import build_dataloader
 from lmforge.data.text_format import CHATML
 from lmforge.errors import ConfigError
 
+from .helpers import typed
 from .text_helpers import token_id, write_jsonl, write_tokenizer
 
 S = 32
@@ -48,7 +49,7 @@ def _section(path, tok, **loader):
 
 
 def _first_row(section):
-    loader = build_dataloader(section, local_batch_size=1)
+    loader = build_dataloader(typed(section), local_batch_size=1)
     batch = next(loader)
     loader.close()
     return batch
@@ -80,7 +81,7 @@ def test_prompt_response_and_alpaca_columns(tmp_path):
     tok = write_tokenizer(tmp_path / "tok")
     rows = [{"prompt": "hi", "response": "hello there"}, {"instruction": "w1", "input": "w2", "output": "w3"}]
     path = write_jsonl(tmp_path / "pr.jsonl", rows)
-    loader = build_dataloader(_section(path, tok, pack="concat"), local_batch_size=1)
+    loader = build_dataloader(typed(_section(path, tok, pack="concat")), local_batch_size=1)
     batch = next(loader)
     loader.close()
     expected = [("hi", 0), ("hello", 1), ("there", 1), ("<|endoftext|>", 1)]
@@ -149,13 +150,16 @@ def test_hf_data_loader_maps_onto_the_text_loader(tmp_path):
         "position_ids",
         "actual_seq_len",
     ]
-    a, b = build_dataloader(section, local_batch_size=2), build_dataloader(ours, local_batch_size=2)
+    a, b = (
+        build_dataloader(typed(section), local_batch_size=2),
+        build_dataloader(typed(ours), local_batch_size=2),
+    )
     for _ in range(3):
         x, y = next(a), next(b)
         assert sorted(x) == sorted(y) and all(torch.equal(x[c], y[c]) for c in x)
     a.close()
     b.close()
-    validate_dataset_section(section, seq_length=S)
+    typed(section).dataloader.typed.check_against_model(S, None)
 
 
 @pytest.mark.parametrize(
@@ -173,5 +177,5 @@ def test_hf_data_loader_keys_without_equivalent_are_refused(tmp_path, change, ma
     if change.get("data_files", 1) is None:
         del section["dataloader"]["data_files"]
     with pytest.raises(ConfigError, match=match):
-        validate_dataset_section(section)
+        typed(section)
     json.dumps(section)  # the section stays plain data

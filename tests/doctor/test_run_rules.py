@@ -7,6 +7,7 @@ import json
 import math
 
 from lmforge.cli import main
+from lmforge.config import validate_section
 from lmforge.lr import build_scheduler
 from lmforge.train.callbacks.doctor import diagnose, read_run_dir
 from lmforge.train.callbacks.doctor.rule_base import SUGGESTED_LR_MAX
@@ -103,7 +104,7 @@ def test_warm_up_longer_than_decay_steps_is_a_finding_on_the_run(tmp_path):
         "decay_steps": 20,
         "lr_end": 3e-5,
     }
-    schedule = build_scheduler(sched_cfg, 200)
+    schedule = build_scheduler(validate_section("lr_scheduler", sched_cfg), 200)
     config = CONFIG.replace("steps: 40", "steps: 200").replace(
         "warmup_steps: 2, lr_end: 3.0e-5", "warmup_steps: 30, decay_steps: 20, lr_end: 3.0e-5"
     )

@@ -11,6 +11,8 @@ import yaml
 from lmforge.cli import main
 from lmforge.lr import build_scheduler
 
+from .helpers import typed
+
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
 SPEC = sorted((ROOT / "tests" / "fixtures" / "spec_yamls").glob("*.yaml"))
@@ -70,7 +72,7 @@ def test_csv_has_every_step_with_exact_values(tmp_path, capsys):
     rows = list(csv.reader(out_csv.open()))
     assert rows[0] == ["step", "lr"]
     assert [int(r[0]) for r in rows[1:]] == list(range(41))
-    schedule = build_scheduler(section, 40)
+    schedule = build_scheduler(typed(section), 40)
     assert [float(r[1]) for r in rows[1:]] == [schedule.lr_at(t) for t in range(41)]
     out = capsys.readouterr().out
     assert "decay start" in out and "only its lr_scheduler and training sections were read" in out

@@ -11,11 +11,13 @@ import pytest
 
 from lmforge.lr import build_scheduler
 
+from .helpers import typed
+
 T = 100  # training.steps
 
 
 def lr(section: dict, step: int, total: int = T) -> float:
-    return build_scheduler(section, total).lr_at(step)
+    return build_scheduler(typed(section), total).lr_at(step)
 
 
 def approx(x: float) -> pytest.approx:
@@ -93,10 +95,10 @@ def test_cosine_ends_at_decay_steps_and_decay_ratio_wins():
 
 def test_cosine_warmup_longer_than_decay_steps_warns():
     sec = {"type": "CosineWithWarmUpLR", "learning_rate": 1e-3, "warmup_steps": 60, "decay_steps": 50}
-    schedule = build_scheduler(sec, T)
+    schedule = build_scheduler(typed(sec), T)
     assert any("longer than the decay (50 steps" in w for w in schedule.warnings)
     assert schedule.lr_at(49) < 1e-3 and schedule.lr_at(50) == 0.0
-    fine = build_scheduler({**sec, "warmup_steps": 10}, T)
+    fine = build_scheduler(typed({**sec, "warmup_steps": 10}), T)
     assert not any("longer than the decay" in w for w in fine.warnings)
 
 
@@ -182,7 +184,11 @@ def test_wsd():
     assert lr(sec, 90) == approx(base - (base - end) * (90 - start) / (T - start))
     assert lr(sec, T) == approx(end)
     assert lr(sec, T + 50) == approx(end)  # clamped; the original keeps going down (below 0)
-    assert build_scheduler(sec, T).boundaries() == {"warm-up end": warm, "decay start": start, "decay end": T}
+    assert build_scheduler(typed(sec), T).boundaries() == {
+        "warm-up end": warm,
+        "decay start": start,
+        "decay end": T,
+    }
 
 
 def test_wsd_step_zero_without_warmup_is_the_base_lr():
@@ -255,7 +261,7 @@ def test_cosine_annealing_warm_restarts():
     assert lr(sec, 45) == approx(base * (1 + math.cos(math.pi * 15 / 40)) / 2)
     assert lr(sec, 70) == approx(base)
     assert lr(sec, T) == approx(base * (1 + math.cos(math.pi * 30 / 80)) / 2)
-    assert build_scheduler(sec, T).boundaries() == {"restart 1": 10, "restart 2": 30, "restart 3": 70}
+    assert build_scheduler(typed(sec), T).boundaries() == {"restart 1": 10, "restart 2": 30, "restart 3": 70}
     flat = {**sec, "t_mult": 1}
     assert lr(flat, 25) == approx(base * 0.5)
     assert lr(flat, T) == approx(base)
@@ -264,8 +270,8 @@ def test_cosine_annealing_warm_restarts():
 def test_learning_rate_wise_layer_scales_the_nested_schedule():
     inner = {"type": "CosineWithWarmUpLR", "learning_rate": 1e-3, "warmup_steps": 10}
     sec = {"type": "LearningRateWiseLayer", "lr_scale": 0.25, "base_lr": inner}
-    schedule = build_scheduler(sec, T)
-    reference = build_scheduler(inner, T)
+    schedule = build_scheduler(typed(sec), T)
+    reference = build_scheduler(typed(inner), T)
     for t in (0, 5, 10, 55, T, T + 3):
         assert schedule.lr_at(t) == approx(0.25 * reference.lr_at(t))
     assert schedule.base_lr == approx(0.25e-3)
@@ -274,7 +280,7 @@ def test_learning_rate_wise_layer_scales_the_nested_schedule():
 
 def test_warmup_ratio_wins_and_is_the_floor_of_ratio_times_total():
     sec = {"type": "ConstantWarmUpLR", "learning_rate": 1.0, "warmup_ratio": 0.05, "warmup_steps": 50}
-    schedule = build_scheduler(sec, 130)  # 0.05 × 130 = 6.5 -> 6
+    schedule = build_scheduler(typed(sec), 130)  # 0.05 × 130 = 6.5 -> 6
     assert schedule.boundaries()["warm-up end"] == 6
     assert schedule.lr_at(3) == approx(3 / 6)
     assert any("warmup_steps" in w for w in schedule.warnings)
@@ -283,9 +289,9 @@ def test_warmup_ratio_wins_and_is_the_floor_of_ratio_times_total():
 def test_ratio_times_total_is_not_spoiled_by_float_rounding():
     # 0.29 × 100 is 28.999999999999996 in binary floating point; the spec means 29.
     sec = {"type": "ConstantWarmUpLR", "learning_rate": 1.0, "warmup_ratio": 0.29}
-    assert build_scheduler(sec, 100).boundaries()["warm-up end"] == 29
+    assert build_scheduler(typed(sec), 100).boundaries()["warm-up end"] == 29
 
 
 def test_values_are_python_floats():
     sec = {"type": "CosineWithWarmUpLR", "learning_rate": 1e-3, "warmup_steps": 3}
-    assert all(type(build_scheduler(sec, T).lr_at(t)) is float for t in range(0, T + 2))
+    assert all(type(build_scheduler(typed(sec), T).lr_at(t)) is float for t in range(0, T + 2))

@@ -11,6 +11,8 @@ import torch
 
 from lmforge.lr import ScheduleLR, build_scheduler
 
+from .helpers import typed
+
 transformers_optimization = pytest.importorskip("transformers.optimization")
 
 BASE = 3e-4
@@ -25,7 +27,7 @@ def _hf_lrs(scheduler, steps) -> list[float]:
 
 
 def _ours(section: dict, total: int, steps) -> list[float]:
-    schedule = build_scheduler(section, total)
+    schedule = build_scheduler(typed(section), total)
     return [schedule.lr_at(t) for t in steps]
 
 
@@ -140,7 +142,7 @@ def _step_both(ours: ScheduleLR, theirs, opt_ours, opt_theirs, updates: int):
 def test_cosine_annealing_matches_torch(t_max, eta_min):
     opt_ours, opt_theirs = _optimizer(), _optimizer()
     schedule = build_scheduler(
-        {"type": "CosineAnnealingLR", "base_lr": BASE, "t_max": t_max, "eta_min": eta_min}, 100
+        typed({"type": "CosineAnnealingLR", "base_lr": BASE, "t_max": t_max, "eta_min": eta_min}), 100
     )
     ours = ScheduleLR(opt_ours, schedule)
     theirs = torch.optim.lr_scheduler.CosineAnnealingLR(opt_theirs, T_max=t_max, eta_min=eta_min)
@@ -153,7 +155,7 @@ def test_cosine_annealing_matches_torch(t_max, eta_min):
 def test_warm_restarts_match_torch(t_0, t_mult, eta_min):
     opt_ours, opt_theirs = _optimizer(), _optimizer()
     section = {"type": "CosineAnnealingWarmRestarts", "base_lr": BASE, "t_0": t_0, "t_mult": t_mult}
-    schedule = build_scheduler({**section, "eta_min": eta_min}, 200)
+    schedule = build_scheduler(typed({**section, "eta_min": eta_min}), 200)
     ours = ScheduleLR(opt_ours, schedule)
     theirs = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(
         opt_theirs, T_0=t_0, T_mult=t_mult, eta_min=eta_min

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from lmforge.errors import ConfigError
 from lmforge.lr import SCHEDULER_TYPES, build_scheduler
 
+from .helpers import typed
+
 odd = st.sampled_from([math.nan, math.inf, -math.inf, True, "1e-5"])
 any_steps = st.one_of(st.none(), st.integers(-3, 300), st.just(2.5))
 any_ratio = st.one_of(st.none(), st.floats(-0.5, 1.5), odd)
@@ -76,7 +78,7 @@ REQUIRED = {"CosineAnnealingLR": {"base_lr", "t_max"}, "CosineAnnealingWarmResta
 @st.composite
 def sections(draw, type_name: str, values: dict, required: frozenset = frozenset()) -> dict:
     section = {"type": type_name}
-    for key in SCHEDULER_TYPES[type_name].accepted:
+    for key in SCHEDULER_TYPES[type_name].accepted_keys():
         if key in values and (key in required or draw(st.booleans())):
             section[key] = draw(values[key])
     return section
@@ -93,7 +95,7 @@ def _probe_steps(total: int) -> set[int]:
 def test_any_settings_are_refused_or_give_a_finite_non_negative_lr(data, type_name, total):
     section = data.draw(sections(type_name, ANY_VALUE))
     try:
-        schedule = build_scheduler(section, total)
+        schedule = build_scheduler(typed(section), total)
     except ConfigError:
         return
     for t in _probe_steps(total):
@@ -117,7 +119,7 @@ def test_valid_settings_build_and_stay_within_their_lrs(data, type_name, total):
             assume(int(section["decay_start_ratio"] * total + 1e-6) < total)
         else:
             section["decay_start_steps"] = data.draw(st.integers(0, total - 1))
-    schedule = build_scheduler(section, total)
+    schedule = build_scheduler(typed(section), total)
     lrs = [
         v for k, v in section.items() if k in ("learning_rate", "base_lr", "warmup_lr_init") or "lr_end" in k
     ]
@@ -125,7 +127,7 @@ def test_valid_settings_build_and_stay_within_their_lrs(data, type_name, total):
     if "learning_rate" not in section and type_name not in REQUIRED:
         lrs.append(1e-5)
     for default in ("lr_end", "lr_end1"):  # defaults that can be reached without being written
-        if default in SCHEDULER_TYPES[type_name].accepted and default not in section:
+        if default in SCHEDULER_TYPES[type_name].accepted_keys() and default not in section:
             lrs.append(1e-7 if type_name in ("PolynomialWithWarmUpLR", "WarmUpStableDecayLR") else 0.0)
     low, high = min([*lrs, 0.0]), max(lrs)
     for t in _probe_steps(total):
@@ -137,7 +139,7 @@ def test_valid_settings_build_and_stay_within_their_lrs(data, type_name, total):
 @settings(max_examples=50, deadline=None)
 @given(st.sampled_from(sorted(SCHEDULER_TYPES)), st.text(min_size=1, max_size=12))
 def test_an_unknown_key_is_always_refused(type_name, key):
-    accepted = {"type", "total_steps", *SCHEDULER_TYPES[type_name].accepted}
+    accepted = {"type", "total_steps", *SCHEDULER_TYPES[type_name].accepted_keys()}
     assume(key not in accepted)
     section = {"type": type_name, "base_lr": 1e-3, "t_max": 5, "t_0": 5, "lr_scale": 1.0}
     if type_name == "LearningRateWiseLayer":
@@ -145,7 +147,7 @@ def test_an_unknown_key_is_always_refused(type_name, key):
     section = {k: v for k, v in section.items() if k in accepted}
     section[key] = 1
     try:
-        build_scheduler(section, 10)
+        build_scheduler(typed(section), 10)
     except ConfigError as error:
         assert f"lr_scheduler.{key}" in str(error)
     else:

@@ -9,6 +9,8 @@ import torch
 
 from lmforge.lr import ScheduleLR, build_scheduler
 
+from .helpers import typed
+
 SECTION = {
     "type": "WarmUpStableDecayLR",
     "learning_rate": 1e-2,
@@ -45,7 +47,7 @@ def _train(model, optimizer, scheduler, updates: int) -> list[float]:
 
 
 def test_update_k_uses_schedule_of_k_minus_1_and_lr_scale():
-    schedule = build_scheduler(SECTION, TOTAL)
+    schedule = build_scheduler(typed(SECTION), TOTAL)
     model, optimizer = _model_and_optimizer()
     scheduler = ScheduleLR(optimizer, schedule)
     assert optimizer.param_groups[0]["lr"] == schedule.lr_at(0)
@@ -57,7 +59,7 @@ def test_update_k_uses_schedule_of_k_minus_1_and_lr_scale():
 
 
 def test_the_state_is_only_the_step_and_resume_is_exact():
-    schedule = build_scheduler(SECTION, TOTAL)
+    schedule = build_scheduler(typed(SECTION), TOTAL)
     model, optimizer = _model_and_optimizer()
     scheduler = ScheduleLR(optimizer, schedule)
     full = _train(model, optimizer, scheduler, TOTAL)
@@ -74,7 +76,7 @@ def test_the_state_is_only_the_step_and_resume_is_exact():
     state = torch.load(buffer, weights_only=True)
     model2, optimizer2 = _model_and_optimizer()
     optimizer2.load_state_dict(state["optimizer"])
-    scheduler2 = ScheduleLR(optimizer2, build_scheduler(SECTION, TOTAL))
+    scheduler2 = ScheduleLR(optimizer2, build_scheduler(typed(SECTION), TOTAL))
     scheduler2.load_state_dict(state["scheduler"])
     rest = _train(model2, optimizer2, scheduler2, TOTAL - 5)
     assert first + rest == full
@@ -84,7 +86,7 @@ def test_tensor_lr_is_updated_in_place():
     param = torch.nn.Parameter(torch.zeros(3))
     optimizer = torch.optim.Adam([param], lr=torch.tensor(0.5))
     lr_tensor = optimizer.param_groups[0]["lr"]
-    schedule = build_scheduler({"type": "LinearWithWarmUpLR", "learning_rate": 1e-3}, 10)
+    schedule = build_scheduler(typed({"type": "LinearWithWarmUpLR", "learning_rate": 1e-3}), 10)
     scheduler = ScheduleLR(optimizer, schedule)
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] is lr_tensor
@@ -92,7 +94,7 @@ def test_tensor_lr_is_updated_in_place():
 
 
 def test_steps_must_be_whole_and_non_negative():
-    schedule = build_scheduler({"type": "ConstantWarmUpLR"}, 10)
+    schedule = build_scheduler(typed({"type": "ConstantWarmUpLR"}), 10)
     with pytest.raises(ValueError):
         schedule.lr_at(-1)
     with pytest.raises(ValueError):

@@ -7,6 +7,8 @@ import pytest
 from lmforge.errors import ConfigError
 from lmforge.lr import SCHEDULER_TYPES, build_scheduler
 
+from .helpers import typed
+
 ALL_TEN = {
     "ConstantWarmUpLR": {"warmup_steps": 5},
     "LinearWithWarmUpLR": {"warmup_ratio": 0.1},
@@ -26,14 +28,14 @@ ALL_TEN = {
 
 def refused(section: dict, total: int = 100) -> str:
     with pytest.raises(ConfigError) as info:
-        build_scheduler(section, total)
+        build_scheduler(typed(section), total)
     return str(info.value)
 
 
 def test_all_ten_registered_types_build():
     assert set(ALL_TEN) == set(SCHEDULER_TYPES)
     for name, keys in ALL_TEN.items():
-        schedule = build_scheduler({"type": name, "learning_rate": 1e-5, **keys}, 100)
+        schedule = build_scheduler(typed({"type": name, "learning_rate": 1e-5, **keys}), 100)
         assert schedule.type_name == name
         assert schedule.description.startswith(name)
         assert all(schedule.lr_at(t) >= 0 for t in range(0, 120))
@@ -55,7 +57,7 @@ def test_a_key_of_another_scheduler_says_whose_it_is():
 
 def test_null_keys_count_as_unset():
     schedule = build_scheduler(
-        {"type": "CosineAnnealingLR", "base_lr": 1e-4, "t_max": 10, "warmup_steps": None}, 50
+        typed({"type": "CosineAnnealingLR", "base_lr": 1e-4, "t_max": 10, "warmup_steps": None}), 50
     )
     assert schedule.lr_at(0) == pytest.approx(1e-4)
 
@@ -70,7 +72,7 @@ def test_total_steps_in_yaml_must_equal_training_steps():
     section = {"type": "LinearWithWarmUpLR", "learning_rate": 1e-4, "total_steps": 500}
     message = refused(section, total=1000)
     assert "lr_scheduler.total_steps" in message and "training.steps is 1000" in message
-    assert build_scheduler(section, 500).lr_at(250) == pytest.approx(0.5e-4)
+    assert build_scheduler(typed(section), 500).lr_at(250) == pytest.approx(0.5e-4)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +88,9 @@ def test_total_steps_in_yaml_must_equal_training_steps():
         ({"type": "ConstantWarmUpLR", "warmup_ratio": "0.1"}, "lr_scheduler.warmup_ratio", "float or int"),
         ({"type": "ConstantWarmUpLR", "learning_rate": -1e-4}, "lr_scheduler.learning_rate", ">= 0"),
         ({"type": "ConstantWarmUpLR", "learning_rate": float("nan")}, "lr_scheduler.learning_rate", "finite"),
-        ({"type": "ConstantWarmUpLR", "learning_rate": "1e-5"}, "lr_scheduler.learning_rate", "write 1.e-5"),
+        # learning_rate is a field of the config's own section, whose floats take "1e-5" written as text
+        # (config/base.py); the scheduler's other keys refuse text with the YAML 1.1 hint.
+        ({"type": "CosineWithWarmUpLR", "lr_end": "1e-7"}, "lr_scheduler.lr_end", "write 1.e-5"),
         ({"type": "ConstantWarmUpLR", "warmup_lr_init": -1.0}, "lr_scheduler.warmup_lr_init", ">= 0"),
         ({"type": "CosineWithWarmUpLR", "lr_end": float("inf")}, "lr_scheduler.lr_end", "finite"),
         ({"type": "CosineWithWarmUpLR", "lr_end": -1e-6}, "lr_scheduler.lr_end", ">= 0"),
@@ -154,23 +158,23 @@ def test_refusals_name_the_dotted_key(section, key, fragment):
 
 def test_training_steps_must_be_a_whole_number():
     with pytest.raises(ConfigError, match="training.steps"):
-        build_scheduler({"type": "ConstantWarmUpLR"}, -5)
+        build_scheduler(typed({"type": "ConstantWarmUpLR"}), -5)
 
 
 def test_settings_without_effect_are_warned_about():
     schedule = build_scheduler(
-        {"type": "CosineAnnealingLR", "learning_rate": 3e-4, "base_lr": 1e-4, "t_max": 10}, 20
+        typed({"type": "CosineAnnealingLR", "learning_rate": 3e-4, "base_lr": 1e-4, "t_max": 10}), 20
     )
     assert any("lr_scheduler.learning_rate" in w and "no effect" in w for w in schedule.warnings)
-    schedule = build_scheduler({"type": "ConstantWarmUpLR", "warmup_steps": 30}, 20)
+    schedule = build_scheduler(typed({"type": "ConstantWarmUpLR", "warmup_steps": 30}), 20)
     assert any("longer than training.steps" in w for w in schedule.warnings)
 
 
 def test_a_learning_rate_of_zero_everywhere_is_warned_about():
     # The article's first troubleshooting row: the loss does not move because the lr is 0.
-    flat = build_scheduler({"type": "ConstantWarmUpLR", "learning_rate": 0.0, "warmup_steps": 0}, 20)
+    flat = build_scheduler(typed({"type": "ConstantWarmUpLR", "learning_rate": 0.0, "warmup_steps": 0}), 20)
     assert any("learning rate is 0 at every step" in w for w in flat.warnings)
-    warm = build_scheduler({"type": "ConstantWarmUpLR", "learning_rate": 1e-3, "warmup_steps": 5}, 20)
+    warm = build_scheduler(typed({"type": "ConstantWarmUpLR", "learning_rate": 1e-3, "warmup_steps": 5}), 20)
     assert not any("learning rate is 0" in w for w in warm.warnings)
 
 
@@ -184,7 +188,9 @@ def test_load_config_types_the_section_against_training_steps(base_config):
         "learning_rate": 1e-4,
         "decay_start_steps": 5,
     }
-    assert load_config(base_config).lr_scheduler.typed.decay_start == 5
+    cfg = load_config(base_config)
+    assert cfg.lr_scheduler.typed.decay_start_steps == 5
+    assert build_scheduler(cfg.lr_scheduler, cfg.training.steps).decay_start == 5
     base_config["lr_scheduler"]["decay_start_steps"] = 5000
     with pytest.raises(ConfigError, match="lr_scheduler.decay_start_steps"):
         load_config(base_config)
@@ -205,7 +211,7 @@ def test_pydantic_section_with_a_nested_mapping_builds():
             "base_lr": {"type": "WarmUpStableDecayLR", "learning_rate": 1e-3, "decay_start_ratio": 0.5},
         }
     )
-    schedule = build_scheduler(section, 10)
+    schedule = build_scheduler(typed(section), 10)
     assert schedule.lr_at(0) == pytest.approx(0.5e-3)
     assert schedule.lr_at(10) == pytest.approx(0.5 * 1e-7)
 
@@ -215,4 +221,53 @@ def test_restarts_need_at_least_one_cycle(cycles):
     # The spec: num_cycles (the number of restarts) >= 1.
     message = refused({"type": "CosineWithRestartsAndWarmUpLR", "num_cycles": cycles})
     assert "lr_scheduler.num_cycles" in message and ">= 1" in message
-    build_scheduler({"type": "CosineWithRestartsAndWarmUpLR", "num_cycles": 1}, 100)
+    build_scheduler(typed({"type": "CosineWithRestartsAndWarmUpLR", "num_cycles": 1}), 100)
+
+
+@pytest.mark.parametrize("wrong", [{"type": "ConstantWarmUpLR"}, None, "CosineWithWarmUpLR"])
+def test_build_scheduler_takes_only_the_typed_section(wrong):
+    # A mapping is validated by the config (validate_section / load_config), once; never by the builder.
+    with pytest.raises(
+        TypeError, match=r"build_scheduler takes the typed lr_scheduler section .*validate_section"
+    ):
+        build_scheduler(wrong, 10)
+
+
+def test_the_typed_section_carries_its_keys_and_resolves_per_total():
+    # Validated on its own (no training.steps yet), the section is typed: its keys are attributes, and
+    # what depends on the total (ratios, the WSD decay start) is resolved for each total asked.
+    section = typed(
+        {"type": "WarmUpStableDecayLR", "learning_rate": 1e-3, "warmup_ratio": 0.1, "decay_start_ratio": 0.5}
+    )
+    spec = section.typed
+    assert (spec.learning_rate, spec.warmup_ratio, spec.decay_start_ratio, spec.warmup_steps) == (
+        1e-3,
+        0.1,
+        0.5,
+        None,
+    )
+    for total in (10, 100, 1000):
+        schedule = build_scheduler(section, total)
+        assert (schedule.warmup_steps, schedule.decay_start, schedule.total_steps) == (
+            total // 10,
+            total // 2,
+            total,
+        )
+        assert spec.schedule(total) == schedule
+    # A total the settings cannot work with is refused when the schedule is asked for, naming the key.
+    short = typed({"type": "WarmUpStableDecayLR", "learning_rate": 1e-3, "decay_start_steps": 50})
+    assert build_scheduler(short, 51).decay_start == 50
+    with pytest.raises(
+        ConfigError, match=r"lr_scheduler\.decay_start_steps: the decay would start at step 50"
+    ):
+        build_scheduler(short, 50)
+
+
+def test_every_problem_of_the_section_is_named_at_once():
+    message = refused(
+        {"type": "CosineWithWarmUpLR", "warmup_ration": 0.1, "warmup_steps": -1, "lr_end": "low"}
+    )
+    assert "3 problems" in message
+    assert "lr_scheduler.warmup_ration (did you mean warmup_ratio?)" in message
+    assert "lr_scheduler.warmup_steps: The warmup_step must be >= 0, but got -1" in message
+    assert "lr_scheduler.lr_end: must be a learning rate, got 'low' (str)" in message

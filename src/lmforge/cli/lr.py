@@ -10,10 +10,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from lmforge.cli.options import add_set_option
-from lmforge.config import LrSchedulerConfig, TrainingConfig, apply_overrides, load_config, read_raw
+from lmforge.config import apply_overrides, load_config, read_raw, validate_section
 from lmforge.errors import ConfigError
 from lmforge.lr import build_scheduler
 from lmforge.lr.report import LabelledSchedule, format_key_steps, plot, write_csv
@@ -60,14 +58,11 @@ def _labels(paths: list[str]) -> list[str]:
     return stems if len(set(stems)) == len(stems) else list(paths)
 
 
-def _section(cls: Any, raw: Any, name: str, source: str) -> Any:
+def _section(name: str, raw: Any, source: str) -> Any:
     try:
-        return cls.model_validate(raw)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join([name, *map(str, e['loc'])])}: {e['msg']}" for e in exc.errors(include_url=False)
-        )
-        raise ConfigError(f"Invalid {name} section in {source}: {problems}") from None
+        return validate_section(name, raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def _load(path: str, overrides: list[str]) -> tuple[Any, int, str | None]:
@@ -99,8 +94,8 @@ def _load(path: str, overrides: list[str]) -> tuple[Any, int, str | None]:
             f"training.steps {steps} derived from training.epochs {cfg.training.epochs} for one process "
             "(lmforge check --world-size N shows another layout's)",
         )
-    section = _section(LrSchedulerConfig, raw["lr_scheduler"], "lr_scheduler", source)
-    training = _section(TrainingConfig, raw.get("training") or {}, "training", source)
+    section = _section("lr_scheduler", raw["lr_scheduler"], source)
+    training = _section("training", raw.get("training") or {}, source)
     steps_from = (
         "" if "steps" in (raw.get("training") or {}) else f", training.steps {training.steps} by default"
     )

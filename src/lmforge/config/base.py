@@ -36,6 +36,14 @@ class Section(BaseModel):
         """A plain dict of this section, nested sections and extras included."""
         return self.model_dump(mode="python")
 
+    def written_values(self) -> dict[str, Any]:
+        """The keys the file wrote (fields it set and extras) as plain values: what a schema registered
+        per discriminator (lmforge.config.registry) validates, since one type's defaults are not
+        another's."""
+        dumped = self.to_dict()
+        written = set(self.model_fields_set) | set(self.__pydantic_extra__ or {})
+        return {k: v for k, v in dumped.items() if k in written}
+
     def get(self, key: str, default: Any = None) -> Any:
         """The value of a field or extra key (an extra named like a pydantic method, e.g. ``schema``,
         is only reachable this way or with ``section[key]``)."""

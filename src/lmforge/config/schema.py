@@ -13,7 +13,6 @@ from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_
 
 from lmforge.config.base import ConfigNode, Float, OpenSection, Section
 from lmforge.config.layer_spec import check_layer_range, parse_layer_specs
-from lmforge.config.registry import typed_section
 from lmforge.config.sections_components import (
     DataloaderConfig,
     LrSchedulerConfig,
@@ -127,12 +126,10 @@ class TrainConfig(OpenSection):
 
     def with_derived_steps(self, steps: int) -> TrainConfig:
         """This configuration with ``training.steps`` derived from ``training.epochs`` (by the run plan,
-        from the data) and the lr schedule typed against that total, as load_config types it against
-        an explicit ``training.steps``. Raises ValueError naming the lr key that the total breaks."""
+        from the data). The lr section's typed form does not depend on the total: the run plan made
+        and checked its schedule over these steps (``build_scheduler``)."""
         training = self.training.model_copy(update={"steps": int(steps)})
-        lr = self.lr_scheduler.model_copy()
-        lr._typed = typed_section("lr_scheduler", lr.type, lr, "lr_scheduler", {"training": training})
-        return self.model_copy(update={"training": training, "lr_scheduler": lr})
+        return self.model_copy(update={"training": training})
 
     @model_validator(mode="before")
     @classmethod
@@ -165,13 +162,12 @@ class TrainConfig(OpenSection):
     @field_validator("lr_scheduler", mode="after")
     @classmethod
     def _type_lr_scheduler(cls, section: LrSchedulerConfig, info: ValidationInfo) -> LrSchedulerConfig:
-        # The scheduler's keys depend on its type and its total on training.steps: the schema lr/
-        # registered for this type validates both now, before anything is built.
-        # With training.epochs the total is derived from the data by the run plan, which types the
-        # section then (lmforge.parallel.plan); until then it has no typed form.
+        # The section typed its keys itself; what depends on training.steps (ratios, the WSD decay start,
+        # the YAML's own total_steps) is checked now, before anything is built. With training.epochs the
+        # total is derived from the data by the run plan (lmforge.parallel.plan), which checks it then.
         training = info.data.get("training")
-        if training is not None and training.epochs is None:
-            section._typed = typed_section("lr_scheduler", section.type, section, "lr_scheduler", info.data)
+        if training is not None and training.epochs is None and section.typed is not None:
+            section.typed.check_against_training(int(training.steps))
         return section
 
     @model_validator(mode="after")

@@ -55,19 +55,22 @@ class LrSchedulerConfig(OpenSection):
     type: str
     learning_rate: Float = 1e-5
 
-    # The schedule the registered schema of ``type`` made of this section and training.steps
-    # (lmforge.config.registry); None when the section was validated on its own.
+    # The scheduler the registered schema of ``type`` made of this section (lmforge.config.registry);
+    # None when no schema is registered (the config package used on its own).
     _typed: Any = PrivateAttr(default=None)
 
     @property
     def typed(self) -> Any:
-        """The typed, validated form of this section (an ``lmforge.lr.Schedule``), or None."""
+        """The typed, validated form of this section (an ``lmforge.lr.SchedulerSpec``, whose
+        ``schedule(total_steps)`` is the schedule), or None."""
         return self._typed
 
     @model_validator(mode="after")
-    def _check(self) -> LrSchedulerConfig:
-        if not self.learning_rate >= 0:
-            raise ValueError(f"lr_scheduler.learning_rate must be >= 0, got {self.learning_rate}")
+    def _type_by_type(self) -> LrSchedulerConfig:
+        # The scheduler's keys depend on its type: the schema lr/ registered for it validates every key
+        # (learning_rate's range included) whenever the section is typed; what depends on
+        # training.steps is TrainConfig's check.
+        self._typed = typed_section("lr_scheduler", self.type, self, "lr_scheduler", {})
         return self
 
 

@@ -4,8 +4,8 @@ The trainer's entry point is :func:`build_dataloader`; see docs/data.md.
 """
 
 from .blended import BlendedDataset, build_split_dataset
-from .build import SUPPORTED_TYPES, build_dataloader, build_dataset, validate_dataset_section
-from .config import GPTDatasetConfig, parse_gpt_config
+from .build import SUPPORTED_TYPES, build_dataloader, build_dataset
+from .config import GPTDatasetConfig
 from .gpt_dataset import GPTDataset
 from .indexed import IndexedDataset, IndexedDatasetWriter, optimal_token_dtype
 from .loader import MegatronDataLoader
@@ -22,6 +22,4 @@ __all__ = [
     "build_dataset",
     "build_split_dataset",
     "optimal_token_dtype",
-    "parse_gpt_config",
-    "validate_dataset_section",
 ]

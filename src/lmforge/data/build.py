@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Any
 
+from lmforge.config import TrainDatasetConfig
 from lmforge.errors import ConfigError, DataError
 from lmforge.utils.logging import get_logger
 
@@ -20,7 +20,6 @@ from .schema import (
     MegatronLoader,
     TextLoader,
     TypedDataloader,
-    typed_dataset,
 )
 
 log = get_logger("lmforge.data")
@@ -53,28 +52,36 @@ def _check_vocab_upfront(dataset: GPTDataset | BlendedDataset, vocab_size: int) 
             )
 
 
-def validate_dataset_section(
-    dataset_section: Any, *, vocab_size: int | None = None, seq_length: int | None = None
-) -> TypedDataloader:
-    """The typed dataloader of ``dataset_section`` (the typed ``train_dataset`` or a mapping, typed by
-    the schema ``load_config`` uses), checked against the model's ``seq_length`` / ``vocab_size``.
-    Reads no file."""
-    _, typed = typed_dataset(dataset_section)
-    typed.check_against_model(seq_length, vocab_size)
+def typed_loader(dataset_section: Any, builder: str) -> TypedDataloader:
+    """The dataloader ``load_config`` typed in ``dataset_section``; a TypeError for anything else (a
+    mapping is validated by the config, once, not by a builder)."""
+    loader = getattr(dataset_section, "dataloader", None)
+    typed = getattr(loader, "typed", None)
+    if not isinstance(dataset_section, TrainDatasetConfig) or not isinstance(
+        typed, (MegatronLoader, TextLoader)
+    ):
+        raise TypeError(
+            f"{builder} takes the typed train_dataset section (load_config's cfg.train_dataset or "
+            "cfg.eval_dataset, or lmforge.config.validate_section('train_dataset', mapping)), got "
+            f"{type(dataset_section).__name__}"
+        )
     return typed
 
 
 def build_dataset(
-    dataset_section: Any,
+    dataset_section: TrainDatasetConfig,
     *,
     phase: str = "train",
     vocab_size: int | None = None,
     seq_length: int | None = None,
 ) -> tuple[GPTDataset | BlendedDataset | None, MegatronLoader]:
-    """The GPTDataset/BlendedDataset of one phase (None if that split is empty) and the typed loader."""
+    """The GPTDataset/BlendedDataset of one phase (None if that split is empty) and the typed loader.
+
+    ``dataset_section`` is the typed ``train_dataset`` section, as for :func:`build_dataloader`."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {sorted(PHASES)}, got {phase!r}")
-    typed = validate_dataset_section(dataset_section, vocab_size=vocab_size, seq_length=seq_length)
+    typed = typed_loader(dataset_section, "build_dataset")
+    typed.check_against_model(seq_length, vocab_size)
     if not isinstance(typed, MegatronLoader):
         raise ConfigError(
             f"train_dataset.dataloader.type is a text loader; build_dataset reads Megatron data "
@@ -90,7 +97,7 @@ def _megatron_dataset(
     if 0 <= cfg.pad == cfg.eod:
         # Megatron: a pad id equal to EOD would mask every EOD label; it is dropped with a warning.
         log.warning("%s.pad equals eod (%d); treating pad as unset (-1)", CONFIG_PATH, cfg.pad)
-        cfg = replace(cfg, pad=-1)
+        cfg = cfg.model_copy(update={"pad": -1})
     dataset = build_split_dataset(cfg, typed.sizes, PHASES[phase])
     if dataset is not None and vocab_size is not None:
         _check_vocab_upfront(dataset, vocab_size)
@@ -98,7 +105,7 @@ def _megatron_dataset(
 
 
 def build_dataloader(
-    dataset_section: Any,
+    dataset_section: TrainDatasetConfig,
     *,
     local_batch_size: int,
     dp_rank: int = 0,
@@ -111,8 +118,9 @@ def build_dataloader(
 ) -> MegatronDataLoader | None:
     """The micro-batch loader of ``phase`` for this data-parallel rank, or None if the split is empty.
 
-    ``dataset_section`` is ``train_dataset`` as ``load_config`` typed it (or a mapping with the same
-    keys, typed here by the same schema). The batch arithmetic
+    ``dataset_section`` is ``train_dataset`` (or ``eval_dataset``) as ``load_config`` typed it; tools
+    and tests type a mapping with ``lmforge.config.validate_section("train_dataset", mapping)``. The
+    model's ``seq_length`` / ``vocab_size``, when given, are checked against it. The batch arithmetic
     (global batch against ``dp_size * local_batch_size``) is the run plan's. Tensor/context-parallel
     peers pass the same ``dp_rank`` and so read the same shard. ``seed`` (training.seed) seeds only
     the optional ``dataloader.shuffle``; the sample order itself comes from ``config.seed`` as in
@@ -123,9 +131,9 @@ def build_dataloader(
         raise ConfigError(f"training.local_batch_size must be >= 1; got {local_batch_size}.")
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {sorted(PHASES)}, got {phase!r}")
-    section, typed = typed_dataset(dataset_section)
+    typed = typed_loader(dataset_section, "build_dataloader")
     typed.check_against_model(seq_length, vocab_size)
-    workers = section.num_parallel_workers
+    workers = dataset_section.num_parallel_workers
     if isinstance(typed, TextLoader):
         return _build_text_dataloader(
             typed,
@@ -154,7 +162,7 @@ def build_dataloader(
     # One worker process would only add a hop: read in the training process instead.
     num_workers = workers if workers > 1 else 0
     for flag in ("numa_enable", "use_distribute_dataset"):
-        if getattr(section, flag):
+        if getattr(dataset_section, flag):
             log.warning("train_dataset.%s has no effect in lmforge (see docs/data.md)", flag)
     if typed.python_multiprocessing:
         log.warning(
@@ -168,9 +176,9 @@ def build_dataloader(
         local_batch_size=local_batch_size,
         dp_rank=dp_rank,
         dp_size=dp_size,
-        drop_remainder=section.drop_remainder,
+        drop_remainder=dataset_section.drop_remainder,
         num_workers=num_workers,
-        prefetch_size=section.prefetch_size,
+        prefetch_size=dataset_section.prefetch_size,
         shuffle=typed.shuffle,
         seed=seed,
         consumed_samples=consumed_samples if phase == "train" else 0,
@@ -228,5 +236,4 @@ __all__ = [
     "TEXT_TYPES",
     "build_dataloader",
     "build_dataset",
-    "validate_dataset_section",
 ]

@@ -1,12 +1,15 @@
-"""The ``train_dataset.dataloader.config`` keys of the Megatron loader, validated with dotted paths."""
+"""The ``train_dataset.dataloader.config`` keys of the Megatron loader: a pydantic schema whose
+messages name each key by its dotted path."""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, model_validator
 
 from lmforge.errors import ConfigError
 
@@ -21,55 +24,6 @@ class Blend:
 
     prefixes: list[str]
     weights: list[float] | None
-
-
-@dataclass(frozen=True)
-class GPTDatasetConfig:
-    seq_length: int
-    seed: int = 1234
-    data_path: Blend | None = None
-    train_data_path: Blend | None = None
-    valid_data_path: Blend | None = None
-    test_data_path: Blend | None = None
-    split: str | None = None
-    split_weights: list[float] | None = None
-    path_to_cache: str | None = None
-    mmap_bin_files: bool | None = None
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
-    create_attention_mask: bool = True
-    create_compressed_eod_mask: bool = False
-    eod_pad_length: int = 128
-    drop_last_partial_validation_sequence: bool = True
-    add_extra_token_to_sequence: bool = True
-    eod: int = -1
-    pad: int = -1
-    num_dataset_builder_threads: int = 1
-    mid_level_dataset_surplus: float = 0.005
-    extra_keys: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def extra_token(self) -> int:
-        return 1 if self.add_extra_token_to_sequence else 0
-
-    def blend_for(self, split_index: int) -> tuple[Blend | None, tuple[float, float] | None]:
-        """The blend and split book-ends that feed split 0/1/2 (train/valid/test)."""
-        if self.data_path is not None:
-            return self.data_path, split_matrix(self.split_weights or [1.0, 0.0, 0.0])[split_index]
-        per_split = (self.train_data_path, self.valid_data_path, self.test_data_path)[split_index]
-        return per_split, ((0.0, 1.0) if per_split is not None else None)
-
-
-_BOOL_KEYS = (
-    "reset_position_ids",
-    "reset_attention_mask",
-    "eod_mask_loss",
-    "create_attention_mask",
-    "create_compressed_eod_mask",
-    "drop_last_partial_validation_sequence",
-    "add_extra_token_to_sequence",
-)
 
 
 def parse_blend(value: Any, key: str) -> Blend:
@@ -104,114 +58,194 @@ def parse_blend(value: Any, key: str) -> Blend:
     return Blend(prefixes=prefixes, weights=weights)
 
 
-def _as_bool(value: Any, key: str) -> bool:
+def _int_at(minimum: int) -> Callable[[Any, ValidationInfo], int]:
+    def check(value: Any, info: ValidationInfo) -> int:
+        key = f"{CONFIG_PATH}.{info.field_name}"
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer; got {value!r}.")
+        if value < minimum:
+            raise ConfigError(f"{key} must be >= {minimum}; got {value}.")
+        return value
+
+    return check
+
+
+def _bool(value: Any, info: ValidationInfo) -> bool:
     if isinstance(value, bool):
         return value
-    raise ConfigError(f"{key} must be true or false; got {value!r}.")
+    raise ConfigError(f"{CONFIG_PATH}.{info.field_name} must be true or false; got {value!r}.")
 
 
-def _as_int(value: Any, key: str, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key} must be an integer; got {value!r}.")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{key} must be >= {minimum}; got {value}.")
-    return value
+def _surplus(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"{CONFIG_PATH}.mid_level_dataset_surplus must be a number >= 0; got {value!r}.")
+    return float(value)
 
 
-def parse_gpt_config(raw: Any, *, vocab_size: int | None = None, path: str = CONFIG_PATH) -> GPTDatasetConfig:
-    """Validate the ``config`` mapping of a BlendedMegatronDatasetDataLoader."""
-    if not isinstance(raw, dict):
-        raise ConfigError(
-            f"{path} must be a mapping of GPTDataset settings (seq_length, data_path, split, ...)."
-        )
-    known = {f.name for f in dataclasses.fields(GPTDatasetConfig)} - {"split_weights", "extra_keys"}
-    known |= {"compressed_eod_mask_length", "s3_cache_path"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(unknown_keys_message(path, unknown, sorted(known), "GPTDataset"))
-    if raw.get("s3_cache_path"):
-        raise ConfigError(
-            f"{path}.s3_cache_path is not supported: lmforge reads and caches local files only."
-        )
-    values: dict[str, Any] = {}
-    if raw.get("seq_length") is None:
-        raise ConfigError(
-            f"{path}.seq_length is required: sequence_length cannot be None when init megatron dataset. "
-            "Set it to the model's seq_length."
-        )
-    values["seq_length"] = _as_int(raw["seq_length"], f"{path}.seq_length", 1)
-    if "seed" in raw:
-        values["seed"] = _as_int(raw["seed"], f"{path}.seed", 0)
-    for key in _BOOL_KEYS:
-        if raw.get(key) is not None:
-            values[key] = _as_bool(raw[key], f"{path}.{key}")
-    for key in ("eod", "pad"):
-        if raw.get(key) is not None:
-            values[key] = _as_int(raw[key], f"{path}.{key}", -1)
-    pad_length = raw.get("eod_pad_length", raw.get("compressed_eod_mask_length"))
-    if pad_length is not None:
-        values["eod_pad_length"] = _as_int(pad_length, f"{path}.eod_pad_length", 1)
-    if raw.get("num_dataset_builder_threads") is not None:
-        values["num_dataset_builder_threads"] = _as_int(
-            raw["num_dataset_builder_threads"], f"{path}.num_dataset_builder_threads", 1
-        )
-    if raw.get("mmap_bin_files") is not None:
-        values["mmap_bin_files"] = _as_bool(raw["mmap_bin_files"], f"{path}.mmap_bin_files")
-    if raw.get("mid_level_dataset_surplus") is not None:
-        surplus = raw["mid_level_dataset_surplus"]
-        if isinstance(surplus, bool) or not isinstance(surplus, (int, float)) or surplus < 0:
-            raise ConfigError(f"{path}.mid_level_dataset_surplus must be a number >= 0; got {surplus!r}.")
-        values["mid_level_dataset_surplus"] = float(surplus)
-    if raw.get("path_to_cache") is not None:
-        values["path_to_cache"] = str(raw["path_to_cache"])
+def _blend(value: Any, info: ValidationInfo) -> Blend:
+    return parse_blend(value, f"{CONFIG_PATH}.{info.field_name}")
 
-    for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        if raw.get(key) is not None:
-            values[key] = parse_blend(raw[key], f"{path}.{key}")
-    per_split = [k for k in ("train_data_path", "valid_data_path", "test_data_path") if k in values]
-    if "data_path" in values and per_split:
-        raise ConfigError(
-            f"{path}.data_path and {path}.{per_split[0]} are mutually exclusive: give one blend split by "
-            f"{path}.split, or one blend per split."
-        )
-    if "data_path" not in values and not per_split:
-        raise ConfigError(
-            f"{path} names no data: set {path}.data_path (with {path}.split) or "
-            f"{path}.train_data_path / valid_data_path / test_data_path to Megatron dataset prefixes. "
-            "(Megatron's mock data is not supported.)"
-        )
-    if "data_path" in values:
-        split = raw.get("split")
-        if split is None:
+
+def _text(value: Any) -> str:
+    return str(value)  # a split written as a number (split: 1) or a path is its text
+
+
+def Int(minimum: int) -> Any:  # noqa: N802 (a type, named like one)
+    """An integer >= ``minimum`` (a bool is refused)."""
+    return Annotated[int, BeforeValidator(_int_at(minimum))]
+
+
+Bool = Annotated[bool, BeforeValidator(_bool)]
+BlendPaths = Annotated[Blend, BeforeValidator(_blend)]
+Text = Annotated[str, BeforeValidator(_text)]
+
+# Keys the original takes that lmforge reads under another name or refuses when set.
+_INPUT_ONLY_KEYS = ("compressed_eod_mask_length", "s3_cache_path")
+
+
+class GPTDatasetConfig(BaseModel):
+    """The typed ``train_dataset.dataloader.config`` of a BlendedMegatronDatasetDataLoader: Megatron's
+    GPTDatasetConfig keys, validated with their dotted paths. A key written as null keeps its default
+    (``seed`` excepted, as before: null is not a seed)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seq_length: Int(1)
+    seed: Int(0) = 1234
+    data_path: BlendPaths | None = None
+    train_data_path: BlendPaths | None = None
+    valid_data_path: BlendPaths | None = None
+    test_data_path: BlendPaths | None = None
+    split: Text | None = None
+    path_to_cache: Text | None = None
+    mmap_bin_files: Bool | None = None
+    reset_position_ids: Bool = False
+    reset_attention_mask: Bool = False
+    eod_mask_loss: Bool = False
+    create_attention_mask: Bool = True
+    create_compressed_eod_mask: Bool = False
+    # compressed_eod_mask_length (the original's other name) is read into it.
+    eod_pad_length: Int(1) = 128
+    drop_last_partial_validation_sequence: Bool = True
+    add_extra_token_to_sequence: Bool = True
+    eod: Int(-1) = -1
+    pad: Int(-1) = -1
+    num_dataset_builder_threads: Int(1) = 1
+    mid_level_dataset_surplus: Annotated[float, BeforeValidator(_surplus)] = 0.005
+
+    @model_validator(mode="before")
+    @classmethod
+    def _written(cls, raw: Any) -> Any:
+        if not isinstance(raw, Mapping):
             raise ConfigError(
-                f'{path}.split is required with {path}.data_path: a string like "98,2,0" giving the '
-                "train/valid/test shares of the documents."
+                f"{CONFIG_PATH} must be a mapping of GPTDataset settings (seq_length, data_path, split, ...)."
             )
+        unknown = sorted(set(raw) - set(cls.model_fields) - set(_INPUT_ONLY_KEYS))
+        if unknown:
+            valid = sorted({*cls.model_fields, *_INPUT_ONLY_KEYS})
+            raise ConfigError(unknown_keys_message(CONFIG_PATH, unknown, valid, "GPTDataset"))
+        if raw.get("s3_cache_path"):
+            raise ConfigError(
+                f"{CONFIG_PATH}.s3_cache_path is not supported: lmforge reads and caches local files only."
+            )
+        if raw.get("seq_length") is None:
+            raise ConfigError(
+                f"{CONFIG_PATH}.seq_length is required: sequence_length cannot be None when init megatron "
+                "dataset. Set it to the model's seq_length."
+            )
+        values = {
+            k: v for k, v in raw.items() if k not in _INPUT_ONLY_KEYS and (v is not None or k == "seed")
+        }
+        if values.get("eod_pad_length") is None and raw.get("compressed_eod_mask_length") is not None:
+            values["eod_pad_length"] = raw["compressed_eod_mask_length"]
+        return values
+
+    @model_validator(mode="after")
+    def _names_its_data(self) -> GPTDatasetConfig:
+        per_split = [k for k in ("train_data_path", "valid_data_path", "test_data_path") if getattr(self, k)]
+        if self.data_path is not None and per_split:
+            raise ConfigError(
+                f"{CONFIG_PATH}.data_path and {CONFIG_PATH}.{per_split[0]} are mutually exclusive: give one blend "
+                f"split by {CONFIG_PATH}.split, or one blend per split."
+            )
+        if self.data_path is None and not per_split:
+            raise ConfigError(
+                f"{CONFIG_PATH} names no data: set {CONFIG_PATH}.data_path (with {CONFIG_PATH}.split) or "
+                f"{CONFIG_PATH}.train_data_path / valid_data_path / test_data_path to Megatron dataset "
+                "prefixes. (Megatron's mock data is not supported.)"
+            )
+        if self.data_path is not None:
+            if self.split is None:
+                raise ConfigError(
+                    f'{CONFIG_PATH}.split is required with {CONFIG_PATH}.data_path: a string like "98,2,0" giving '
+                    "the train/valid/test shares of the documents."
+                )
+            self.split_weights  # noqa: B018 (refuses a split without a positive share, naming the key)
+        eod_flags = [
+            k for k in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask") if getattr(self, k)
+        ]
+        if self.create_compressed_eod_mask:
+            eod_flags.append("create_compressed_eod_mask")
+        if eod_flags and self.eod < 0:
+            raise ConfigError(
+                f"{CONFIG_PATH}.{eod_flags[0]} needs the end-of-document token: set {CONFIG_PATH}.eod to its id "
+                "(the id the preprocessing appended, e.g. 0 for the demo tokenizer)."
+            )
+        return self
+
+    @property
+    def split_weights(self) -> list[float] | None:
+        """The normalised train/valid/test shares of ``split`` with ``data_path`` (None with per-split
+        paths, where Megatron ignores ``split``)."""
+        if self.data_path is None or self.split is None:
+            return None
         try:
-            values["split_weights"] = parse_split(str(split))
+            return parse_split(self.split)
         except ValueError:
             raise ConfigError(
-                f"{path}.split must hold up to three non-negative numbers with a positive sum, like "
-                f'"98,2,0"; got {split!r}.'
+                f"{CONFIG_PATH}.split must hold up to three non-negative numbers with a positive sum, like "
+                f'"98,2,0"; got {self.split!r}.'
             ) from None
-        values["split"] = str(split)
-    elif raw.get("split") is not None:
-        values["split"] = str(raw["split"])  # ignored with per-split paths, as in Megatron
 
-    cfg = GPTDatasetConfig(**values)
-    eod_flags = [
-        k for k in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask") if getattr(cfg, k)
-    ]
-    if cfg.create_compressed_eod_mask:
-        eod_flags.append("create_compressed_eod_mask")
-    if eod_flags and cfg.eod < 0:
-        raise ConfigError(
-            f"{path}.{eod_flags[0]} needs the end-of-document token: set {path}.eod to its id "
-            "(the id the preprocessing appended, e.g. 0 for the demo tokenizer)."
-        )
-    if vocab_size is not None:
-        check_token_ids(cfg, vocab_size, path)
-    return cfg
+    @property
+    def extra_token(self) -> int:
+        return 1 if self.add_extra_token_to_sequence else 0
+
+    def blend_for(self, split_index: int) -> tuple[Blend | None, tuple[float, float] | None]:
+        """The blend and split book-ends that feed split 0/1/2 (train/valid/test)."""
+        if self.data_path is not None:
+            return self.data_path, split_matrix(self.split_weights or [1.0, 0.0, 0.0])[split_index]
+        per_split = (self.train_data_path, self.valid_data_path, self.test_data_path)[split_index]
+        return per_split, ((0.0, 1.0) if per_split is not None else None)
+
+    def no_effect_keys(self) -> list[str]:
+        """Keys set to something that changes nothing in lmforge (warned about at load)."""
+        out = []
+        if self.num_dataset_builder_threads != 1:
+            out.append("num_dataset_builder_threads")
+        if self.mmap_bin_files is False:
+            out.append("mmap_bin_files")
+        return out
+
+
+def gpt_config(raw: Any) -> GPTDatasetConfig:
+    """The typed ``config`` of a BlendedMegatronDatasetDataLoader (the loader schema's part); one
+    ConfigError names every problem by its dotted key."""
+    try:
+        return GPTDatasetConfig.model_validate(raw)
+    except ValidationError as exc:
+        messages = []
+        for err in exc.errors():
+            problem = err.get("ctx", {}).get("error")
+            if isinstance(problem, ConfigError):
+                messages.append(str(problem))
+            else:  # pragma: no cover - every field checks its own type first
+                key = ".".join([CONFIG_PATH, *map(str, err["loc"])])
+                messages.append(f"{key}: {err['msg']}, got {err.get('input')!r}.")
+        if len(messages) == 1:
+            raise ConfigError(messages[0]) from None
+        numbered = " ".join(f"({i}) {m}" for i, m in enumerate(messages, 1))
+        raise ConfigError(f"{CONFIG_PATH} has {len(messages)} problems: {numbered}") from None
 
 
 def check_token_ids(cfg: GPTDatasetConfig, vocab_size: int, path: str = CONFIG_PATH) -> None:
@@ -235,13 +269,3 @@ def unknown_keys_message(path: str, unknown: list[str], valid: list[str], owner:
     verb = f"is not a {owner} setting" if len(unknown) == 1 else f"are not {owner} settings"
     hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
     return f"{named} {verb}{hint}. Valid keys: {', '.join(valid)}."
-
-
-def no_effect_keys(raw: dict[str, Any]) -> list[str]:
-    """Keys that were set explicitly but change nothing in lmforge (warned about at build time)."""
-    out = []
-    if raw.get("num_dataset_builder_threads") not in (None, 1):
-        out.append("num_dataset_builder_threads")
-    if raw.get("mmap_bin_files") is False:
-        out.append("mmap_bin_files")
-    return out

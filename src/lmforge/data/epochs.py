@@ -25,9 +25,9 @@ import numpy as np
 
 from lmforge.errors import ConfigError, DataError
 
-from .build import build_dataset
+from .build import build_dataset, typed_loader
 from .loader import SampleOrder
-from .schema import TextLoader, typed_dataset
+from .schema import TextLoader
 from .text_loader import KEY, _SourceStream, blend_choice, parse_text_loader
 from .text_pack import Packer
 
@@ -51,8 +51,9 @@ def samples_of_epochs(
     vocab_size: int | None = None,
 ) -> EpochLength:
     """The samples of ``epochs`` passes over ``train_dataset``'s training split for ``dp_size`` ranks
-    of ``local_batch_size`` rows (``seed``: training.seed, which orders ``shuffle``)."""
-    section, typed = typed_dataset(dataset_section)
+    of ``local_batch_size`` rows (``seed``: training.seed, which orders ``shuffle``); ``dataset_section``
+    is the typed ``train_dataset``, as for :func:`build_dataloader`."""
+    typed = typed_loader(dataset_section, "samples_of_epochs")
     if isinstance(typed, TextLoader):
         settings = parse_text_loader(typed.loader, seq_length=seq_length, vocab_size=vocab_size)
         rows = min(_text_rows(settings, epochs, rank, dp_size, seed) for rank in range(dp_size))
@@ -68,7 +69,7 @@ def samples_of_epochs(
             f"({typed.sizes[0]}) sizes the training split to a number of samples instead; set sizes[0] to "
             "null (one pass of the data) or give training.steps."
         )
-    return _megatron_samples(section, epochs, local_batch_size, dp_size, seq_length, vocab_size)
+    return _megatron_samples(dataset_section, epochs, local_batch_size, dp_size, seq_length, vocab_size)
 
 
 def _megatron_samples(

@@ -9,31 +9,45 @@ from __future__ import annotations
 import glob
 import os
 import re
-from collections.abc import Mapping
 from typing import Any
+
+from .config import CONFIG_PATH
+from .schema import MegatronLoader, TextLoader
 
 CONFIG_KEYS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 TRAINING_KEYS = ("data_path", "train_data_path")  # what the training split reads
-# Text / Hugging Face loaders name their sources on the dataloader itself (files, globs, directories).
-LOADER_KEYS = ("data_path", "dataset_files", "dataset_dir")
-TEXT_TYPES = ("TextDataLoader", "HFDataLoader")
 _BLEND_WEIGHT = re.compile(r"\s*[-+]?[\d.eE]+\s*")
 
 
+def _candidates(section: Any, keys: tuple[str, ...]) -> list[tuple[str, list[Any]]]:
+    """(dotted key, the paths it names) of the typed ``train_dataset`` section."""
+    loader = section.dataloader
+    typed = loader.typed
+    if isinstance(typed, MegatronLoader):
+        blends = [(k, getattr(typed.config, k)) for k in keys]
+        return [(f"{CONFIG_PATH}.{k}", blend.prefixes) for k, blend in blends if blend is not None]
+    if isinstance(typed, TextLoader):  # every source of a text loader is training data
+        paths = typed.loader.get("data_path")
+        if paths is None:
+            return []
+        # An HFDataLoader names its files with data_files (or path); they are its data_path here.
+        written = (
+            "data_path"
+            if loader.type == "TextDataLoader"
+            else "data_files"
+            if loader.get("data_files")
+            else "path"
+        )
+        return [(f"train_dataset.dataloader.{written}", paths if isinstance(paths, list) else [paths])]
+    return []
+
+
 def missing_data_files(section: Any, keys: tuple[str, ...] = CONFIG_KEYS) -> list[str]:
-    """One message per data prefix under ``train_dataset.dataloader.config.<key>`` that does not exist."""
-    loader = (
-        section.dataloader.to_dict()
-        if hasattr(section, "dataloader")
-        else dict(section.get("dataloader") or {})
-    )
-    inner = loader.get("config") if isinstance(loader.get("config"), Mapping) else {}
-    candidates = [(f"train_dataset.dataloader.config.{k}", inner[k]) for k in keys if k in inner]
-    if loader.get("type") in TEXT_TYPES:  # every source of a text loader is training data
-        candidates += [(f"train_dataset.dataloader.{k}", loader[k]) for k in LOADER_KEYS if k in loader]
+    """One message per data path of the typed ``train_dataset`` section (``keys``: which of a Megatron
+    loader's blends) that does not exist."""
     messages = []
-    for label, value in candidates:
-        for item in value if isinstance(value, list) else [value]:
+    for label, items in _candidates(section, keys):
+        for item in items:
             if not isinstance(item, str) or _BLEND_WEIGHT.fullmatch(item):
                 continue  # blend weights ('1', 0.3) sit between the prefixes
             if os.path.exists(item) or (os.path.exists(item + ".bin") and os.path.exists(item + ".idx")):

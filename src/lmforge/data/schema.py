@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
 
 from lmforge.config.registry import register_section_schema
 from lmforge.errors import ConfigError
 from lmforge.utils.logging import get_logger
 
-from .config import CONFIG_PATH, GPTDatasetConfig, check_token_ids, no_effect_keys, parse_gpt_config
+from .config import CONFIG_PATH, GPTDatasetConfig, check_token_ids, gpt_config
 
 log = get_logger("lmforge.data")
 
@@ -29,36 +31,6 @@ SUPPORTED_TYPES = (MEGATRON_TYPE, "TextDataLoader", "HFDataLoader")
 TEXT_TYPES = ("TextDataLoader", "HFDataLoader")
 # Loader types of MindSpore Transformers that lmforge does not implement (named in the error).
 KNOWN_UNSUPPORTED_TYPES = ("MindDataset", "OrderedIndexDataLoader")
-# The keys BlendedMegatronDatasetDataLoader reads; others are warned about (the original's allow_extra).
-MEGATRON_KEYS = (
-    "column_names",
-    "config",
-    "datasets_type",
-    "python_multiprocessing",
-    "shuffle",
-    "sizes",
-    "tokenizer",
-    "type",
-)
-
-
-@dataclass(frozen=True)
-class MegatronLoader:
-    """A validated BlendedMegatronDatasetDataLoader section."""
-
-    config: GPTDatasetConfig
-    sizes: list[int | None]
-    columns: list[str]
-    shuffle: bool
-    python_multiprocessing: bool
-
-    def check_against_model(self, seq_length: int | None, vocab_size: int | None) -> None:
-        if seq_length is not None and self.config.seq_length != seq_length:
-            raise ConfigError(
-                f"{CONFIG_PATH}.seq_length ({self.config.seq_length}) must equal model.seq_length ({seq_length})."
-            )
-        if vocab_size is not None:
-            check_token_ids(self.config, vocab_size)
 
 
 @dataclass(frozen=True)
@@ -72,19 +44,6 @@ class TextLoader:
         from .text_loader import text_seq_length
 
         text_seq_length(self.loader, seq_length)
-
-
-TypedDataloader = MegatronLoader | TextLoader
-
-
-def written_keys(node: Any) -> dict[str, Any]:
-    """The keys the file wrote in a dataloader section (a mapping or the typed config section): the
-    schema's defaults of one loader type are not the other's."""
-    if isinstance(node, Mapping):
-        return dict(node)
-    values = node.to_dict()
-    written = set(node.model_fields_set) | set(node.__pydantic_extra__ or {})
-    return {k: v for k, v in values.items() if k in written}
 
 
 def refuse_type(kind: Any) -> None:
@@ -104,8 +63,6 @@ def refuse_type(kind: Any) -> None:
 
 def _sizes(value: Any) -> list[int | None]:
     key = f"{SECTION}.sizes"
-    if value is None:
-        return [None, None, None]
     if not isinstance(value, (list, tuple)) or len(value) > 3:
         raise ConfigError(
             f"{key} must be a list [train, valid, test] of sample counts (or null); got {value!r}."
@@ -118,11 +75,15 @@ def _sizes(value: Any) -> list[int | None]:
     return out
 
 
+def _datasets_type(value: Any) -> str:
+    if value != "GPTDataset":
+        raise ConfigError(f"{SECTION}.datasets_type is '{value}'; the only supported value is GPTDataset.")
+    return value
+
+
 def check_columns(columns: Any, cfg: GPTDatasetConfig) -> list[str]:
     """The batch columns a GPTDataset with ``cfg`` can produce, in the order the file names them."""
     key = f"{SECTION}.column_names"
-    if columns is None:
-        columns = ["input_ids", "labels"]
     if not isinstance(columns, (list, tuple)) or not all(isinstance(c, str) for c in columns) or not columns:
         raise ConfigError(f"{key} must be a list of column names; got {columns!r}.")
     available = ["input_ids", "labels", "loss_mask", "position_ids"]
@@ -150,38 +111,74 @@ def check_columns(columns: Any, cfg: GPTDatasetConfig) -> list[str]:
     return list(columns)
 
 
+class MegatronLoader(BaseModel):
+    """A validated BlendedMegatronDatasetDataLoader section. Keys it does not read are warned about,
+    all at once, and dropped (the original's allow_extra); a key written as null keeps its default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["BlendedMegatronDatasetDataLoader"]
+    datasets_type: Annotated[str, BeforeValidator(_datasets_type)] = "GPTDataset"
+    config: Annotated[GPTDatasetConfig, BeforeValidator(gpt_config)]
+    sizes: Annotated[list[int | None], BeforeValidator(_sizes)] = [None, None, None]
+    column_names: list[str] = ["input_ids", "labels"]
+    shuffle: bool = False
+    python_multiprocessing: bool = False
+    tokenizer: Any = None  # the original's tokenizer settings: the .bin files are tokenized already
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_keys(cls, loader: Any) -> Any:
+        unknown = sorted(set(loader) - set(cls.model_fields))
+        if unknown:
+            log.warning(
+                "%s not used by %s; ignored (valid keys: %s)",
+                ", ".join(f"{SECTION}.{k}" for k in unknown) + (" is" if len(unknown) == 1 else " are"),
+                MEGATRON_TYPE,
+                ", ".join(sorted(cls.model_fields)),
+            )
+        values = {k: v for k, v in loader.items() if v is not None and k not in unknown}
+        if "config" not in values:
+            raise ConfigError(
+                f"{CONFIG_PATH} is required for {MEGATRON_TYPE}: at least seq_length, "
+                "data_path and split (or train_data_path / valid_data_path)."
+            )
+        return values
+
+    @model_validator(mode="after")
+    def _columns_and_no_effect_keys(self) -> MegatronLoader:
+        check_columns(self.column_names, self.config)
+        for key in self.config.no_effect_keys():
+            log.warning("%s.%s has no effect in lmforge (see docs/data.md)", CONFIG_PATH, key)
+        return self
+
+    @property
+    def columns(self) -> list[str]:
+        return self.column_names
+
+    def check_against_model(self, seq_length: int | None, vocab_size: int | None) -> None:
+        if seq_length is not None and self.config.seq_length != seq_length:
+            raise ConfigError(
+                f"{CONFIG_PATH}.seq_length ({self.config.seq_length}) must equal model.seq_length ({seq_length})."
+            )
+        if vocab_size is not None:
+            check_token_ids(self.config, vocab_size)
+
+
 def megatron_loader(loader: Mapping[str, Any]) -> MegatronLoader:
-    """Type a BlendedMegatronDatasetDataLoader mapping; keys it does not read are warned about, all at once."""
-    kind = loader.get("datasets_type", "GPTDataset")
-    if kind != "GPTDataset":
-        raise ConfigError(f"{SECTION}.datasets_type is '{kind}'; the only supported value is GPTDataset.")
-    raw_config = loader.get("config")
-    if raw_config is None:
-        raise ConfigError(
-            f"{CONFIG_PATH} is required for {MEGATRON_TYPE}: at least seq_length, "
-            "data_path and split (or train_data_path / valid_data_path)."
-        )
-    raw_config = dict(raw_config) if isinstance(raw_config, Mapping) else raw_config
-    cfg = parse_gpt_config(raw_config)
-    sizes = _sizes(loader.get("sizes"))
-    columns = check_columns(loader.get("column_names"), cfg)
-    unknown = sorted(set(loader) - set(MEGATRON_KEYS))
-    if unknown:
-        log.warning(
-            "%s not used by %s; ignored (valid keys: %s)",
-            ", ".join(f"{SECTION}.{k}" for k in unknown) + (" is" if len(unknown) == 1 else " are"),
-            MEGATRON_TYPE,
-            ", ".join(MEGATRON_KEYS),
-        )
-    for key in no_effect_keys(raw_config):
-        log.warning("%s.%s has no effect in lmforge (see docs/data.md)", CONFIG_PATH, key)
-    return MegatronLoader(
-        config=cfg,
-        sizes=sizes,
-        columns=columns,
-        shuffle=bool(loader.get("shuffle", False)),
-        python_multiprocessing=bool(loader.get("python_multiprocessing", False)),
-    )
+    """Type a BlendedMegatronDatasetDataLoader section's written keys; one ConfigError names every problem."""
+    try:
+        return MegatronLoader.model_validate(loader)
+    except ValidationError as exc:
+        messages = []
+        for err in exc.errors():
+            problem = err.get("ctx", {}).get("error")
+            if isinstance(problem, ConfigError):
+                messages.append(str(problem))
+            else:  # the config section typed shuffle, column_names, ... already: a plugin's value
+                key = ".".join([SECTION, *map(str, err["loc"])])
+                messages.append(f"{key}: {err['msg']}, got {err.get('input')!r}.")
+        raise ConfigError(" ".join(dict.fromkeys(messages))) from None
 
 
 def text_loader(loader: Mapping[str, Any]) -> TextLoader:
@@ -197,9 +194,12 @@ def text_loader(loader: Mapping[str, Any]) -> TextLoader:
     return TextLoader(loader=mapping)
 
 
+TypedDataloader = MegatronLoader | TextLoader
+
+
 def type_dataloader(node: Any) -> TypedDataloader:
-    """The typed form of a dataloader section (mapping or config section); ConfigError when invalid."""
-    loader = written_keys(node)
+    """The typed form of a validated dataloader config section; ConfigError when invalid."""
+    loader = node.written_values()
     kind = loader.get("type")
     if kind == MEGATRON_TYPE:
         return megatron_loader(loader)
@@ -217,17 +217,3 @@ def register() -> None:
     """Register every loader type and the catch-all (idempotent)."""
     for name in (*SUPPORTED_TYPES, "*"):
         register_section_schema(SECTION, name, _schema)
-
-
-def typed_dataset(section: Any) -> tuple[Any, TypedDataloader]:
-    """``(train_dataset section, typed dataloader)`` for a builder.
-
-    ``section`` is the ``train_dataset`` section ``load_config`` typed (its ``dataloader.typed`` is
-    used as is) or a plain mapping with the same keys, validated here by the same schema.
-    """
-    if isinstance(section, Mapping):
-        from lmforge.config import validate_section
-
-        section = validate_section("train_dataset", section)
-    typed = getattr(section.dataloader, "typed", None)
-    return section, typed if typed is not None else type_dataloader(section.dataloader)

@@ -26,6 +26,7 @@ from lmforge.config.load import collected_log_warnings
 from lmforge.config.schema import TrainConfig
 from lmforge.config.sections_run import TrainingConfig
 from lmforge.errors import ConfigError, LmforgeError
+from lmforge.lr import build_scheduler
 from lmforge.parallel.dims import ParallelDims
 
 
@@ -274,12 +275,17 @@ def _plan(cfg: TrainConfig, world_size: int, problems: list[str]) -> RunPlan | N
 
     training = cfg.training
     # load_config typed the model, optimizer and lr_scheduler sections (lmforge.config.registry): the
-    # plan reads those typed forms and validates nothing again.
+    # plan reads those typed forms and validates nothing again. The schedule over training.steps is the
+    # typed scheduler's (load_config made it once already: it cannot fail, and its warnings are in
+    # cfg.warnings).
     typed_model = _typed(cfg.model, "model", problems)
     model_config, model_class = (typed_model.config, typed_model.model_class) if typed_model else (None, None)
     optimizer = _typed(cfg.optimizer, "optimizer", problems)
-    # With training.epochs the schedule's total is derived below (load_config left it untyped).
-    schedule = _typed(cfg.lr_scheduler, "lr_scheduler", problems) if training.epochs is None else None
+    scheduler = _typed(cfg.lr_scheduler, "lr_scheduler", problems)
+    # With training.epochs the schedule's total is derived below, from the data.
+    schedule = (
+        scheduler.schedule(int(training.steps)) if scheduler is not None and training.epochs is None else None
+    )
     dims = _attempt(problems, lambda: ParallelDims.from_section(cfg.parallelism, world_size))
     batches = None
     if dims is not None:
@@ -349,7 +355,9 @@ def _steps_of_epochs(cfg: TrainConfig, batches: BatchSchedule, model_config: Any
             "epochs or data, or a smaller training.global_batch_size."
         )
     try:
-        schedule = cfg.with_derived_steps(steps).lr_scheduler.typed
+        # The typed scheduler over the derived total, checked as load_config checks an explicit
+        # training.steps; its warnings go to plan.warnings (from_config collects the log).
+        schedule = build_scheduler(cfg.lr_scheduler, steps)
     except ValueError as exc:
         raise ConfigError(f"{exc} (training.steps {steps} derived from training.epochs {epochs})") from None
     note = (

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lmforge.config.schema import TrainConfig
 from lmforge.errors import ConfigError
 
 MODEL_INPUTS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask", "actual_seq_len")
@@ -134,35 +135,23 @@ def evaluate(
     return EvalResult(loss=loss, perplexity=ppl, tokens=int(n), batches=count)
 
 
-def build_eval_loader(config: Any, *, dp_rank: int = 0, dp_size: int = 1) -> Any:
-    """The validation loader of ``eval_dataset`` (or ``train_dataset``), or a ConfigError when empty."""
+def build_eval_loader(config: TrainConfig, *, dp_rank: int = 0, dp_size: int = 1) -> Any:
+    """The validation loader of ``eval_dataset`` (or ``train_dataset``) of the typed ``config``, or a
+    ConfigError when empty."""
     from lmforge.data import build_dataloader  # data sits beside train's other building blocks
 
-    section = (
-        getattr(config, "eval_dataset", None) if not isinstance(config, dict) else config.get("eval_dataset")
-    )
-    key = "eval_dataset"
+    section, key = config.eval_dataset, "eval_dataset"
     if section is None:
-        section, key = (
-            (config["train_dataset"] if isinstance(config, dict) else config.train_dataset),
-            "train_dataset",
-        )
-    training = config["training"] if isinstance(config, dict) else config.training
-    model = config["model"] if isinstance(config, dict) else config.model
-    lbs = training["local_batch_size"] if isinstance(training, dict) else training.local_batch_size
-    seed = training.get("seed", 42) if isinstance(training, dict) else training.seed
-
-    def model_key(name: str) -> Any:
-        return model.get(name) if isinstance(model, dict) else getattr(model, name, None)
-
+        section, key = config.train_dataset, "train_dataset"
+    training, model = config.training, config.model
     loader = build_dataloader(
         section,
-        local_batch_size=lbs,
+        local_batch_size=training.local_batch_size,
         dp_rank=dp_rank,
         dp_size=dp_size,
-        seed=seed,
-        vocab_size=model_key("vocab_size"),
-        seq_length=model_key("seq_length"),
+        seed=training.seed,
+        vocab_size=getattr(model, "vocab_size", None),
+        seq_length=getattr(model, "seq_length", None),
         phase="valid",
     )
     if loader is None:

@@ -212,13 +212,14 @@ def _schedule(ev: RunEvidence) -> Any:
     if ev.section("lr_scheduler") and steps is not None:
         import logging
 
+        from lmforge.config import validate_section
         from lmforge.lr import build_scheduler
 
         quiet = logging.getLogger("lmforge.lr")
         level = quiet.level
         quiet.setLevel(logging.ERROR)  # its warnings were logged when the run started
         try:
-            schedule = build_scheduler(ev.section("lr_scheduler"), steps)
+            schedule = build_scheduler(validate_section("lr_scheduler", ev.section("lr_scheduler")), steps)
         except Exception:  # the doctor diagnoses; a config the trainer would reject is not its business
             schedule = None
         finally:
