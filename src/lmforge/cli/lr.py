@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.cli.options import add_set_option
-from lmforge.config import apply_overrides, load_config, read_raw, validate_section
+from lmforge.config import apply_overrides, read_raw, validate_config, validate_section
+from lmforge.config.outputs import follow_output_dir_override
 from lmforge.errors import ConfigError
 from lmforge.lr import build_scheduler
 from lmforge.lr.report import LabelledSchedule, format_key_steps, plot, write_csv
@@ -72,11 +73,13 @@ def _load(path: str, overrides: list[str]) -> tuple[Any, int, str | None]:
     fragment, or one with a mistake elsewhere) still gets its schedule drawn from its lr_scheduler
     and training sections, with a note saying so.
     """
+    # The file is read once: a file the YAML reader refuses (malformed, or past the size bounds) is refused
+    # here with no fallback; reading it again for the fallback doubled the time a hostile file takes.
+    file_raw, source = read_raw(path)
+    raw = apply_overrides(file_raw, overrides)
     try:
-        cfg = load_config(path, overrides)
+        cfg = follow_output_dir_override(validate_config(raw, source), file_raw, overrides)
     except ConfigError:
-        raw, source = read_raw(path)
-        raw = apply_overrides(raw, overrides)
         if (
             not isinstance(raw.get("lr_scheduler"), dict)
             or (raw.get("training") or {}).get("epochs") is not None
