@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from lmforge.train.callbacks.doctor import diagnose, read_run_dir
+from lmforge.tools.doctor import diagnose, read_run_dir
 
 from .runs import MOE_MODEL, run_config
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lmforge.cli import main
-from lmforge.train.callbacks.doctor import diagnose, read_run_dir
+from lmforge.tools.doctor import diagnose, read_run_dir
 
 
 def _is_emulation(finding):

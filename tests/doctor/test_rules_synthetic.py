@@ -14,7 +14,7 @@ import pytest
 
 from lmforge.cli import main
 from lmforge.errors import LmforgeError
-from lmforge.train.callbacks.doctor import diagnose, read_run_dir
+from lmforge.tools.doctor import diagnose, read_run_dir
 
 CONFIG = """\
 training: {steps: 40, max_norm: 1.0, local_batch_size: 4, global_batch_size: 8}
@@ -161,7 +161,7 @@ def test_lora_frozen_base_is_intended_but_a_stuck_adapter_is_not(tmp_path):
 
 
 def test_an_emulated_16_bit_compute_dtype_is_a_finding_with_the_key_to_change(tmp_path):
-    from lmforge.train.callbacks.doctor.evidence import FACTS_FILE
+    from lmforge.tools.doctor.evidence import FACTS_FILE
 
     note = (
         "model.compute_dtype = bfloat16: this CPU has no native bfloat16 matmuls and emulates them: a "
@@ -185,7 +185,7 @@ def test_an_emulated_16_bit_compute_dtype_is_a_finding_with_the_key_to_change(tm
 def test_the_live_doctor_records_an_emulated_compute_dtype(monkeypatch):
     import torch
 
-    from lmforge.train.callbacks.doctor import live
+    from lmforge.train.callbacks import doctor_live as live
     from lmforge.utils import native_dtype
 
     monkeypatch.setattr(native_dtype, "cpu_capability", lambda dtype: dtype == torch.float32)

@@ -8,8 +8,8 @@ import math
 
 from lmforge.cli import main
 from lmforge.lr import build_scheduler
-from lmforge.train.callbacks.doctor import diagnose, read_run_dir
-from lmforge.train.callbacks.doctor.rule_base import SUGGESTED_LR_MAX
+from lmforge.tools.doctor import diagnose, read_run_dir
+from lmforge.tools.doctor.rule_base import SUGGESTED_LR_MAX
 
 from .test_rules_synthetic import CONFIG, _healthy, _write_run
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmforge.train.callbacks.doctor.evidence import RunEvidence
-from lmforge.train.callbacks.doctor.rule_base import (
+from lmforge.tools.doctor.evidence import RunEvidence
+from lmforge.tools.doctor.rule_base import (
     HIGH_WEIGHT_DECAY,
     LARGE_EPS,
     LR_CEILING,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmforge.train.callbacks.doctor.evidence import RunEvidence
+from lmforge.tools.doctor.evidence import RunEvidence
 
 MIN_STEPS = 3  # fewer metrics records than this: the curve rules do not judge
 

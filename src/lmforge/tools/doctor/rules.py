@@ -12,8 +12,8 @@ docs/guide.md ("The training doctor") mirrors :data:`RULES`.
 
 from __future__ import annotations
 
-from lmforge.train.callbacks.doctor.evidence import RunEvidence
-from lmforge.train.callbacks.doctor.rule_base import (  # noqa: F401 - the thresholds, importable from here
+from lmforge.tools.doctor.evidence import RunEvidence
+from lmforge.tools.doctor.rule_base import (  # noqa: F401 - the thresholds, importable from here
     GRAD_SPIKE_FACTOR,
     LOSS_RISE,
     MIN_STEPS,
@@ -23,7 +23,7 @@ from lmforge.train.callbacks.doctor.rule_base import (  # noqa: F401 - the thres
     Rule,
     RuleResult,
 )
-from lmforge.train.callbacks.doctor.rules_progress import (
+from lmforge.tools.doctor.rules_progress import (
     decay_on_everything,
     eps_too_large,
     lr_huge,
@@ -34,14 +34,14 @@ from lmforge.train.callbacks.doctor.rules_progress import (
     warmup_never_ends,
     weight_decay_too_high,
 )
-from lmforge.train.callbacks.doctor.rules_resources import (
+from lmforge.tools.doctor.rules_resources import (
     emulated_compute_dtype,
     moe_routing,
     out_of_memory,
     rank_differences,
 )
-from lmforge.train.callbacks.doctor.rules_run import loss_flat, no_steps, repeated_data, rollbacks
-from lmforge.train.callbacks.doctor.rules_stability import (
+from lmforge.tools.doctor.rules_run import loss_flat, no_steps, repeated_data, rollbacks
+from lmforge.tools.doctor.rules_stability import (
     clipping_most_steps,
     eps_too_small,
     fp16_without_scaling,

@@ -7,8 +7,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from lmforge.train.callbacks.doctor.evidence import RunEvidence
-from lmforge.train.callbacks.doctor.rule_base import (
+from lmforge.tools.doctor.evidence import RunEvidence
+from lmforge.tools.doctor.rule_base import (
     FLAT_LOSS_REL,
     Finding,
     RuleResult,

@@ -7,8 +7,8 @@ import re
 from statistics import median
 from typing import Any
 
-from lmforge.train.callbacks.doctor.evidence import RunEvidence
-from lmforge.train.callbacks.doctor.rule_base import (
+from lmforge.tools.doctor.evidence import RunEvidence
+from lmforge.tools.doctor.rule_base import (
     COLLAPSE_SHARE,
     IMBALANCE_RATIO,
     RANK_LOSS_REL,

@@ -1,4 +1,4 @@
-"""The training doctor, live: the rules of :mod:`lmforge.train.callbacks.doctor.rules` run during training.
+"""The training doctor, live: the rules of :mod:`lmforge.tools.doctor.rules` run during training.
 
 At the start it writes ``config.yaml`` (the resolved configuration) and ``doctor_facts.json`` (what
 only the live run can see: frozen parameters, parameters in no optimizer group, norms and biases
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from lmforge.config.schema import TrainConfig
+from lmforge.tools.doctor.evidence import CONFIG_FILE, FACTS_FILE, RunEvidence
+from lmforge.tools.doctor.rules import Finding, diagnose
 from lmforge.train.callbacks.base import TrainerCallback
-from lmforge.train.callbacks.doctor.evidence import CONFIG_FILE, FACTS_FILE, RunEvidence
-from lmforge.train.callbacks.doctor.rules import Finding, diagnose
 from lmforge.utils.logging import get_logger
 
 logger = get_logger("lmforge.doctor")

@@ -7,8 +7,8 @@ import math
 from statistics import median
 from typing import Any
 
-from lmforge.train.callbacks.doctor.evidence import RunEvidence
-from lmforge.train.callbacks.doctor.rule_base import (
+from lmforge.tools.doctor.evidence import RunEvidence
+from lmforge.tools.doctor.rule_base import (
     CLIP_MEDIAN,
     CLIP_MIN_STEPS,
     CLIP_SHARE,
