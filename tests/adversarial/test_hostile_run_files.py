@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from doctor.test_rules_synthetic import _healthy, _write_run
+from tools.doctor.test_rules_synthetic import _healthy, _write_run
 
 HOSTILE_FACTS = {
     "a list": "[]",

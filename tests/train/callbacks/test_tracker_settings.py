@@ -21,7 +21,7 @@ from lmforge.train.callbacks.tracker_settings import (
     wandb_settings,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 WANDB_ENV = {
     "WANDB_PROJECT": "env-project",
     "WANDB_ENTITY": "env-team",

@@ -12,8 +12,7 @@ import pytest
 import yaml
 
 from lmforge.tools.doctor import diagnose, read_run_dir
-
-from .runs import MOE_MODEL, run_config
+from tools.doctor.runs import MOE_MODEL, run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(200)]
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
+from cli.test_eval_cli import _write_data
 from lmforge.config import load_config
 from lmforge.train.builder import build_trainer
 from lmforge.train.callbacks import read_metrics
 
-from .test_eval_cli import _write_data
 from .test_tensorboard_profiler_memory import _scalars, _trace_step_names
 
 TOP_K = 2
