@@ -20,7 +20,7 @@ from lmforge.models import build_model, load_hf_pretrained, save_hf_pretrained
 from lmforge.models.hf_io import read_safetensors_dir
 from lmforge.train.checkpoint import Checkpointable, CheckpointManager
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+SRC = str(Path(__file__).resolve().parents[3] / "src")
 
 
 def _training_checkpoint(tmp_path, section):

@@ -20,7 +20,7 @@ from data.text_helpers import text_rows, write_jsonl, write_tokenizer
 from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter
 from lmforge.errors import DataError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # (the JSON of the "text" field, what the message says)
 HOSTILE_TEXT = {

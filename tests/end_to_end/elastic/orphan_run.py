@@ -1,6 +1,6 @@
 """A stand-in launcher is SIGKILLed under a worker that ignores SIGTERM (for test_launcher_death.py).
 
-PYTHONPATH=src:tests python -m elastic.orphan_run reaper DIR [poll]
+PYTHONPATH=src:tests python -m end_to_end.elastic.orphan_run reaper DIR [poll]
 
 ``reaper`` makes itself the subreaper of what it starts (so the orphaned worker becomes its child and
 its exit status can be read), starts ``launcher``, which starts ``worker`` with torchrun's variable
@@ -25,7 +25,7 @@ PR_SET_CHILD_SUBREAPER = 36
 
 def reaper(root: Path, mode: str) -> int:
     assert ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    cmd = [sys.executable, "-m", "elastic.orphan_run", "launcher", str(root), mode]
+    cmd = [sys.executable, "-m", "end_to_end.elastic.orphan_run", "launcher", str(root), mode]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     worker = int(launcher.stdout.readline())  # printed once the worker armed the watch
     launcher.kill()
@@ -46,7 +46,7 @@ def reaper(root: Path, mode: str) -> int:
 
 def launcher(root: Path, mode: str) -> int:
     env = dict(os.environ, TORCHELASTIC_RUN_ID="orphan-test", LMFORGE_ORPHAN_GRACE_S="1")
-    cmd = [sys.executable, "-m", "elastic.orphan_run", "worker", str(root), mode]
+    cmd = [sys.executable, "-m", "end_to_end.elastic.orphan_run", "worker", str(root), mode]
     worker = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert worker.stdout.readline().strip() == "armed"
     print(worker.pid, flush=True)

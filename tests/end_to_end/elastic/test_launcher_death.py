@@ -92,7 +92,7 @@ def test_sigkill_to_the_launchers_group_stops_the_workers_with_one_save(tmp_path
 @pytest.mark.parametrize("mode", ["prctl", "poll"])  # poll: without prctl, as off Linux
 def test_an_orphan_that_ignores_sigterm_exits_after_the_grace_period(tmp_path, mode):
     proc = subprocess.run(
-        [sys.executable, "-m", "elastic.orphan_run", "reaper", str(tmp_path), mode],
+        [sys.executable, "-m", "end_to_end.elastic.orphan_run", "reaper", str(tmp_path), mode],
         cwd=TESTS_DIR,
         env=worker_env(),
         capture_output=True,

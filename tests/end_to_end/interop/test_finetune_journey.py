@@ -12,7 +12,7 @@ import pytest
 
 from lmforge.cli import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FAST = ["--set", "training.steps=2", "--set", "model.compute_dtype=float32"]
 
 

@@ -9,7 +9,7 @@ import pytest
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _project():

@@ -191,7 +191,7 @@ def test_shipped_example_task_runs(setup, tokenizer_dir):
 
     from lmforge.train.callbacks.lm_eval_harness import _check_jsonl_task, evaluate_tasks
 
-    task = Path(__file__).resolve().parents[2] / "configs" / "tasks" / "kjv_cloze.jsonl"
+    task = Path(__file__).resolve().parents[3] / "configs" / "tasks" / "kjv_cloze.jsonl"
     assert _check_jsonl_task(task) == 16
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     got = evaluate_tasks(setup[0], tok, [str(task)], eot_id=0, max_length=64, limit=4)

@@ -142,7 +142,7 @@ def test_optimizer_item_pickle_payload_refused(run_copy, tmp_path, monkeypatch, 
 
     def evil(model, optimizer):
         form, sd = real(model, optimizer)
-        payload = __import__("adversarial.conftest").conftest.Payload(marker)
+        payload = __import__("end_to_end.adversarial.conftest").adversarial.conftest.Payload(marker)
         if "param_groups" in sd:  # the nested form
             sd["param_groups"][0]["lr"] = payload
         else:  # torch's flattened form: group settings per parameter name

@@ -14,7 +14,7 @@ from lmforge.config import validate_section
 from lmforge.models import build_model, save_hf_pretrained
 
 pytest.importorskip("lm_eval")
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+SRC = str(Path(__file__).resolve().parents[3] / "src")
 
 
 @pytest.mark.slow

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from elastic.helpers import finish, job_config, start_standalone
+from end_to_end.elastic.helpers import finish, job_config, start_standalone
 from lmforge.utils.run_lock import RunLock
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 BAD_ENVS = {
     "RANK=abc": ({"RANK": "abc"}, "RANK='abc' must be an integer >= 0"),

@@ -20,7 +20,7 @@ import pytest
 
 from .helpers import job_config, kill_group, losses, worker_env
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 LAUNCHER = REPO / "scripts" / "lmforge-torchrun.sh"
 SLURM = REPO / "scripts" / "slurm" / "lmforge.slurm"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DENSE = REPO / "configs" / "demo.yaml"  # qwen3: GQA, head_dim 32
 MLA_MOE = REPO / "configs" / "muon_deepseek_v3.yaml"  # deepseek_v3: MLA, 8 routed experts
 

@@ -1,4 +1,4 @@
-"""Faults injected into a training run from its YAML (``callbacks: [{type: elastic.faults:Fault, ...}]``).
+"""Faults injected into a training run from its YAML (``callbacks: [{type: end_to_end.elastic.faults:Fault, ...}]``).
 
 Each fault fires on one rank, on one attempt of the job (``lmforge.utils.elastic.restart_count``), so
 the restarted job runs clean:

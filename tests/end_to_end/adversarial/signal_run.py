@@ -1,6 +1,6 @@
 """Tiny training runs that send themselves SIGTERM at one phase (for test_data_loss.py).
 
-PYTHONPATH=src:tests python -m adversarial.signal_run PHASE[,PHASE...] DIR STEPS
+PYTHONPATH=src:tests python -m end_to_end.adversarial.signal_run PHASE[,PHASE...] DIR STEPS
 
 PHASE: begin (start of the run), step (inside step 3, before its save), final-save (at the start of
 the last checkpoint save): each runs in DIR/PHASE, one after the other in this process; build

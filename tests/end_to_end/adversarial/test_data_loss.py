@@ -20,7 +20,7 @@ from lmforge.utils.run_lock import LOCK_FILE
 
 from .conftest import snapshot
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ITER = "iteration_00000002"
 
 
@@ -328,7 +328,7 @@ def signalled(tmp_path_factory):
     """One process, three tiny runs (5 steps, saves every 2), each sent SIGTERM at one phase."""
     root = tmp_path_factory.mktemp("signals")
     proc = subprocess.run(
-        [sys.executable, "-m", "adversarial.signal_run", "begin,step,final-save", str(root), "5"],
+        [sys.executable, "-m", "end_to_end.adversarial.signal_run", "begin,step,final-save", str(root), "5"],
         cwd=REPO / "tests",
         env=_env(),
         capture_output=True,
@@ -355,7 +355,14 @@ def test_sigterm_at_any_phase_exits_0_with_a_complete_checkpoint(signalled, phas
 @pytest.mark.slow
 def test_sigterm_while_the_model_is_built_exits_0_with_a_checkpoint(run_copy):
     proc = subprocess.run(
-        [sys.executable, "-m", "adversarial.signal_run", "build", str(run_copy / "train.yaml"), "2"],
+        [
+            sys.executable,
+            "-m",
+            "end_to_end.adversarial.signal_run",
+            "build",
+            str(run_copy / "train.yaml"),
+            "2",
+        ],
         cwd=REPO / "tests",
         env=_env(),
         capture_output=True,

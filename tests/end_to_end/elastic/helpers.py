@@ -15,7 +15,7 @@ import yaml
 
 from train.test_train_cli import ADAMW, write_config
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
+TESTS_DIR = Path(__file__).resolve().parents[2]
 SRC_DIR = TESTS_DIR.parent / "src"
 
 
@@ -30,14 +30,14 @@ def job_config(
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
     if faults:
-        raw["callbacks"] = [{"type": "elastic.faults:Fault", **f} for f in faults]
+        raw["callbacks"] = [{"type": "end_to_end.elastic.faults:Fault", **f} for f in faults]
     path.write_text(yaml.safe_dump(raw))
     return str(path)
 
 
 def worker_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    # The fault-injection callbacks (elastic.faults) are named in the YAML: this test trusts them.
+    # The fault-injection callbacks (end_to_end.elastic.faults) are named in the YAML: this test trusts them.
     env["LMFORGE_ALLOW_IMPORTS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(SRC_DIR), str(TESTS_DIR), env.get("PYTHONPATH", "")])
     env.update(extra)
