@@ -8,8 +8,7 @@ import torch
 from lmforge.config.sections_speed import Float8Config
 from lmforge.errors import ConfigError
 from lmforge.parallel.float8 import apply_float8, check_float8_supported
-
-from .helpers import tiny_model
+from tiny_fp32 import tiny_model
 
 pytest.importorskip("torchao.float8")
 

@@ -14,7 +14,7 @@ from lmforge.train.callbacks import read_metrics
 
 
 def _train_cli_helpers():
-    path = Path(__file__).parents[1] / "train" / "test_train_cli.py"
+    path = Path(__file__).parents[2] / "train" / "test_train_cli.py"
     spec = importlib.util.spec_from_file_location("lmforge_train_cli_helpers", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -7,8 +7,7 @@ import torch
 
 from lmforge.config.sections_speed import CompileConfig
 from lmforge.parallel.compile import CompileWatch, compile_blocks
-
-from .helpers import grads, max_rel, tiny_model
+from tiny_fp32 import grads, max_rel, tiny_model
 
 
 def test_blocks_are_compiled_in_place_with_unchanged_names():

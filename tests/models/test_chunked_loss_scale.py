@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_chunked_loss import _inputs as chunked_inputs
 
 from lmforge.models.common.loss import (
     announced_gradient_scale,
@@ -15,9 +16,7 @@ from lmforge.models.common.loss import (
     loss_gradient_scale,
     token_cross_entropy,
 )
-
-from .helpers import max_rel, tiny_model
-from .test_chunked_loss import _inputs as chunked_inputs
+from tiny_fp32 import max_rel, tiny_model
 
 
 def _inputs(dtype):

@@ -13,8 +13,7 @@ from lmforge.models.common.masks import (
     build_allowed_mask,
     document_spans,
 )
-
-from .helpers import grads, max_rel, tiny_model
+from tiny_fp32 import grads, max_rel, tiny_model
 
 
 def test_spans_follow_the_document_ids_rule():

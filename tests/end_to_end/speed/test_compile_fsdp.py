@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 def _write_config(tmp_path: Path) -> str:
-    path = Path(__file__).parents[1] / "train" / "test_train_cli.py"
+    path = Path(__file__).parents[2] / "train" / "test_train_cli.py"
     spec = importlib.util.spec_from_file_location("lmforge_train_cli_helpers", path)
     helpers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(helpers)
@@ -37,7 +37,7 @@ def test_compiled_fsdp_matches_eager_single_process(tmp_path):
     for o in [*fp32, "compile.enable=true"]:
         cmd += ["--set", o]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = str(Path(__file__).parents[2] / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(Path(__file__).parents[3] / "src") + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     eager = read_metrics(eager_dir / "run" / "metrics.jsonl")
