@@ -12,7 +12,7 @@ from lmforge.tools.doctor import diagnose, read_run_dir
 
 def _is_emulation(finding):
     # A CPU emulates fp16 (and, without AVX512_BF16/AMX, bf16): that finding is right but depends on the
-    # machine; tests/doctor/test_rules_synthetic.py tests it.
+    # machine; tests/tools/doctor/test_rules_synthetic.py tests it.
     return finding.symptom.startswith("slow training (16-bit compute emulated)")
 
 
