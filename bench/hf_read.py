@@ -137,7 +137,7 @@ Model: 34M-parameter Qwen3, fp32, exported with `save_hf_pretrained` in 50MB sha
 | 2 gloo ranks, FSDP | `load_hf_weights` per rank | every rank reads the whole directory | {fsdp[0]:.2f} s | {fsdp[1]:.2f} s | {fsdp[2]:.2f}x time |
 
 Bytes read by the busiest FSDP rank: {fsdp[3]:.1%} of the files (the norms are replicated, the rest is
-half). The byte count per rank is also asserted exactly in tests/interop/test_hf_load_sharded.py.
+half). The byte count per rank is also asserted exactly in tests/end_to_end/interop/test_hf_load_sharded.py.
 
 Reading: each run of consecutive rows is read with `get_slice` straight into the local shard (one
 copy); the whole-tensor path also concatenates the fused tensors (`torch.cat`) before copying them.

@@ -186,7 +186,7 @@ shard into an in-memory buffer and then writes it (a profile of one export: 1.55
 the writer, 1.03 s of it in the buffered write); the same files written by `safetensors.save_file`
 (lmforge's fallback path for a torch without the writer) took about a third of that. The name
 mapping and copies cost about 0.03 s. The harness rows run the same model math (parity within
-1e-4, tests/interop/test_downstream_eval.py); both sort requests longest first and batch 8.
+1e-4, tests/end_to_end/interop/test_downstream_eval.py); both sort requests longest first and batch 8.
 """
     print(body)
     if not args.no_write:

@@ -15,7 +15,7 @@ import pytest
 # docs/architecture.md imitates a CPU without native bf16) compiles other kernels and packs oneDNN weights
 # in other layouts, but torch's inductor cache does not key on these variables: such a run's cached
 # graphs, replayed by a later normal run (or the other way round), corrupted the heap ("free(): invalid
-# pointer" in tests/speed/test_compile_fsdp.py). Each instruction-set limit gets its own cache.
+# pointer" in tests/end_to_end/speed/test_compile_fsdp.py). Each instruction-set limit gets its own cache.
 _ISA_LIMITS = [
     f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY") if os.environ.get(k)
 ]

@@ -11,8 +11,9 @@ from pathlib import Path
 import lmforge
 
 RANK = {
-    "cli": 5,
-    "train": 4,
+    "cli": 6,
+    "train": 5,
+    "tools": 4,
     "parallel": 3,
     "models": 2,
     "data": 2,
@@ -69,10 +70,13 @@ def test_the_check_sees_an_upward_and_a_sideways_import(tmp_path):
     (tmp_path / "train" / "x.py").write_text("def f():\n    from lmforge.cli import malloc\n")
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "y.py").write_text("from lmforge.data.tokenizer import load_tokenizer\n")
+    (tmp_path / "tools").mkdir()  # tools sit below train: the offline doctor must not reach the live one
+    (tmp_path / "tools" / "d.py").write_text("from lmforge.train.callbacks import doctor_live\n")
     (tmp_path / "utils").mkdir()
     (tmp_path / "utils" / "z.py").write_text("from lmforge.errors import ConfigError\n")
     assert upward_imports(tmp_path) == [
         "models/y.py: models imports lmforge.data.tokenizer",
+        "tools/d.py: tools imports lmforge.train.callbacks",
         "train/x.py: train imports lmforge.cli",
     ]
 

@@ -1,5 +1,5 @@
 """``lmforge train`` under torchrun (gloo, CPU), blocking: the one launcher of the tests that need a job
-of several ranks and read back what it wrote (tests/elastic/helpers.py starts jobs it signals or kills
+of several ranks and read back what it wrote (tests/end_to_end/elastic/helpers.py starts jobs it signals or kills
 while they run)."""
 
 from __future__ import annotations

@@ -231,8 +231,8 @@ def test_cli_check_shows_the_steps_and_train_runs_them(tmp_path, capsys):
 
 
 def test_the_doctor_reads_the_derived_steps_of_an_epochs_run(tmp_path):
-    from lmforge.train.callbacks.doctor.evidence import FACTS_FILE, RunEvidence, _read_facts
-    from lmforge.train.callbacks.doctor.rule_base import _steps_configured
+    from lmforge.tools.doctor.evidence import FACTS_FILE, RunEvidence, _read_facts
+    from lmforge.tools.doctor.rule_base import _steps_configured
 
     # The run's config.yaml keeps epochs (no steps); doctor_facts.json holds the steps it derived.
     (tmp_path / FACTS_FILE).write_text(json.dumps({"training_steps": 40}))

@@ -157,7 +157,7 @@ def test_hf_directory_needs_no_load_optim(tmp_path):
 
 
 def test_missing_or_empty_load_path_resolve_to_nothing_and_junk_is_an_error(tmp_path):
-    # Nothing there: None, for the caller to refuse in its own terms (train: tests/adversarial/test_resume_pattern.py).
+    # Nothing there: None, for the caller to refuse in its own terms (train: tests/end_to_end/adversarial/test_resume_pattern.py).
     assert resolve_checkpoint("") is None and resolve_checkpoint(tmp_path / "nope") is None
     (tmp_path / ".lmforge.lock").write_text("{}")  # a run lock is not a checkpoint
     assert resolve_checkpoint(tmp_path) is None

@@ -1,7 +1,7 @@
 """``lmforge doctor RUN_DIR [--json]``: diagnose a run from what it wrote.
 
 Reads the run directory's metrics.jsonl, train.log, config.yaml, doctor_facts.json, monitor files and
-its latest checkpoint's common.json, applies the rules of :mod:`lmforge.train.callbacks.doctor.rules` and
+its latest checkpoint's common.json, applies the rules of :mod:`lmforge.tools.doctor.rules` and
 prints each finding (symptom, evidence, likely cause, YAML keys to change) or "no problem found" with
 the healthy signs it checked. ``--json`` prints
 ``{"findings": [{"symptom", "evidence", "cause", "keys"}], "checked": [...]}`` (an empty
@@ -57,7 +57,7 @@ def format_report(diagnosis: Any, run_dir: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lmforge.train.callbacks.doctor import diagnose, read_run_dir
+    from lmforge.tools.doctor import diagnose, read_run_dir
 
     diagnosis = diagnose(read_run_dir(args.run_dir))
     if args.json:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lmforge.cli import main
-from lmforge.train.callbacks.doctor import diagnose, read_run_dir
+from lmforge.tools.doctor import diagnose, read_run_dir
 from lmforge.train.callbacks.trackers import TrackerCallback
 
 from .test_exactness import DAMAGE_AT, DamageWeights, run

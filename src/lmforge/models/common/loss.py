@@ -21,7 +21,7 @@ gradient is summed over the chunks:
 
 * one or two chunks: in the weight's dtype, the second through ``addmm`` (its product is added in fp32
   inside the matmul and rounded once). Against an fp64 reference this is as precise as summing the two
-  rounded products in fp32 (``tests/speed/test_chunked_loss_scale.py``), and it needs no fp32 buffer and no
+  rounded products in fp32 (``tests/models/test_chunked_loss_scale.py``), and it needs no fp32 buffer and no
   passes over one;
 * more chunks: in fp32 (one 16-bit rounding per chunk's matmul, not one per accumulation: bf16 sums over
   many chunks lose the small ones), rounded to the weight's dtype at the end of forward, which frees the

@@ -14,7 +14,7 @@ from typing import Any
 
 from lmforge.config.schema import TrainConfig
 from lmforge.train.callbacks.base import TrainerCallback
-from lmforge.train.callbacks.doctor.live import doctor_callback
+from lmforge.train.callbacks.doctor_live import doctor_callback
 from lmforge.train.callbacks.evaluation import BestValidationCallback, EvaluationCallback
 from lmforge.train.callbacks.max_logits import MaxLogitsMonitor
 from lmforge.train.callbacks.monitor import MemoryCallback, MoeMonitorCallback, TrainStateMonitorCallback

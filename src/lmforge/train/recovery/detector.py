@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from statistics import median
 
-from lmforge.train.callbacks.doctor.rules import LOSS_RISE, SPIKE_FACTOR
+from lmforge.tools.doctor.rules import LOSS_RISE, SPIKE_FACTOR
 
 SPIKE_WINDOW = 10  # the doctor's spike rule: the median of the 10 steps before
 SPIKE_MIN_HISTORY = 3  # the doctor judges a spike from the 4th finite loss on

@@ -1,0 +1,57 @@
+"""Tiny fp32 lmforge models for the tests of the speed features (chunked loss, document attention, compile, float8)."""
+
+from __future__ import annotations
+
+import torch
+
+from lmforge.config import validate_section
+from lmforge.models import build_model
+
+_FAMILIES = {
+    "qwen3": {
+        "model_type": "qwen3",
+        "architectures": "Qwen3ForCausalLM",
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    },
+    "deepseek_v3": {
+        "model_type": "deepseek_v3",
+        "architectures": "DeepseekV3ForCausalLM",
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+        "num_nextn_predict_layers": 0,
+    },
+}
+
+
+def tiny_model(family: str = "qwen3", **overrides):
+    section = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "compute_dtype": "float32",
+        "initializer_range": 0.1,
+        **_FAMILIES[family],
+        **overrides,
+    }
+    torch.manual_seed(0)
+    return build_model(validate_section("model", section)).eval()
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
