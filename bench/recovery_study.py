@@ -187,9 +187,9 @@ def train(root: Path, name: str, raw: dict[str, Any], fault: str | None, at: int
 
 def summarize(run: Path, status: str, wall: float) -> dict[str, Any]:
     """A run's figures from its metrics.jsonl. Lost work is what did not reach the final model: the steps a
-    rollback undid (their tokens and step time, the checkpoint saves among them, the restore itself) and the
-    steps skipped without an update. Timing it step by step keeps it apart from the shared machine's noise
-    in the total wall time."""
+    rollback undid (their tokens and step time, the checkpoint saves among them, the restore itself and the
+    save of the restored state that follows it) and the steps skipped without an update. Timing it step by
+    step keeps it apart from the shared machine's noise in the total wall time."""
     records = read_metrics(run / "metrics.jsonl")
     events = [r for r in records if r.get("event") == "rollback"]
     kept: dict[int, dict[str, Any]] = {}
@@ -217,7 +217,9 @@ def summarize(run: Path, status: str, wall: float) -> dict[str, Any]:
         ),
         "skipped_steps": len(skipped),
         "time_lost_s": round(
-            seconds(undone + skipped) + sum(float(e.get("restore_s", 0)) for e in events), 1
+            seconds(undone + skipped)
+            + sum(float(e.get("restore_s", 0)) + float(e.get("save_s", 0)) for e in events),
+            1,
         ),
         "wall_s": round(wall, 1),
         "max_grad_norm": max(

@@ -48,28 +48,34 @@ MOE = {
 }
 
 
+def assert_replayed_bitwise(run_dir: Path, steps: int = STEPS) -> None:
+    """One rollback from step 5 to step 2, and the replayed steps 3-4 bitwise the steps as first trained
+    (loss and gradient norm over all ranks): every rank restored its weights, optimizer state, data position
+    and RNG exactly. The run then trains to the end with no other event, and the replayed step 5 is not the
+    spike."""
+    records = read_metrics(run_dir / "metrics.jsonl")
+    at = next(i for i, r in enumerate(records) if r.get("event") == "rollback")
+    assert (records[at]["step"], records[at]["to_step"]) == (5, 2)
+    first = {r["step"]: (r["loss"], r["grad_norm"]) for r in records[:at]}
+    again = {r["step"]: (r["loss"], r["grad_norm"]) for r in records[at + 1 :]}
+    assert [again[s] for s in (3, 4)] == [first[s] for s in (3, 4)]
+    assert sorted(again) == list(range(3, steps + 1)) and not any("event" in r for r in records[at + 1 :])
+    assert again[5][0] < first[5][0]
+
+
+FAULT = "callbacks=[{type: faults.DamageNorm, step: 4}]"
+REPLAY = ["recovery.enable=true", "recovery.data=replay"]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "parallelism,model",
-    [
-        ({}, {}),
-        ({"tensor_parallel": 2}, {}),
-        ({"pipeline_parallel": 2}, {}),
-        ({"expert_parallel": 2}, MOE),
-        ({"context_parallel": 2}, {}),
-    ],
-    ids=["fsdp2", "tp2", "pp2", "ep2", "cp2"],
-)
-def test_two_ranks_roll_back_together_and_end_where_the_undamaged_run_ends(tmp_path, parallelism, model):
+def test_two_ranks_roll_back_together_and_end_where_the_undamaged_run_ends(tmp_path):
+    """FSDP2 on 2 ranks: the damaged run that rolled back ends bitwise where the undamaged run ends."""
     straight_dir, damaged_dir = tmp_path / "straight", tmp_path / "damaged"
     straight_dir.mkdir()
     damaged_dir.mkdir()
-    torchrun(2, layout_config(straight_dir, parallelism, **model))
-    cfg = layout_config(damaged_dir, parallelism, **model)
-    fault = "callbacks=[{type: faults.DamageNorm, step: 4}]"
-    recovery = ["recovery.enable=true", "recovery.data=replay"]
-    r = torchrun(2, cfg, fault, *recovery, import_dirs=(HERE,))
+    torchrun(2, layout_config(straight_dir, {}))
+    r = torchrun(2, layout_config(damaged_dir, {}), FAULT, *REPLAY, import_dirs=(HERE,))
     events = [e for e in read_metrics(damaged_dir / "run" / "metrics.jsonl") if e.get("event") == "rollback"]
     assert [(e["step"], e["to_step"]) for e in events] == [(5, 2)]
     assert timeline(damaged_dir / "run") == timeline(straight_dir / "run")
@@ -78,6 +84,27 @@ def test_two_ranks_roll_back_together_and_end_where_the_undamaged_run_ends(tmp_p
         r.stderr.count("Resumed from") >= 2
         or "Rolled back every rank" in (damaged_dir / "run" / "train.log").read_text()
     )
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "parallelism,model",
+    [
+        ({"tensor_parallel": 2}, {}),
+        ({"pipeline_parallel": 2}, {}),
+        ({"expert_parallel": 2}, MOE),
+        ({"context_parallel": 2}, {}),
+    ],
+    ids=["tp2", "pp2", "ep2", "cp2"],
+)
+def test_every_layout_rolls_back_together_and_replays_bitwise(tmp_path, parallelism, model):
+    """TP+SP, PP, EP and CP on 2 ranks: the rollback restores every rank's shards exactly (the replayed steps
+    are bitwise the steps as first trained). The end-to-end comparison with an undamaged run is FSDP2's test
+    above: after an exact restore the replayed steps run the same code as the first time, so one more job per
+    layout (about 8 s each) would repeat it."""
+    torchrun(2, layout_config(tmp_path, parallelism, **model), FAULT, *REPLAY, import_dirs=(HERE,))
+    assert_replayed_bitwise(tmp_path / "run")
 
 
 def rollback_events(run_dir: Path) -> list[dict]:
@@ -116,15 +143,6 @@ def test_hsdp_on_four_ranks_rolls_back_and_replays_bitwise(tmp_path):
     """HSDP (2 replicas x 2 shards) on 4 gloo ranks: every rank restores its shard of the safe checkpoint,
     and the replayed steps are bitwise the steps as first trained (loss and gradient norm over 4 ranks)."""
     cfg = layout_config(tmp_path, {"data_parallel_shard": 2})
-    fault = "callbacks=[{type: faults.DamageNorm, step: 4}]"
-    recovery = ["recovery.enable=true", "recovery.data=replay"]
-    torchrun(4, cfg, "training.local_batch_size=1", fault, *recovery, import_dirs=(HERE,))
-    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    at = next(i for i, r in enumerate(records) if r.get("event") == "rollback")
-    assert (records[at]["step"], records[at]["to_step"]) == (5, 2)
-    first = {r["step"]: (r["loss"], r["grad_norm"]) for r in records[:at]}
-    again = {r["step"]: (r["loss"], r["grad_norm"]) for r in records[at + 1 :]}
-    assert [again[s] for s in (3, 4)] == [first[s] for s in (3, 4)]
-    assert sorted(again) == list(range(3, STEPS + 1)) and not any("event" in r for r in records[at + 1 :])
-    assert again[5][0] < first[5][0]  # the replayed step 5 is not the spike
+    torchrun(4, cfg, "training.local_batch_size=1", FAULT, *REPLAY, import_dirs=(HERE,))
+    assert_replayed_bitwise(tmp_path / "run")
     assert "dp_replicate=2" in (tmp_path / "run" / "train.log").read_text()
