@@ -11,7 +11,7 @@ import yaml
 from lmforge.config import validate_section
 from lmforge.config.schema import OptimizerConfig
 from lmforge.errors import ConfigError
-from lmforge.optim import build_optimizer, parse_optimizer_section
+from lmforge.optim import build_optimizer, validate_optimizer
 
 from .optim_helpers import TinyLM
 
@@ -20,7 +20,7 @@ SPEC_YAMLS = Path(__file__).resolve().parents[1] / "fixtures" / "spec_yamls"
 
 def _err(section: dict) -> str:
     with pytest.raises(ConfigError) as exc:
-        parse_optimizer_section(section)
+        validate_optimizer(section)
     return str(exc.value)
 
 
@@ -108,12 +108,12 @@ def test_errors_name_the_key_and_carry_the_original_text(section, key, text):
 
 
 def test_qk_clip_threshold_is_only_checked_when_enabled():
-    parse_optimizer_section({"type": "Muon", "qk_clip_enabled": False, "qk_clip_threshold": 0})
+    validate_optimizer({"type": "Muon", "qk_clip_enabled": False, "qk_clip_threshold": 0})
 
 
 def test_muon_defaults_are_muons_own_when_the_yaml_omits_them():
     # Through the pydantic schema, which fills AdamW-oriented defaults (eps 1e-8, weight_decay 0.01).
-    opts = parse_optimizer_section(OptimizerConfig.model_validate({"type": "Muon"}))
+    opts = validate_section("optimizer", {"type": "Muon"}).typed
     assert opts.grouping.weight_decay == 0.1
     assert opts.hyper.eps == 1e-7
     assert opts.hyper.adamw_betas == (0.95, 0.95)
@@ -125,23 +125,21 @@ def test_muon_defaults_are_muons_own_when_the_yaml_omits_them():
     assert opts.hyper.comm_strategy == "allgather"
     assert opts.hyper.adamw_include == ["*word_embeddings*", "*output_layer*"]
     # A key the YAML sets is honoured (eps is Newton-Schulz's eps for Muon, as in the original).
-    opts = parse_optimizer_section(
-        OptimizerConfig.model_validate({"type": "Muon", "eps": 1e-6, "weight_decay": 0.0})
-    )
+    opts = validate_section("optimizer", {"type": "Muon", "eps": 1e-6, "weight_decay": 0.0}).typed
     assert opts.hyper.eps == 1e-6 and opts.grouping.weight_decay == 0.0
 
 
 def test_adamw_defaults_are_the_spec_table():
-    opts = parse_optimizer_section(OptimizerConfig.model_validate({}))
+    opts = validate_section("optimizer", {}).typed
     assert opts.type == "AdamW"
     assert opts.hyper.betas == (0.9, 0.95) and opts.hyper.eps == 1e-8
     assert opts.grouping.weight_decay == 0.01
     # An int weight decay is a number (the original's float-only check is not copied).
-    assert parse_optimizer_section({"weight_decay": 0}).grouping.weight_decay == 0.0
+    assert validate_optimizer({"weight_decay": 0}).grouping.weight_decay == 0.0
 
 
 def test_segmented_schedule_ignores_ns_steps():
-    opts = parse_optimizer_section(
+    opts = validate_optimizer(
         {
             "type": "Muon",
             "ns_steps": 3,
@@ -157,14 +155,14 @@ def test_unused_keys_warn_instead_of_vanishing(caplog):
     logger = logging.getLogger("lmforge")
     logger.propagate = True
     caplog.set_level(logging.WARNING, logger="lmforge")
-    opts = parse_optimizer_section({"type": "Muon", "betas": [0.9, 0.99], "bogus": 1})
+    opts = validate_optimizer({"type": "Muon", "betas": [0.9, 0.99], "bogus": 1})
     assert opts.ignored_keys == ["betas", "bogus"]
     text = caplog.text
     assert "optimizer.betas" in text and "adamw_betas" in text and "optimizer.bogus" in text
 
 
 def test_enable_cpu_offload_is_the_offload_switch():
-    assert parse_optimizer_section({"enable_cpu_offload": True}).hyper.offload_states is True
+    assert validate_optimizer({"enable_cpu_offload": True}).hyper.offload_states is True
     assert _err({"type": "Muon", "offload_states": True}).startswith("optimizer.offload_states")
 
 
@@ -201,5 +199,5 @@ def test_every_spec_recipe_builds(path):
 )
 def test_kernel_choices_of_the_original_warn_that_they_have_no_effect(caplog, section, key):
     caplog.set_level(logging.WARNING, logger="lmforge")
-    parse_optimizer_section(section)
+    validate_optimizer(section)
     assert f"{key} = " in caplog.text and "has no effect" in caplog.text
