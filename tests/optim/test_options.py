@@ -12,6 +12,7 @@ from lmforge.config import validate_section
 from lmforge.config.schema import OptimizerConfig
 from lmforge.errors import ConfigError
 from lmforge.optim import build_optimizer, validate_optimizer
+from lmforge.optim.specs import AdamWSpec, LAMBSpec, LionSpec, MuonSpec
 
 from .optim_helpers import TinyLM
 
@@ -201,3 +202,49 @@ def test_kernel_choices_of_the_original_warn_that_they_have_no_effect(caplog, se
     caplog.set_level(logging.WARNING, logger="lmforge")
     validate_optimizer(section)
     assert f"{key} = " in caplog.text and "has no effect" in caplog.text
+
+
+def test_hyper_is_the_schema_of_the_type():
+    # One pydantic schema per type, chosen by ``type``; each carries its own published defaults:
+    # Lion betas (0.9, 0.99) (Chen et al. 2023), LAMB betas (0.9, 0.999) and eps 1e-6 (You et al. 2020).
+    kinds = {"AdamW": AdamWSpec, "Muon": MuonSpec, "Lion": LionSpec, "LAMB": LAMBSpec}
+    for name, cls in kinds.items():
+        assert type(validate_section("optimizer", {"type": name}).typed.hyper) is cls
+    assert validate_optimizer({"type": "Lion"}).hyper.betas == (0.9, 0.99)
+    lamb = validate_optimizer({"type": "LAMB"}).hyper
+    assert lamb.betas == (0.9, 0.999) and lamb.eps == 1e-6
+
+
+@pytest.mark.parametrize(
+    ("section", "start"),
+    [
+        ({"betas": ["a", 0.9]}, "optimizer.betas[0]: expected a number"),
+        ({"lr_scale": {"*emb*": "x"}}, "optimizer.lr_scale.*emb*: expected a number"),
+        ({"weight_decay_values": {"*emb*": -1}}, "optimizer.weight_decay_values.*emb*: Invalid weight_decay"),
+        ({"type": "Lion", "moment_dtype": "bfloat16"}, "optimizer.moment_dtype: compressed (bf16) moments"),
+        ({"type": "Muon", "momentum": 1.0}, "optimizer.momentum: must be >= 0 and < 1"),
+        ({"type": "Muon", "ns_steps": 2.5}, "optimizer.ns_steps: expected an integer"),
+    ],
+)
+def test_a_problem_inside_a_key_names_its_dotted_path(section, start):
+    assert _err(section).startswith(start)
+
+
+def test_every_problem_is_reported_at_once():
+    msg = _err({"eps": -1.0, "weight_decay": -0.5})
+    assert msg.startswith("optimizer has 2 problems:")
+    assert (
+        "optimizer.eps: Invalid epsilon value" in msg
+        and "optimizer.weight_decay: Invalid weight_decay" in msg
+    )
+
+
+def test_only_written_keys_count_as_given(caplog):
+    # Through the section schema, whose fields (betas, eps, ...) have AdamW defaults: for Muon those
+    # defaults are not "written", so nothing is warned about and Muon's own defaults apply.
+    logging.getLogger("lmforge").propagate = True
+    caplog.set_level(logging.WARNING, logger="lmforge")
+    opts = validate_section("optimizer", {"type": "Muon"}).typed
+    assert opts.ignored_keys == [] and "optimizer.betas" not in caplog.text
+    written = validate_section("optimizer", {"type": "Muon", "betas": [0.9, 0.99]}).typed
+    assert written.ignored_keys == ["betas"] and "optimizer.betas is not used by the Muon" in caplog.text

@@ -33,7 +33,7 @@ def validate_optimizer(written: Mapping[str, Any], path: str = "optimizer") -> O
     ``type`` defaults to AdamW). One ConfigError names every problem; keys no schema of the type
     takes, and settings that have no effect, are warned about."""
     values = {"type": "AdamW", **written}
-    if values["type"] not in OPTIMIZER_TYPES:
+    if not isinstance(values["type"], str) or values["type"] not in OPTIMIZER_TYPES:
         raise ConfigError(f"{path}.type: {_unknown_type(values['type'])}")
     try:
         spec: OptimizerSpec = _ANY_OPTIMIZER.validate_python(values)
