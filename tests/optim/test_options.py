@@ -162,6 +162,14 @@ def test_unused_keys_warn_instead_of_vanishing(caplog):
     assert "optimizer.betas" in text and "adamw_betas" in text and "optimizer.bogus" in text
 
 
+def test_swap_is_refused_by_muon_and_unused_elsewhere(caplog):
+    logging.getLogger("lmforge").propagate = True
+    caplog.set_level(logging.WARNING, logger="lmforge")
+    assert validate_optimizer({"type": "AdamW", "swap": True}).ignored_keys == ["swap"]
+    assert "optimizer.swap is not used by the AdamW optimizer" in caplog.text
+    assert validate_optimizer({"type": "Muon", "swap": False}).ignored_keys == []
+
+
 def test_enable_cpu_offload_is_the_offload_switch():
     assert validate_optimizer({"enable_cpu_offload": True}).hyper.offload_states is True
     assert _err({"type": "Muon", "offload_states": True}).startswith("optimizer.offload_states")

@@ -65,8 +65,6 @@ class OptimizerSpec(BaseModel):
     offload_states: Bool = False
     # The original AdamW's spelling of offload_states (rejected there); lmforge implements it.
     enable_cpu_offload: Bool | None = None
-    # The original's swap switch: Muon refuses it; the other types accept and ignore it, as the original.
-    swap: Any = None
     moment_dtype: MomentDtype = "float32"  # "float32" or "bfloat16" (lmforge.optim.moment_dtype)
 
     # Keys of the original that choose its kernel: lmforge always steps its fp32 masters with torch's
@@ -149,6 +147,8 @@ class MuonSpec(OptimizerSpec):
     use_fused_adamw: Bool = False
     adamw_include: AdamwInclude = Field(default_factory=lambda: list(DEFAULT_ADAMW_INCLUDE))
     ns_dtype: NsDtype = "bfloat16"
+    # The original's swap switch, which its Muon refuses; for the other types it is an unused key (warned).
+    swap: Any = None
 
     KERNEL_KEYS: ClassVar[tuple[str, ...]] = ("use_fused_adamw",)
 
