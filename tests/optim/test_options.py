@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import typing
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from lmforge.config import validate_section
 from lmforge.config.schema import OptimizerConfig
 from lmforge.errors import ConfigError
 from lmforge.optim import build_optimizer, validate_optimizer
-from lmforge.optim.specs import AdamWSpec, LAMBSpec, LionSpec, MuonSpec
+from lmforge.optim.specs import OPTIMIZER_TYPES, AdamWSpec, LAMBSpec, LionSpec, MuonSpec
 
 from .optim_helpers import TinyLM
 
@@ -256,3 +257,8 @@ def test_only_written_keys_count_as_given(caplog):
     assert opts.ignored_keys == [] and "optimizer.betas" not in caplog.text
     written = validate_section("optimizer", {"type": "Muon", "betas": [0.9, 0.99]}).typed
     assert written.ignored_keys == ["betas"] and "optimizer.betas is not used by the Muon" in caplog.text
+
+
+def test_each_type_name_is_its_schema_discriminator():
+    for name, cls in OPTIMIZER_TYPES.items():
+        assert typing.get_args(cls.model_fields["type"].annotation) == (name,)

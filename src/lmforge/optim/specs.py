@@ -182,10 +182,14 @@ class MuonSpec(OptimizerSpec):
         return self
 
 
-SPEC_CLASSES = (AdamWSpec, MuonSpec, LionSpec, LAMBSpec)
+# In the order the valid types are listed in messages (AdamW, the default, first).
 OPTIMIZER_TYPES: dict[str, type[OptimizerSpec]] = {
-    cls.model_fields["type"].annotation.__args__[0]: cls for cls in SPEC_CLASSES
+    "AdamW": AdamWSpec,
+    "Muon": MuonSpec,
+    "Lion": LionSpec,
+    "LAMB": LAMBSpec,
 }
+SPEC_CLASSES = tuple(OPTIMIZER_TYPES.values())
 Hyper = AdamWSpec | MuonSpec | LionSpec | LAMBSpec
 
 
