@@ -17,7 +17,7 @@ from lmforge.errors import ConfigError
 def test_sections_are_typed_at_load(base_config: dict[str, Any]) -> None:
     from lmforge.lr import SchedulerSpec
     from lmforge.models.schema import TypedModel
-    from lmforge.optim.options import OptimizerOptions
+    from lmforge.optim import OptimizerOptions
 
     cfg = load_config(base_config)
     assert isinstance(cfg.lr_scheduler.typed, SchedulerSpec) and cfg.lr_scheduler.typed.warmup_steps == 2

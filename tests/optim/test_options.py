@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import typing
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ import yaml
 from lmforge.config import validate_section
 from lmforge.config.schema import OptimizerConfig
 from lmforge.errors import ConfigError
-from lmforge.optim import build_optimizer, parse_optimizer_section
+from lmforge.optim import build_optimizer, validate_optimizer
+from lmforge.optim.specs import OPTIMIZER_TYPES, AdamWSpec, LAMBSpec, LionSpec, MuonSpec
 
 from .optim_helpers import TinyLM
 
@@ -20,7 +22,7 @@ SPEC_YAMLS = Path(__file__).resolve().parents[1] / "fixtures" / "spec_yamls"
 
 def _err(section: dict) -> str:
     with pytest.raises(ConfigError) as exc:
-        parse_optimizer_section(section)
+        validate_optimizer(section)
     return str(exc.value)
 
 
@@ -108,12 +110,12 @@ def test_errors_name_the_key_and_carry_the_original_text(section, key, text):
 
 
 def test_qk_clip_threshold_is_only_checked_when_enabled():
-    parse_optimizer_section({"type": "Muon", "qk_clip_enabled": False, "qk_clip_threshold": 0})
+    validate_optimizer({"type": "Muon", "qk_clip_enabled": False, "qk_clip_threshold": 0})
 
 
 def test_muon_defaults_are_muons_own_when_the_yaml_omits_them():
     # Through the pydantic schema, which fills AdamW-oriented defaults (eps 1e-8, weight_decay 0.01).
-    opts = parse_optimizer_section(OptimizerConfig.model_validate({"type": "Muon"}))
+    opts = validate_section("optimizer", {"type": "Muon"}).typed
     assert opts.grouping.weight_decay == 0.1
     assert opts.hyper.eps == 1e-7
     assert opts.hyper.adamw_betas == (0.95, 0.95)
@@ -125,23 +127,21 @@ def test_muon_defaults_are_muons_own_when_the_yaml_omits_them():
     assert opts.hyper.comm_strategy == "allgather"
     assert opts.hyper.adamw_include == ["*word_embeddings*", "*output_layer*"]
     # A key the YAML sets is honoured (eps is Newton-Schulz's eps for Muon, as in the original).
-    opts = parse_optimizer_section(
-        OptimizerConfig.model_validate({"type": "Muon", "eps": 1e-6, "weight_decay": 0.0})
-    )
+    opts = validate_section("optimizer", {"type": "Muon", "eps": 1e-6, "weight_decay": 0.0}).typed
     assert opts.hyper.eps == 1e-6 and opts.grouping.weight_decay == 0.0
 
 
 def test_adamw_defaults_are_the_spec_table():
-    opts = parse_optimizer_section(OptimizerConfig.model_validate({}))
+    opts = validate_section("optimizer", {}).typed
     assert opts.type == "AdamW"
     assert opts.hyper.betas == (0.9, 0.95) and opts.hyper.eps == 1e-8
     assert opts.grouping.weight_decay == 0.01
     # An int weight decay is a number (the original's float-only check is not copied).
-    assert parse_optimizer_section({"weight_decay": 0}).grouping.weight_decay == 0.0
+    assert validate_optimizer({"weight_decay": 0}).grouping.weight_decay == 0.0
 
 
 def test_segmented_schedule_ignores_ns_steps():
-    opts = parse_optimizer_section(
+    opts = validate_optimizer(
         {
             "type": "Muon",
             "ns_steps": 3,
@@ -157,14 +157,22 @@ def test_unused_keys_warn_instead_of_vanishing(caplog):
     logger = logging.getLogger("lmforge")
     logger.propagate = True
     caplog.set_level(logging.WARNING, logger="lmforge")
-    opts = parse_optimizer_section({"type": "Muon", "betas": [0.9, 0.99], "bogus": 1})
+    opts = validate_optimizer({"type": "Muon", "betas": [0.9, 0.99], "bogus": 1})
     assert opts.ignored_keys == ["betas", "bogus"]
     text = caplog.text
     assert "optimizer.betas" in text and "adamw_betas" in text and "optimizer.bogus" in text
 
 
+def test_swap_is_refused_by_muon_and_unused_elsewhere(caplog):
+    logging.getLogger("lmforge").propagate = True
+    caplog.set_level(logging.WARNING, logger="lmforge")
+    assert validate_optimizer({"type": "AdamW", "swap": True}).ignored_keys == ["swap"]
+    assert "optimizer.swap is not used by the AdamW optimizer" in caplog.text
+    assert validate_optimizer({"type": "Muon", "swap": False}).ignored_keys == []
+
+
 def test_enable_cpu_offload_is_the_offload_switch():
-    assert parse_optimizer_section({"enable_cpu_offload": True}).hyper.offload_states is True
+    assert validate_optimizer({"enable_cpu_offload": True}).hyper.offload_states is True
     assert _err({"type": "Muon", "offload_states": True}).startswith("optimizer.offload_states")
 
 
@@ -201,5 +209,56 @@ def test_every_spec_recipe_builds(path):
 )
 def test_kernel_choices_of_the_original_warn_that_they_have_no_effect(caplog, section, key):
     caplog.set_level(logging.WARNING, logger="lmforge")
-    parse_optimizer_section(section)
+    validate_optimizer(section)
     assert f"{key} = " in caplog.text and "has no effect" in caplog.text
+
+
+def test_hyper_is_the_schema_of_the_type():
+    # One pydantic schema per type, chosen by ``type``; each carries its own published defaults:
+    # Lion betas (0.9, 0.99) (Chen et al. 2023), LAMB betas (0.9, 0.999) and eps 1e-6 (You et al. 2020).
+    kinds = {"AdamW": AdamWSpec, "Muon": MuonSpec, "Lion": LionSpec, "LAMB": LAMBSpec}
+    for name, cls in kinds.items():
+        assert type(validate_section("optimizer", {"type": name}).typed.hyper) is cls
+    assert validate_optimizer({"type": "Lion"}).hyper.betas == (0.9, 0.99)
+    lamb = validate_optimizer({"type": "LAMB"}).hyper
+    assert lamb.betas == (0.9, 0.999) and lamb.eps == 1e-6
+
+
+@pytest.mark.parametrize(
+    ("section", "start"),
+    [
+        ({"betas": ["a", 0.9]}, "optimizer.betas[0]: expected a number"),
+        ({"lr_scale": {"*emb*": "x"}}, "optimizer.lr_scale.*emb*: expected a number"),
+        ({"weight_decay_values": {"*emb*": -1}}, "optimizer.weight_decay_values.*emb*: Invalid weight_decay"),
+        ({"type": "Lion", "moment_dtype": "bfloat16"}, "optimizer.moment_dtype: compressed (bf16) moments"),
+        ({"type": "Muon", "momentum": 1.0}, "optimizer.momentum: must be >= 0 and < 1"),
+        ({"type": "Muon", "ns_steps": 2.5}, "optimizer.ns_steps: expected an integer"),
+    ],
+)
+def test_a_problem_inside_a_key_names_its_dotted_path(section, start):
+    assert _err(section).startswith(start)
+
+
+def test_every_problem_is_reported_at_once():
+    msg = _err({"eps": -1.0, "weight_decay": -0.5})
+    assert msg.startswith("optimizer has 2 problems:")
+    assert (
+        "optimizer.eps: Invalid epsilon value" in msg
+        and "optimizer.weight_decay: Invalid weight_decay" in msg
+    )
+
+
+def test_only_written_keys_count_as_given(caplog):
+    # Through the section schema, whose fields (betas, eps, ...) have AdamW defaults: for Muon those
+    # defaults are not "written", so nothing is warned about and Muon's own defaults apply.
+    logging.getLogger("lmforge").propagate = True
+    caplog.set_level(logging.WARNING, logger="lmforge")
+    opts = validate_section("optimizer", {"type": "Muon"}).typed
+    assert opts.ignored_keys == [] and "optimizer.betas" not in caplog.text
+    written = validate_section("optimizer", {"type": "Muon", "betas": [0.9, 0.99]}).typed
+    assert written.ignored_keys == ["betas"] and "optimizer.betas is not used by the Muon" in caplog.text
+
+
+def test_each_type_name_is_its_schema_discriminator():
+    for name, cls in OPTIMIZER_TYPES.items():
+        assert typing.get_args(cls.model_fields["type"].annotation) == (name,)

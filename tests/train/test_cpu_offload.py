@@ -8,7 +8,7 @@ import torch
 
 from lmforge.cli import main
 from lmforge.config import ParallelismConfig, load_config
-from lmforge.optim import parse_optimizer_section
+from lmforge.optim import validate_optimizer
 from lmforge.train.builder import _storage_device, _with_offload, build_trainer
 from lmforge.train.preflight import check_cpu_offload_on_one_process
 
@@ -17,11 +17,11 @@ from .test_train_cli import ADAMW, write_config
 
 def test_on_an_accelerator_offload_states_is_fsdp2_cpu_offload(tmp_path):
     cuda = torch.device("cuda", 0)
-    offload = parse_optimizer_section({"type": "AdamW", "offload_states": True})
+    offload = validate_optimizer({"type": "AdamW", "offload_states": True})
     resident_params = ParallelismConfig(cpu_offload=False)
     section = _with_offload(resident_params, offload, cuda)
     assert section.cpu_offload is True and _storage_device(section, cuda).type == "cpu"
-    resident = parse_optimizer_section({"type": "AdamW"})
+    resident = validate_optimizer({"type": "AdamW"})
     assert _with_offload(resident_params, resident, cuda) == resident_params
     # On a CPU the parameters and states already are in host memory: nothing to change.
     assert _with_offload(resident_params, offload, torch.device("cpu")) == resident_params

@@ -9,7 +9,8 @@ from lmforge.optim.lamb import LAMB
 from lmforge.optim.lion import Lion
 from lmforge.optim.muon import Muon
 from lmforge.optim.newton_schulz import newton_schulz, normalize_ns_schedule
-from lmforge.optim.options import OptimizerOptions, parse_optimizer_section
+from lmforge.optim.schema import validate_optimizer
+from lmforge.optim.specs import OptimizerOptions
 from lmforge.optim.update_rule import UpdateRuleOptimizer
 
 __all__ = [
@@ -22,5 +23,5 @@ __all__ = [
     "build_optimizer",
     "newton_schulz",
     "normalize_ns_schedule",
-    "parse_optimizer_section",
+    "validate_optimizer",
 ]

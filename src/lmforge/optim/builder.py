@@ -15,8 +15,8 @@ from lmforge.optim.lion import Lion
 from lmforge.optim.model_chunks import as_model
 from lmforge.optim.moment_dtype import MOMENT_DTYPES
 from lmforge.optim.muon import Muon, is_muon_shape
-from lmforge.optim.options import OptimizerOptions
 from lmforge.optim.param_groups import build_param_groups
+from lmforge.optim.specs import OptimizerOptions
 from lmforge.optim.update_rule import UpdateRuleOptimizer
 from lmforge.utils.name_patterns import first_match
 

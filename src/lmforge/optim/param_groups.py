@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lmforge.errors import ConfigError
-from lmforge.optim.options import GroupingOptions
+from lmforge.optim.specs import GroupingOptions
 from lmforge.utils.logging import get_logger
 from lmforge.utils.name_patterns import first_match
 
