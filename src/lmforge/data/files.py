@@ -27,9 +27,7 @@ def _candidates(section: Any, keys: tuple[str, ...]) -> list[tuple[str, list[Any
         blends = [(k, getattr(typed.config, k)) for k in keys]
         return [(f"{CONFIG_PATH}.{k}", blend.prefixes) for k, blend in blends if blend is not None]
     if isinstance(typed, TextLoader):  # every source of a text loader is training data
-        paths = typed.loader.get("data_path")
-        if paths is None:
-            return []
+        paths = typed.data_path.prefixes
         # An HFDataLoader names its files with data_files (or path); they are its data_path here.
         written = (
             "data_path"
@@ -38,7 +36,7 @@ def _candidates(section: Any, keys: tuple[str, ...]) -> list[tuple[str, list[Any
             if loader.get("data_files")
             else "path"
         )
-        return [(f"train_dataset.dataloader.{written}", paths if isinstance(paths, list) else [paths])]
+        return [(f"train_dataset.dataloader.{written}", paths)]
     return []
 
 
