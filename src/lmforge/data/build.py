@@ -213,6 +213,11 @@ def _build_text_dataloader(
         )
     if phase != "train":
         return None  # no validation set named (valid_data_path / validation_split), no test split
+    if typed.python_multiprocessing:
+        log.warning(
+            "train_dataset.dataloader.python_multiprocessing has no effect in lmforge: the tokenization "
+            "workers (num_parallel_workers > 1) are always processes (see docs/data.md)"
+        )
     workers = min(workers, os.cpu_count() or 1)
     return TextDataLoader(
         settings,
