@@ -92,3 +92,22 @@ def test_seq_length_is_checked_against_the_model_not_at_load() -> None:
     assert _typed().sequence_length(32) == 32  # unset: the model's
     with pytest.raises(ConfigError, match=rf"{KEY}\.seq_length must be a positive integer"):
         _typed().sequence_length(None)
+
+
+def test_missing_sources_are_named_by_the_key_the_file_wrote(tmp_path) -> None:
+    from lmforge.data.files import missing_data_files
+
+    (tmp_path / "here.jsonl").write_text("{}\n")
+    here, absent = str(tmp_path / "here.jsonl"), str(tmp_path / "absent.jsonl")
+    text = {"type": "TextDataLoader", "data_path": [here, absent], "tokenizer": "t"}
+    hf_files = {"type": "HFDataLoader", "path": "json", "data_files": [here, absent], "tokenizer": "t"}
+    hf_glob = {"type": "HFDataLoader", "path": str(tmp_path / "*.jsonl"), "tokenizer": "t"}
+    for loader, key in [(text, "data_path"), (hf_files, "data_files")]:
+        section = validate_section("train_dataset", {"dataloader": loader})
+        assert missing_data_files(section) == [
+            f"{KEY}.{key}: {absent!r} not found (neither the path nor {absent}.bin/.idx exists)"
+        ]
+    assert (
+        validate_section("train_dataset", {"dataloader": hf_glob}).dataloader.typed.sources_key
+        == f"{KEY}.path"
+    )

@@ -188,11 +188,14 @@ def megatron_loader(loader: Mapping[str, Any]) -> MegatronLoader:
 def text_loader(loader: Mapping[str, Any]) -> TextLoader:
     """Type a TextDataLoader mapping, or an HFDataLoader translated into one, without reading a file."""
     mapping = dict(loader)
-    if mapping.get("type") == "HFDataLoader":
-        from .hf_loader import translate_hf_loader
+    if mapping.get("type") != "HFDataLoader":
+        return text_loader_schema(mapping)
+    from .hf_loader import translate_hf_loader
 
-        mapping = translate_hf_loader(mapping)
-    return text_loader_schema(mapping)
+    # An HFDataLoader names its files with data_files (or path); they are its data_path here.
+    return text_loader_schema(
+        translate_hf_loader(mapping), "data_files" if mapping.get("data_files") else "path"
+    )
 
 
 TypedDataloader = MegatronLoader | TextLoader

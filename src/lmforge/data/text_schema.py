@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, PrivateAttr, ValidationError, model_validator
 
 from lmforge.errors import ConfigError, DataError
 
@@ -191,6 +191,8 @@ class TextLoader(BaseModel):
     validation_split: Annotated[float | None, BeforeValidator(_validation_split)] = None
     # Declared by the typed section; the tokenization workers are always processes here.
     python_multiprocessing: Annotated[bool, _flag("python_multiprocessing")] = False
+    # The key the file named the sources under: data_path, or an HFDataLoader's data_files / path.
+    _sources_key: str = PrivateAttr(default="data_path")
 
     @model_validator(mode="before")
     @classmethod
@@ -218,6 +220,11 @@ class TextLoader(BaseModel):
         return self
 
     @property
+    def sources_key(self) -> str:
+        """The dotted key the training sources were written under (for messages about them)."""
+        return f"{KEY}.{self._sources_key}"
+
+    @property
     def template(self) -> str | None:
         """The chat template's Jinja source (a built-in name such as 'chatml' resolved)."""
         return BUILTIN_TEMPLATES.get(self.chat_template, self.chat_template) if self.chat_template else None
@@ -241,10 +248,13 @@ class TextLoader(BaseModel):
         return [self.tokenizer]
 
 
-def text_loader_schema(loader: dict[str, Any]) -> TextLoader:
-    """Type a TextDataLoader mapping; one ConfigError names every problem by its dotted key."""
+def text_loader_schema(loader: dict[str, Any], sources_key: str = "data_path") -> TextLoader:
+    """Type a TextDataLoader mapping (``sources_key``: the key its data_path was written under); one
+    ConfigError names every problem by its dotted key."""
     try:
-        return TextLoader.model_validate(loader)
+        typed = TextLoader.model_validate(loader)
+        typed._sources_key = sources_key
+        return typed
     except ValidationError as exc:
         messages = []
         for err in exc.errors():
