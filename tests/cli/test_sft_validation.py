@@ -171,26 +171,24 @@ def test_eval_dataset_inherits_the_training_loaders_preprocessing(tmp_path):
     raw["eval_interval"] = 2
     raw["eval_dataset"] = {"dataloader": {"data_path": [str(tmp_path / "val.jsonl")]}}
     cfg = load_config(raw)
-    typed = cfg.eval_dataset.dataloader.typed.loader
+    typed = cfg.eval_dataset.dataloader.typed
     for key in ("tokenizer", "chat_template", "seq_length", "pack", "column_names"):
-        assert typed[key] == raw["train_dataset"]["dataloader"][key], key
+        assert getattr(typed, key) == raw["train_dataset"]["dataloader"][key], key
     batches = list(build_eval_loader(cfg))
     ids = torch.cat([b["input_ids"] for b in batches]).flatten().tolist()
     assert token_id("<|im_start|>") in ids  # the chat template was applied
     # The reference: the training loader's own formatting of one such row (trained tokens per row).
     from lmforge.data.text_format import RowFormatter
-    from lmforge.data.text_loader import parse_text_loader
+    from lmforge.data.text_settings import text_loader_settings
     from lmforge.utils.tokenizer import load_tokenizer
 
-    train = parse_text_loader(cfg.train_dataset.dataloader.typed.loader, seq_length=32)
+    train = text_loader_settings(cfg.train_dataset.dataloader.typed, seq_length=32)
     row = json.loads((tmp_path / "val.jsonl").read_text().splitlines()[0])
     ((_, _, mask),) = RowFormatter(load_tokenizer(train.tokenizer), train.format).encode_rows([(0, row)], "x")
     assert sum(float(b["loss_mask"].sum()) for b in batches) == 5 * int(mask.sum())
     # The resolved config (as a checkpoint's config.yaml holds it) loads again to the same sections.
     again = load_config(yaml.safe_load(dump_yaml(cfg)))
-    reloaded = dict(again.eval_dataset.dataloader.typed.loader)
-    assert reloaded.pop("shuffle") is False and reloaded.pop("python_multiprocessing") is False  # defaults
-    assert reloaded == typed
+    assert again.eval_dataset.dataloader.typed == typed
     raw["eval_dataset"]["dataloader"]["seq_length"] = 0
     with pytest.raises(ConfigError, match=r"eval_dataset\.dataloader\.seq_length"):
         load_config(raw)

@@ -92,8 +92,9 @@ def test_dataloader_is_typed_at_load_per_loader_type(base_config: dict[str, Any]
     }
     typed = load_config(base_config).train_dataset.dataloader.typed
     # The schema's default column_names are the Megatron loader's; a text loader keeps its own.
-    assert isinstance(typed, TextLoader)
-    assert "column_names" not in typed.loader and typed.loader["data_path"] == ["a.jsonl"]
+    assert isinstance(typed, TextLoader) and typed.data_path.prefixes == ["a.jsonl"]
+    assert typed.column_names == ["input_ids", "labels", "loss_mask", "position_ids"]
+    assert (typed.tokenizer, typed.pack, typed.shuffle_buffer, typed.eod) == ("t", "concat", 10_000, None)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -187,6 +189,17 @@ def test_whole_packing_never_splits_a_document(tmp_path, tok):
             assert all(t == 0 for t in full[i:])  # padding (pad = eod) fills the rest
             assert not b["loss_mask"][j, max(i - 1, 0) :].any() or i == S + 1
     assert len(placed) > 10
+
+
+def test_python_multiprocessing_is_typed_and_warned_about(tmp_path, tok, caplog):
+    path = write_jsonl(tmp_path / "a.jsonl", text_rows(5))
+    section = _section(path, tok, python_multiprocessing=True)
+    caplog.set_level(logging.WARNING, logger="lmforge")
+    build_dataloader(typed(section), local_batch_size=1).close()
+    assert "python_multiprocessing has no effect" in caplog.text
+    section["dataloader"]["python_multiprocessing"] = "yes"
+    with pytest.raises(ConfigError, match="python_multiprocessing must be"):
+        typed(section)
 
 
 def test_bad_sections_are_clear_errors(tmp_path, tok):

@@ -200,10 +200,11 @@ def _build_text_dataloader(
     workers: int,
     seed: int = 0,
 ) -> Any:
-    from .text_loader import TextDataLoader, parse_text_loader
+    from .text_loader import TextDataLoader
+    from .text_settings import text_loader_settings
 
     # The keys were checked at load; this reads the tokenizer and checks that every source exists.
-    settings = parse_text_loader(typed.loader, seq_length=seq_length, vocab_size=vocab_size)
+    settings = text_loader_settings(typed, seq_length=seq_length, vocab_size=vocab_size)
     if phase == "valid" and (settings.valid_paths or settings.validation_split):
         from .text_validation import TextValidationLoader
 
@@ -212,6 +213,11 @@ def _build_text_dataloader(
         )
     if phase != "train":
         return None  # no validation set named (valid_data_path / validation_split), no test split
+    if typed.python_multiprocessing:
+        log.warning(
+            "train_dataset.dataloader.python_multiprocessing has no effect in lmforge: the tokenization "
+            "workers (num_parallel_workers > 1) are always processes (see docs/data.md)"
+        )
     workers = min(workers, os.cpu_count() or 1)
     return TextDataLoader(
         settings,

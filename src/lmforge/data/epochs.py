@@ -27,9 +27,10 @@ from lmforge.errors import ConfigError, DataError
 
 from .build import build_dataset, typed_loader
 from .loader import SampleOrder
-from .schema import TextLoader
-from .text_loader import KEY, _SourceStream, blend_choice, parse_text_loader
+from .text_loader import _SourceStream, blend_choice
 from .text_pack import Packer
+from .text_schema import KEY, TextLoader
+from .text_settings import text_loader_settings
 
 EPOCHS_KEY = "training.epochs"
 
@@ -55,7 +56,7 @@ def samples_of_epochs(
     is the typed ``train_dataset``, as for :func:`build_dataloader`."""
     typed = typed_loader(dataset_section, "samples_of_epochs")
     if isinstance(typed, TextLoader):
-        settings = parse_text_loader(typed.loader, seq_length=seq_length, vocab_size=vocab_size)
+        settings = text_loader_settings(typed, seq_length=seq_length, vocab_size=vocab_size)
         rows = min(_text_rows(settings, epochs, rank, dp_size, seed) for rank in range(dp_size))
         micro_steps = rows // local_batch_size
         return EpochLength(

@@ -21,24 +21,12 @@ _BLEND_WEIGHT = re.compile(r"\s*[-+]?[\d.eE]+\s*")
 
 def _candidates(section: Any, keys: tuple[str, ...]) -> list[tuple[str, list[Any]]]:
     """(dotted key, the paths it names) of the typed ``train_dataset`` section."""
-    loader = section.dataloader
-    typed = loader.typed
+    typed = section.dataloader.typed
     if isinstance(typed, MegatronLoader):
         blends = [(k, getattr(typed.config, k)) for k in keys]
         return [(f"{CONFIG_PATH}.{k}", blend.prefixes) for k, blend in blends if blend is not None]
     if isinstance(typed, TextLoader):  # every source of a text loader is training data
-        paths = typed.loader.get("data_path")
-        if paths is None:
-            return []
-        # An HFDataLoader names its files with data_files (or path); they are its data_path here.
-        written = (
-            "data_path"
-            if loader.type == "TextDataLoader"
-            else "data_files"
-            if loader.get("data_files")
-            else "path"
-        )
-        return [(f"train_dataset.dataloader.{written}", paths if isinstance(paths, list) else [paths])]
+        return [(typed.sources_key, typed.data_path.prefixes)]
     return []
 
 

@@ -10,8 +10,8 @@ too. ``build_dataloader`` builds from the typed result and validates nothing aga
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
@@ -21,6 +21,7 @@ from lmforge.errors import ConfigError
 from lmforge.utils.logging import get_logger
 
 from .config import CONFIG_PATH, GPTDatasetConfig, check_token_ids, gpt_config
+from .text_schema import TextLoader, text_loader_schema
 
 log = get_logger("lmforge.data")
 
@@ -31,19 +32,6 @@ SUPPORTED_TYPES = (MEGATRON_TYPE, "TextDataLoader", "HFDataLoader")
 TEXT_TYPES = ("TextDataLoader", "HFDataLoader")
 # Loader types of MindSpore Transformers that lmforge does not implement (named in the error).
 KNOWN_UNSUPPORTED_TYPES = ("MindDataset", "OrderedIndexDataLoader")
-
-
-@dataclass(frozen=True)
-class TextLoader:
-    """A validated TextDataLoader section (an HFDataLoader translated into one): the loader mapping,
-    checked key by key; the tokenizer and the files are read when the loader is built."""
-
-    loader: dict[str, Any]
-
-    def check_against_model(self, seq_length: int | None, vocab_size: int | None) -> None:
-        from .text_loader import text_seq_length
-
-        text_seq_length(self.loader, seq_length)
 
 
 def refuse_type(kind: Any) -> None:
@@ -164,6 +152,22 @@ class MegatronLoader(BaseModel):
         if vocab_size is not None:
             check_token_ids(self.config, vocab_size)
 
+    def tokenizer_candidates(self) -> list[str]:
+        """Where the run's tokenizer.json may be: a path the original's ``tokenizer`` settings name, else
+        the directories of the training data (``lmforge data demo`` writes it next to the .bin files)."""
+        found: list[str] = []
+        if isinstance(self.tokenizer, str) and self.tokenizer:
+            found.append(self.tokenizer)
+        elif isinstance(self.tokenizer, dict):
+            found += [
+                self.tokenizer[k]
+                for k in ("tokenizer_file", "path", "vocab_file")
+                if isinstance(self.tokenizer.get(k), str)
+            ]
+        for blend in (self.config.train_data_path, self.config.data_path):
+            found += [os.path.dirname(p) for p in (blend.prefixes if blend is not None else [])]
+        return found
+
 
 def megatron_loader(loader: Mapping[str, Any]) -> MegatronLoader:
     """Type a BlendedMegatronDatasetDataLoader section's written keys; one ConfigError names every problem."""
@@ -183,15 +187,15 @@ def megatron_loader(loader: Mapping[str, Any]) -> MegatronLoader:
 
 def text_loader(loader: Mapping[str, Any]) -> TextLoader:
     """Type a TextDataLoader mapping, or an HFDataLoader translated into one, without reading a file."""
-    from .text_loader import check_text_loader
-
     mapping = dict(loader)
-    if mapping.get("type") == "HFDataLoader":
-        from .hf_loader import translate_hf_loader
+    if mapping.get("type") != "HFDataLoader":
+        return text_loader_schema(mapping)
+    from .hf_loader import translate_hf_loader
 
-        mapping = translate_hf_loader(mapping)
-    check_text_loader(mapping)
-    return TextLoader(loader=mapping)
+    # An HFDataLoader names its files with data_files (or path); they are its data_path here.
+    return text_loader_schema(
+        translate_hf_loader(mapping), "data_files" if mapping.get("data_files") else "path"
+    )
 
 
 TypedDataloader = MegatronLoader | TextLoader

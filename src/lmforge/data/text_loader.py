@@ -16,60 +16,25 @@ from __future__ import annotations
 import collections
 import contextlib
 import multiprocessing
-import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from lmforge.errors import ConfigError, DataError
+from lmforge.errors import DataError
 from lmforge.utils.logging import get_logger
 
-from .config import parse_blend, unknown_keys_message
 from .loader import collate
-from .text_format import (
-    BUILTIN_TEMPLATES,
-    FormatSettings,
-    RowFormatter,
-    encode_in_worker,
-    init_worker,
-    tokenizer_chat_template,
-)
+from .text_format import RowFormatter, encode_in_worker, init_worker
 from .text_pack import Packer, PackPosition, row_columns
+from .text_schema import KEY, TEXT_TYPE
+from .text_settings import TextLoaderSettings
 from .text_sources import TextSource
 
 log = get_logger("lmforge.data")
 
-KEY = "train_dataset.dataloader"
-TEXT_TYPE = "TextDataLoader"
-# shuffle: documents are permuted within windows of this many (memory holds one window of raw rows).
-DEFAULT_SHUFFLE_BUFFER = 10_000
 CHUNK_DOCUMENTS = 256  # documents per encode_batch call / task sent to a tokenization worker
-COLUMNS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask", "actual_seq_len")
-_KEYS = {
-    "type",
-    "data_path",
-    "tokenizer",
-    "seq_length",
-    "column_names",
-    "text_key",
-    "messages_key",
-    "prompt_key",
-    "response_key",
-    "chat_template",
-    "pack",
-    "eod",
-    "pad",
-    "eod_mask_loss",
-    "eod_pad_length",
-    "shuffle",
-    "shuffle_buffer",
-    "valid_data_path",
-    "validation_split",
-    "python_multiprocessing",  # declared by the typed section; workers are always processes here
-}
 # Multiplicative (Fibonacci) hashing of the document index: the held-out documents are spread evenly
 # through each source, the same on every rank and run, without knowing how long the source is.
 _GOLDEN = 2654435761
@@ -78,222 +43,6 @@ _GOLDEN = 2654435761
 def held_out(index: int, fraction: float) -> bool:
     """Whether document ``index`` of a source belongs to the validation share ``fraction`` of it."""
     return ((index * _GOLDEN) % 2**32) < fraction * 2**32
-
-
-@dataclass(frozen=True)
-class TextLoaderSettings:
-    paths: list[str]
-    weights: list[float]
-    valid_paths: list[str]  # valid_data_path: the validation set's own sources
-    validation_split: float  # the share of data_path's documents held out for validation (0: none)
-    shuffle_buffer: int | None  # shuffle: the window of documents permuted each epoch; None: file order
-    tokenizer: str
-    seq_length: int
-    columns: list[str]
-    pack: str
-    eod_mask_loss: bool
-    eod_pad_length: int
-    format: FormatSettings
-    pad: int
-
-
-def _str(loader: dict[str, Any], key: str, default: str) -> str:
-    value = loader.get(key, default)
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{KEY}.{key} must be a non-empty string; got {value!r}.")
-    return value
-
-
-def check_text_loader(loader: dict[str, Any]) -> dict[str, Any]:
-    """Every per-key check of a TextDataLoader mapping (no file read, no model needed): the typed
-    section of ``load_config`` (lmforge.data.schema). Returns the parsed values the loader needs."""
-    unknown = sorted(set(loader) - _KEYS)
-    if unknown:
-        raise ConfigError(unknown_keys_message(KEY, unknown, sorted(_KEYS), TEXT_TYPE))
-    if not isinstance(loader.get("shuffle", False), bool):
-        raise ConfigError(f"{KEY}.shuffle must be true or false; got {loader['shuffle']!r}.")
-    window = loader.get("shuffle_buffer", DEFAULT_SHUFFLE_BUFFER)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ConfigError(
-            f"{KEY}.shuffle_buffer must be a positive number of documents (each window of that many "
-            f"consecutive documents is shuffled; default {DEFAULT_SHUFFLE_BUFFER}); got {window!r}."
-        )
-    if loader.get("data_path") is None:
-        raise ConfigError(
-            f"{KEY}.data_path is required: a list of files / globs / save_to_disk directories, or weight/path "
-            "pairs ['0.7', 'a.jsonl.gz', '0.3', 'b.parquet']."
-        )
-    blend = parse_blend(loader["data_path"], f"{KEY}.data_path")
-    valid = _check_validation_keys(loader)
-    tokenizer = loader.get("tokenizer")
-    if isinstance(tokenizer, dict):
-        tokenizer = tokenizer.get("tokenizer_file") or tokenizer.get("path") or tokenizer.get("vocab_file")
-    if not isinstance(tokenizer, str) or not tokenizer:
-        raise ConfigError(f"{KEY}.tokenizer is required: a local tokenizer.json or a directory holding one.")
-    seq = loader.get("seq_length")
-    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
-        raise ConfigError(
-            f"{KEY}.seq_length must be a positive integer (the model's seq_length); got {seq!r}."
-        )
-    columns = loader.get("column_names") or ["input_ids", "labels", "loss_mask", "position_ids"]
-    if (
-        not isinstance(columns, list)
-        or not all(c in COLUMNS for c in columns)
-        or len(set(columns)) != len(columns)
-    ):
-        raise ConfigError(
-            f"{KEY}.column_names must list distinct columns among {', '.join(COLUMNS)}; got {columns!r}."
-        )
-    pack = loader.get("pack", "concat")
-    if pack not in ("concat", "whole"):
-        raise ConfigError(
-            f"{KEY}.pack must be 'concat' (split documents across samples, for pre-training) or 'whole' "
-            f"(never split a document, pad instead, for SFT); got {pack!r}."
-        )
-    template = loader.get("chat_template")
-    if template is not None and not isinstance(template, str):
-        raise ConfigError(
-            f"{KEY}.chat_template must be a Jinja template string or 'chatml'; got {template!r}."
-        )
-    template = BUILTIN_TEMPLATES.get(template, template) if template else None
-    if template:
-        from .text_format import compile_template
-
-        try:
-            compiled = compile_template(template)
-        except Exception as exc:  # jinja2's TemplateSyntaxError
-            raise ConfigError(f"{KEY}.chat_template is not a valid Jinja template: {exc}") from None
-        _probe_template(compiled)
-    pad_length = loader.get("eod_pad_length", 128)
-    if isinstance(pad_length, bool) or not isinstance(pad_length, int) or pad_length < 1:
-        raise ConfigError(f"{KEY}.eod_pad_length must be a positive integer; got {pad_length!r}.")
-    for name in ("eod", "pad"):
-        value = loader.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ConfigError(f"{KEY}.{name} must be a token id (an integer >= 0); got {value!r}.")
-    return {
-        "blend": blend,
-        "valid": valid,
-        "tokenizer": tokenizer,
-        "columns": columns,
-        "pack": pack,
-        "template": template,
-        "eod_pad_length": pad_length,
-    }
-
-
-def _check_validation_keys(loader: dict[str, Any]) -> tuple[list[str], float]:
-    """``valid_data_path`` (the validation set's own files) or ``validation_split`` (a share of
-    ``data_path``'s documents held out of training), at most one of them."""
-    paths, split = loader.get("valid_data_path"), loader.get("validation_split")
-    if paths is not None and split is not None:
-        raise ConfigError(
-            f"{KEY}.valid_data_path and {KEY}.validation_split are both set; give the validation set its "
-            "own files (valid_data_path) or hold a share of data_path out for it (validation_split), not both."
-        )
-    if split is not None and (
-        isinstance(split, bool) or not isinstance(split, (int, float)) or not 0 < split < 1
-    ):
-        raise ConfigError(
-            f"{KEY}.validation_split must be a fraction between 0 and 1 (e.g. 0.05: one document in 20 of "
-            f"data_path is held out of training for validation); got {split!r}."
-        )
-    if paths is None:
-        return [], float(split or 0.0)
-    if isinstance(paths, str):
-        paths = [paths]
-    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
-        raise ConfigError(
-            f"{KEY}.valid_data_path must be a list of files / globs / save_to_disk directories (the validation "
-            f"set, read in full at every evaluation); got {paths!r}."
-        )
-    return list(paths), 0.0
-
-
-def _probe_template(compiled: Any) -> None:
-    """Render a two-turn conversation now, so that a template the sandbox refuses is found at load
-    (``lmforge check``), not by the loader's workers after the model is built."""
-    from .text_format import SANDBOX_REFUSAL, render_template
-
-    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    try:
-        render_template(compiled, messages=probe, add_generation_prompt=False, bos_token="", eos_token="")
-    except DataError as exc:
-        if SANDBOX_REFUSAL in str(exc):
-            raise ConfigError(f"{KEY}.chat_template: {exc}") from None
-        # other template errors depend on the conversation: they are reported with the row that fails
-
-
-def text_seq_length(loader: dict[str, Any], seq_length: int | None) -> int:
-    """The loader's sequence length: its own ``seq_length`` or else the model's, which must agree."""
-    seq = loader.get("seq_length", seq_length)
-    if seq is None:
-        raise ConfigError(f"{KEY}.seq_length must be a positive integer (the model's seq_length); got None.")
-    if seq_length is not None and seq != seq_length:
-        raise ConfigError(f"{KEY}.seq_length ({seq}) must equal model.seq_length ({seq_length}).")
-    return seq
-
-
-def parse_text_loader(
-    loader: dict[str, Any],
-    *,
-    seq_length: int | None = None,
-    vocab_size: int | None = None,
-    read_files: bool = True,
-) -> TextLoaderSettings | None:
-    """Validate the dataloader mapping of a TextDataLoader against the model's ``seq_length``. With
-    ``read_files=False`` nothing is read: the tokenizer and the data are checked when the loader is built."""
-    parsed = check_text_loader(loader)
-    seq = text_seq_length(loader, seq_length)
-    blend, tokenizer, columns = parsed["blend"], parsed["tokenizer"], parsed["columns"]
-    pack, template, pad_length = parsed["pack"], parsed["template"], parsed["eod_pad_length"]
-    if not read_files:
-        return None
-    from lmforge.utils.tokenizer import find_eod_id, load_tokenizer
-
-    tok = load_tokenizer(tokenizer)
-    eod = loader.get("eod")
-    if eod is None:
-        eod = find_eod_id(tok, tokenizer)
-    pad = loader.get("pad", eod)
-    vocab = vocab_size or tok.get_vocab_size(with_added_tokens=True)
-    for name, value in (("eod", eod), ("pad", pad)):
-        if value >= vocab:
-            raise ConfigError(f"{KEY}.{name} must be a token id in 0 .. {vocab - 1}; got {value!r}.")
-    default_template, bos, eos = tokenizer_chat_template(tokenizer)
-    template = template or default_template
-    fmt = FormatSettings(
-        text_key=_str(loader, "text_key", "text"),
-        messages_key=_str(loader, "messages_key", "messages"),
-        prompt_key=_str(loader, "prompt_key", "prompt"),
-        response_key=_str(loader, "response_key", "response"),
-        chat_template=template,
-        bos_token=bos,
-        eos_token=eos,
-        eod=int(eod),
-    )
-    for path in blend.prefixes:
-        TextSource(path, f"{KEY}.data_path")  # the files exist and have a known format
-    valid_paths, validation_split = parsed["valid"]
-    for path in valid_paths:
-        TextSource(path, f"{KEY}.valid_data_path")
-    return TextLoaderSettings(
-        paths=blend.prefixes,
-        weights=blend.weights or [1.0 / len(blend.prefixes)] * len(blend.prefixes),
-        valid_paths=valid_paths,
-        validation_split=validation_split,
-        shuffle_buffer=int(loader.get("shuffle_buffer", DEFAULT_SHUFFLE_BUFFER))
-        if loader.get("shuffle")
-        else None,
-        tokenizer=os.fspath(tokenizer),
-        seq_length=seq,
-        columns=list(columns),
-        pack=pack,
-        eod_mask_loss=bool(loader.get("eod_mask_loss", False)),
-        eod_pad_length=pad_length,
-        format=fmt,
-        pad=int(pad),
-    )
 
 
 def blend_choice(weights: list[float], taken: list[int], rows: int) -> int:

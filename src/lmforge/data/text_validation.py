@@ -19,8 +19,10 @@ from lmforge.errors import DataError
 
 from .loader import collate
 from .text_format import RowFormatter
-from .text_loader import KEY, TextLoaderSettings, held_out
+from .text_loader import held_out
 from .text_pack import Packer, PackPosition, row_columns
+from .text_schema import KEY
+from .text_settings import TextLoaderSettings
 from .text_sources import TextSource
 
 

@@ -99,22 +99,7 @@ def _storage_device(section: ParallelismConfig, device: torch.device) -> torch.d
 def find_tokenizer(cfg: TrainConfig) -> Path | None:
     """The tokenizer.json of the run's data: ``train_dataset.dataloader.tokenizer`` if it is a local
     path, else a tokenizer.json next to the first training data prefix (as ``lmforge data demo`` lays out)."""
-    loader = cfg.train_dataset.dataloader.to_dict()
-    candidates: list[Path] = []
-    tok = loader.get("tokenizer")
-    if isinstance(tok, str) and tok:
-        candidates.append(Path(tok))
-    elif isinstance(tok, dict):
-        for key in ("tokenizer_file", "path", "vocab_file"):
-            if isinstance(tok.get(key), str):
-                candidates.append(Path(tok[key]))
-    data = loader.get("config") or {}
-    for key in ("train_data_path", "data_path"):
-        paths = data.get(key) or []
-        for p in paths if isinstance(paths, list) else [paths]:
-            if isinstance(p, str) and not _is_number(p):
-                candidates.append(Path(p).parent)
-    for c in candidates:
+    for c in map(Path, cfg.train_dataset.dataloader.typed.tokenizer_candidates()):
         file = c / "tokenizer.json" if c.is_dir() else c
         if file.is_file() and file.name.endswith(".json"):
             return file
@@ -128,14 +113,6 @@ def _apply_lora(model: torch.nn.Module, section: LoraConfig) -> None:
 
     apply_lora(model, section)
     logger.info(lora_summary(model))
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
 
 
 def _refuse_absurd_model(cfg: TrainConfig, device: str | None, world_size: int) -> None:
