@@ -14,6 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, Va
 from lmforge.errors import ConfigError
 
 from .indices import parse_split, split_matrix
+from .schema_errors import config_error
 
 CONFIG_PATH = "train_dataset.dataloader.config"
 
@@ -234,18 +235,7 @@ def gpt_config(raw: Any) -> GPTDatasetConfig:
     try:
         return GPTDatasetConfig.model_validate(raw)
     except ValidationError as exc:
-        messages = []
-        for err in exc.errors():
-            problem = err.get("ctx", {}).get("error")
-            if isinstance(problem, ConfigError):
-                messages.append(str(problem))
-            else:  # pragma: no cover - every field checks its own type first
-                key = ".".join([CONFIG_PATH, *map(str, err["loc"])])
-                messages.append(f"{key}: {err['msg']}, got {err.get('input')!r}.")
-        if len(messages) == 1:
-            raise ConfigError(messages[0]) from None
-        numbered = " ".join(f"({i}) {m}" for i, m in enumerate(messages, 1))
-        raise ConfigError(f"{CONFIG_PATH} has {len(messages)} problems: {numbered}") from None
+        raise config_error(exc, CONFIG_PATH) from None
 
 
 def check_token_ids(cfg: GPTDatasetConfig, vocab_size: int, path: str = CONFIG_PATH) -> None:

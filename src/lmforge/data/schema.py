@@ -21,6 +21,7 @@ from lmforge.errors import ConfigError
 from lmforge.utils.logging import get_logger
 
 from .config import CONFIG_PATH, GPTDatasetConfig, check_token_ids, gpt_config
+from .schema_errors import config_error
 from .text_schema import TextLoader, text_loader_schema
 
 log = get_logger("lmforge.data")
@@ -174,15 +175,7 @@ def megatron_loader(loader: Mapping[str, Any]) -> MegatronLoader:
     try:
         return MegatronLoader.model_validate(loader)
     except ValidationError as exc:
-        messages = []
-        for err in exc.errors():
-            problem = err.get("ctx", {}).get("error")
-            if isinstance(problem, ConfigError):
-                messages.append(str(problem))
-            else:  # the config section typed shuffle, column_names, ... already: a plugin's value
-                key = ".".join([SECTION, *map(str, err["loc"])])
-                messages.append(f"{key}: {err['msg']}, got {err.get('input')!r}.")
-        raise ConfigError(" ".join(dict.fromkeys(messages))) from None
+        raise config_error(exc, SECTION) from None
 
 
 def text_loader(loader: Mapping[str, Any]) -> TextLoader:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, PrivateAttr, Valida
 from lmforge.errors import ConfigError, DataError
 
 from .config import Blend, parse_blend, unknown_keys_message
+from .schema_errors import config_error
 from .text_format import BUILTIN_TEMPLATES
 
 KEY = "train_dataset.dataloader"
@@ -256,12 +257,4 @@ def text_loader_schema(loader: dict[str, Any], sources_key: str = "data_path") -
         typed._sources_key = sources_key
         return typed
     except ValidationError as exc:
-        messages = []
-        for err in exc.errors():
-            problem = err.get("ctx", {}).get("error")
-            if isinstance(problem, ConfigError):
-                messages.append(str(problem))
-            else:  # pragma: no cover - every field checks its own type first
-                key = ".".join([KEY, *map(str, err["loc"])])
-                messages.append(f"{key}: {err['msg']}, got {err.get('input')!r}.")
-        raise ConfigError(" ".join(dict.fromkeys(messages))) from None
+        raise config_error(exc, KEY) from None
