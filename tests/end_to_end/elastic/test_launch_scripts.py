@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -243,8 +244,10 @@ def test_sigterm_before_the_workers_started_waits_for_them_and_stops_the_job(tmp
         kill_group(proc)
     assert proc.returncode == 0, out[-3000:]
     # Each rank got it during start-up or once training began (whichever came first on that rank),
-    # and no worker was killed by it (torchrun would report its exitcode and restart it).
-    assert "stopped early (received SIGTERM" in out and "exitcode" not in out, out[-3000:]
+    # and no worker was killed by it (torchrun would report its exitcode and restart it). Rank 0's
+    # summary names its own signal, or the stop another rank asked for first (a race: both are right).
+    assert "received SIGTERM" in out and "exitcode" not in out, out[-3000:]
+    assert re.search(r"stopped early \((received SIGTERM|stop requested on another rank)", out), out[-3000:]
     # The stop was agreed before the first step: the initial state is saved, once, by both ranks.
     saved = sorted(p.name for p in (tmp_path / "ckpt").glob("iteration_*"))
     assert saved == ["iteration_00000000"], saved
