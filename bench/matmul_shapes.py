@@ -34,7 +34,12 @@ from benchdoc import replace_section
 from lmforge.utils import malloc
 
 aten = torch.ops.aten
-MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+# The .out overloads too: compiled code (lmforge's chunked loss) calls its matmuls with out= buffers.
+MATMULS = {
+    getattr(getattr(aten, op), overload)
+    for op in ("mm", "addmm", "bmm", "baddbmm")
+    for overload in ("default", "out")
+}
 SDPA = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: "sdpa fwd (flash, cpu)",
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: "sdpa bwd (flash, cpu)",
@@ -62,7 +67,7 @@ class Call:
     def flops(self) -> float:
         shapes = [t[0] for t in self.tensors]
         if not self.is_sdpa:
-            a, b = shapes[-2], shapes[-1]  # addmm/baddbmm: (bias, a, b)
+            a, b = (shape for shape, _, _ in self.operands())
             return 2.0 * _prod(a) * b[-1]
         backward = "backward" in self.op
         q, k = (shapes[1], shapes[2]) if backward else (shapes[0], shapes[1])  # [b, h, s, d]
@@ -74,12 +79,18 @@ class Call:
         """N or T per operand of a product: read row-major, or transposed (column-major)."""
         if self.is_sdpa:
             return ""
-        return "".join("T" if stride[-1] != 1 else "N" for _, stride, _ in self.tensors[-2:])
+        return "".join("T" if stride[-1] != 1 else "N" for _, stride, _ in self.operands())
+
+    def operands(self) -> list:
+        """The two factors of a product: the last two positional tensors (addmm/baddbmm: (bias, a, b);
+        an ``out=`` buffer is a keyword argument)."""
+        positional = [a.index for a in self.args if isinstance(a, _T)]
+        return [self.tensors[i] for i in positional[-2:]]
 
     def describe(self) -> str:
         if self.is_sdpa:
             return " ".join("x".join(map(str, sh)) for sh, _, _ in self.tensors[:3])
-        return " @ ".join("x".join(map(str, sh)) for sh, _, _ in self.tensors[-2:])
+        return " @ ".join("x".join(map(str, sh)) for sh, _, _ in self.operands())
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -241,6 +252,13 @@ def report(model: str, loops: dict, per_call: dict, rows: list[tuple]) -> str:
         k[2] += n * t
     for (loop, kind), (n, fl, t) in sorted(totals.items()):
         out.append(f"| {loop} | {kind} | {n} | {fl / 1e9:.1f} | {1e3 * t:.1f} | {fl / t / 1e9:.0f} |")
+    # Per FLOP, each kind of call on its own: lmforge's speed against the HF loop's (1.00 = the same).
+    ratios = []
+    for kind in sorted({k for _, k in totals}):
+        if ("lmforge", kind) in totals and ("HF", kind) in totals:
+            (_, lf_fl, lf_t), (_, hf_fl, hf_t) = totals[("lmforge", kind)], totals[("HF", kind)]
+            ratios.append(f"{kind} {(lf_fl / lf_t) / (hf_fl / hf_t):.3f}")
+    out += ["", "Per FLOP, calls timed alone, lmforge / HF (1.000 = as fast): " + "; ".join(ratios) + "."]
     out += [
         "",
         "Matmuls grouped by the output shape's role: per loop, each distinct (shape, layout) with its calls, "
@@ -251,7 +269,7 @@ def report(model: str, loops: dict, per_call: dict, rows: list[tuple]) -> str:
     ]
     for loop, _kind, call, n, t, flops in sorted(rows, key=lambda r: (r[1], -r[3] * r[4], r[0])):
         shapes = call.describe()
-        dtype = call.tensors[0][2] if call.is_sdpa else call.tensors[-1][2]
+        dtype = call.tensors[0][2] if call.is_sdpa else call.operands()[-1][2]
         op = call.op.replace("aten.", "").replace(".default", "")
         out.append(
             f"| {loop} | {op} | {shapes} ({call.layout() or '-'}) | {dtype} | {n} | {1e3 * t:.3f} | {flops / t / 1e9:.0f} |"
