@@ -1,4 +1,4 @@
-"""Tiny fp32 lmforge models for the tests of the speed features (chunked loss, document attention, compile, float8)."""
+"""Tiny fp32 lmforge models (one place for their sections: the model tests' conftest fixtures use them too)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ import torch
 from lmforge.config import validate_section
 from lmforge.models import build_model
 
-_FAMILIES = {
+TINY_SECTIONS = {
+    "llama": {
+        "model_type": "llama",
+        "architectures": "LlamaForCausalLM",
+        "num_key_value_heads": 2,
+    },
     "qwen3": {
         "model_type": "qwen3",
         "architectures": "Qwen3ForCausalLM",
@@ -33,8 +38,9 @@ _FAMILIES = {
 }
 
 
-def tiny_model(family: str = "qwen3", **overrides):
-    section = {
+def tiny_section(family: str, **overrides) -> dict:
+    """The ``model`` section of a tiny fp32 model of ``family``."""
+    return {
         "vocab_size": 128,
         "hidden_size": 64,
         "intermediate_size": 96,
@@ -42,11 +48,14 @@ def tiny_model(family: str = "qwen3", **overrides):
         "num_attention_heads": 4,
         "compute_dtype": "float32",
         "initializer_range": 0.1,
-        **_FAMILIES[family],
+        **TINY_SECTIONS[family],
         **overrides,
     }
+
+
+def tiny_model(family: str = "qwen3", **overrides):
     torch.manual_seed(0)
-    return build_model(validate_section("model", section)).eval()
+    return build_model(validate_section("model", tiny_section(family, **overrides))).eval()
 
 
 def grads(model) -> dict[str, torch.Tensor]:

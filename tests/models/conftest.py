@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmforge.config import validate_section
-from lmforge.models import build_model
+from tiny_fp32 import tiny_model, tiny_section
 
 YARN = {
     "rope_type": "yarn",
@@ -86,57 +85,6 @@ def make_hf_model():
     return build_hf_model
 
 
-TINY_SECTIONS = {
-    "llama": {
-        "model_type": "llama",
-        "architectures": "LlamaForCausalLM",
-        "num_key_value_heads": 2,
-    },
-    "qwen3": {
-        "model_type": "qwen3",
-        "architectures": "Qwen3ForCausalLM",
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-    },
-    "deepseek_v3": {
-        "model_type": "deepseek_v3",
-        "architectures": "DeepseekV3ForCausalLM",
-        "kv_lora_rank": 32,
-        "q_lora_rank": 48,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 16,
-        "v_head_dim": 16,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "n_group": 4,
-        "topk_group": 2,
-        "moe_intermediate_size": 32,
-        "first_k_dense_replace": 1,
-        "num_nextn_predict_layers": 0,
-    },
-}
-
-
-def tiny_section(family: str, **overrides) -> dict:
-    """The ``model`` section of a tiny fp32 model of ``family``."""
-    return {
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "compute_dtype": "float32",
-        "initializer_range": 0.1,
-        **TINY_SECTIONS[family],
-        **overrides,
-    }
-
-
-def build_tiny(family: str, **overrides):
-    torch.manual_seed(0)
-    return build_model(validate_section("model", tiny_section(family, **overrides))).eval()
-
-
 @pytest.fixture(scope="session")
 def tiny_model_section():
     """``tiny_model_section(family, **overrides)``: the ``model`` section ``tiny`` builds."""
@@ -145,5 +93,5 @@ def tiny_model_section():
 
 @pytest.fixture(scope="session")
 def tiny():
-    """``tiny(family, **overrides)``: a tiny fp32 lmforge model (seeded)."""
-    return build_tiny
+    """``tiny(family, **overrides)``: a tiny fp32 lmforge model (seeded; tests/tiny_fp32.py)."""
+    return tiny_model
