@@ -132,3 +132,18 @@ def test_adjusted_values_and_warnings(tmp_path: Path, base_config: dict[str, Any
     assert "parallelism.sequence_parallel: true  [file, adjusted]" in out
     assert "context.device_target = 'GPU' has no effect" in out
     assert "has no effect" not in err  # printed once, in the report
+
+
+def test_typed_sections_show_their_schemas_defaults(
+    tmp_path: Path, base_config: dict[str, Any], capsys: Any
+) -> None:
+    # optimizer and dataloader declare only their type: a default shown is the type's schema's own.
+    base_config["optimizer"] = {"type": "Muon", "betas": [0.9, 0.99]}
+    status, out, err = _check(capsys, "--config", _write(tmp_path, base_config))
+    assert status == 0, err
+    assert "optimizer.eps: 1.0e-07  [default]" in out  # Muon's, not AdamW's 1e-8
+    assert "optimizer.weight_decay: 0.1  [default]" in out
+    assert "optimizer.ns_steps: 5  [default]" in out
+    assert "optimizer.betas: [0.9, 0.99]  [file]" in out  # written, kept, and warned about
+    assert "optimizer.betas is not used by the Muon optimizer" in out
+    assert "train_dataset.dataloader.column_names: [input_ids, labels]  [default]" in out

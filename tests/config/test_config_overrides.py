@@ -23,8 +23,8 @@ def test_values_are_parsed_as_yaml(base_config: dict[str, Any]) -> None:
         ],
     )
     assert cfg.training.steps == 20
-    assert cfg.optimizer.betas == [0.9, 0.99]
-    assert cfg.optimizer.eps == 1e-6
+    assert cfg.optimizer.typed.hyper.betas == (0.9, 0.99)
+    assert cfg.optimizer.typed.hyper.eps == 1e-6
     assert cfg.training.deterministic is True
     assert cfg.checkpoint.save_path == "out/ckpt"
     assert cfg.model.rope_scaling.factor == 4
@@ -43,7 +43,7 @@ def test_list_items_can_be_set(base_config: dict[str, Any]) -> None:
 
 def test_mapping_of_overrides(base_config: dict[str, Any]) -> None:
     cfg = load_config(base_config, {"training.steps": 7, "optimizer.betas": [0.8, 0.9]})
-    assert cfg.training.steps == 7 and cfg.optimizer.betas == [0.8, 0.9]
+    assert cfg.training.steps == 7 and cfg.optimizer.typed.hyper.betas == (0.8, 0.9)
 
 
 def test_override_is_validated_like_the_file(base_config: dict[str, Any]) -> None:

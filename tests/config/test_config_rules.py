@@ -101,11 +101,18 @@ RULES: dict[str, tuple[dict[str, Any], list[str]]] = {
         {"parallelism.pipeline_parallel": 3},
         ["parallelism.pipeline_parallel_layers_per_stage", "not divisible by total stages (3)"],
     ),
-    "betas length": ({"optimizer.betas": [0.9]}, ["optimizer.betas", "two values"]),
-    "betas below one": ({"optimizer.betas": [0.9, 1.0]}, ["optimizer.betas", "[0, 1)"]),
-    "betas non-negative": ({"optimizer.betas": [-0.1, 0.9]}, ["optimizer.betas"]),
-    "eps positive": ({"optimizer.eps": 0}, ["optimizer.eps", "> 0"]),
-    "weight decay non-negative": ({"optimizer.weight_decay": -0.1}, ["optimizer.weight_decay", ">= 0"]),
+    # The optimizer's keys are its type's schema's (lmforge.optim.specs), with the original's messages.
+    "betas length": ({"optimizer.betas": [0.9]}, ["optimizer.betas", "a list of 2 numbers"]),
+    "betas below one": (
+        {"optimizer.betas": [0.9, 1.0]},
+        ["optimizer.betas", "index 1: 1.0, should be >= 0 and < 1"],
+    ),
+    "betas non-negative": ({"optimizer.betas": [-0.1, 0.9]}, ["optimizer.betas", "index 0: -0.1"]),
+    "eps non-negative": ({"optimizer.eps": -1e-8}, ["optimizer.eps", "should be >= 0"]),
+    "weight decay non-negative": (
+        {"optimizer.weight_decay": -0.1},
+        ["optimizer.weight_decay", "should be >= 0"],
+    ),
     "learning rate non-negative": ({"lr_scheduler.learning_rate": -1.0}, ["lr_scheduler.learning_rate"]),
     "profiler positive": ({"profiler.start_step": 0}, ["profiler.start_step", "must be positive"]),
     "profiler order": (

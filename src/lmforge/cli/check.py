@@ -12,6 +12,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import BaseModel
+
 from lmforge.cli.check_problems import find_problems, raise_problems
 from lmforge.cli.options import add_set_option
 from lmforge.config import read_raw
@@ -136,6 +138,44 @@ def _lookup(raw: Any, dotted: str) -> tuple[bool, Any]:
     return True, node
 
 
+_NOT_SHOWN = object()
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as YAML writes it (tuples as lists), or _NOT_SHOWN when it is not plain data."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return _NOT_SHOWN if any(v is _NOT_SHOWN for v in items) else items
+    return _NOT_SHOWN
+
+
+def _with_schema_defaults(shown: dict[str, Any], typed: Any) -> None:
+    """Add to ``shown`` (a ``type``-dependent section as the file wrote it) the value its typed schema
+    gives each key the file omitted: those sections declare only ``type``, and the schema registered
+    for the type is the one owner of every other key's default (Muon's eps is not AdamW's)."""
+    schema = getattr(typed, "hyper", typed)  # OptimizerOptions keeps its type's schema as ``hyper``
+    # An HFDataLoader is typed as the TextDataLoader it translates to, whose keys are not its own.
+    if not isinstance(schema, BaseModel) or getattr(schema, "type", None) != shown.get("type"):
+        return
+    for name in type(schema).model_fields:
+        value = _plain(getattr(schema, name))
+        if name not in shown and value is not _NOT_SHOWN:
+            shown[name] = value
+
+
+def _resolved(cfg: Any) -> dict[str, Any]:
+    """The configuration with defaults filled in, the typed sections' defaults included."""
+    resolved = cfg.to_dict()
+    _with_schema_defaults(resolved["optimizer"], cfg.optimizer.typed)
+    for name in ("train_dataset", "eval_dataset"):
+        section = getattr(cfg, name)
+        if section is not None:
+            _with_schema_defaults(resolved[name]["dataloader"], section.dataloader.typed)
+    return resolved
+
+
 def _format_value(value: Any) -> str:
     import yaml
 
@@ -195,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     set_keys = [item.split("=", 1)[0].strip() for item in args.overrides]
 
     lines = [f"{source}: valid configuration.", "", "Resolved configuration ([file] / [--set] / [default]):"]
-    for key, value in _leaves(cfg.to_dict()):
+    for key, value in _leaves(_resolved(cfg)):
         lines.append(f"  {key}: {_format_value(value)}  [{_source_of(key, value, file_raw, set_keys)}]")
     lines += ["", "Outputs:"] + [f"  {what}: {where}" for what, where in output_locations(cfg)]
     from lmforge.train.preflight import compute_dtype_report

@@ -17,14 +17,15 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
 _NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?$")
 
 
-def _number_from_string(value: Any) -> Any:
+def number_from_string(value: Any) -> Any:
+    """``value`` as a float when it is a number written as a string, else unchanged."""
     # YAML 1.1 reads ``1e-8`` (no dot) as a string; the spec's users write it, so it counts as a float.
     if isinstance(value, str) and _NUMBER.match(value.strip()):
         return float(value.strip())
     return value
 
 
-Float = Annotated[float, BeforeValidator(_number_from_string)]
+Float = Annotated[float, BeforeValidator(number_from_string)]
 
 
 class Section(BaseModel):

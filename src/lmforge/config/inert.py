@@ -39,8 +39,8 @@ INERT_FIELDS: dict[str, str] = {
     "(same value)",
     "train_dataset.numa_enable": "NUMA binding of MindSpore's data pipeline",
     "profiler.mstx": "Ascend's lightweight marker collection; use torch.profiler record_function ranges",
-    "optimizer.accumulate_allreduce_grads_in_fp32": "gradients are always accumulated in fp32 (as in the "
-    "original's current version, which removed this flag)",
+    # optimizer.*: the optimizer's keys are its type's schema's (lmforge.optim.specs), which warns about
+    # the ones that change nothing (accumulate_allreduce_grads_in_fp32: false, kernel choices) itself.
     # The model section's keys are its family's (models/common/config_keys.py), not ModelConfig's: these
     # warn whenever the file writes them. ep_size is a key of DeepSeek's own config.json.
     "model.use_attn_mask_compression": "the model accepts attention_mask or actual_seq_len; the data "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import PrivateAttr, model_validator
 
 from lmforge.config.base import Float, OpenSection, Section, check_positive
 from lmforge.config.registry import expand_section, typed_section
@@ -14,13 +14,11 @@ from lmforge.config.registry import expand_section, typed_section
 
 
 class OptimizerConfig(OpenSection):
+    """``type`` picks the optimizer; every other key passes through, as the file wrote it, to the schema
+    optim/ registered for that type (lmforge.optim.specs), the one owner of each key's default, range
+    and message: a Muon section that omits ``eps`` gets Muon's own default, not AdamW's."""
+
     type: str = "AdamW"
-    betas: list[Float] = Field(default_factory=lambda: [0.9, 0.95])
-    eps: Float = 1.0e-8
-    weight_decay: Float = 0.01
-    weight_decay_include: list[str] | None = None
-    weight_decay_exclude: list[str] | None = None
-    accumulate_allreduce_grads_in_fp32: bool = True
 
     # The options the registered schema of ``type`` made of this section (lmforge.config.registry);
     # None when the section was validated on its own.
@@ -30,18 +28,6 @@ class OptimizerConfig(OpenSection):
     def typed(self) -> Any:
         """The typed, validated form of this section (``lmforge.optim.OptimizerOptions``), or None."""
         return self._typed
-
-    @model_validator(mode="after")
-    def _check(self) -> OptimizerConfig:
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(
-                f"optimizer.betas must be two values, each in [0, 1) (e.g. [0.9, 0.95]); got {self.betas}"
-            )
-        if not self.eps > 0:
-            raise ValueError(f"optimizer.eps must be > 0 (e.g. 1.0e-8), got {self.eps}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
-        return self
 
     @model_validator(mode="after")
     def _type_by_type(self) -> OptimizerConfig:
@@ -79,10 +65,11 @@ class LrSchedulerConfig(OpenSection):
 
 
 class DataloaderConfig(OpenSection):
+    """``type`` picks the loader; every other key passes through, as the file wrote it, to the schema
+    data/ registered for that type (lmforge.data.schema), the one owner of each key's default, range
+    and message (a text loader's default columns are not a Megatron loader's)."""
+
     type: str
-    shuffle: bool = False
-    column_names: list[str] = Field(default_factory=lambda: ["input_ids", "labels"])
-    python_multiprocessing: bool = False
 
     # The loader the registered schema of ``type`` made of this section (lmforge.config.registry);
     # None when no schema is registered (the config package used on its own).

@@ -104,7 +104,7 @@ class MegatronLoader(BaseModel):
     """A validated BlendedMegatronDatasetDataLoader section. Keys it does not read are warned about,
     all at once, and dropped (the original's allow_extra); a key written as null keeps its default."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "yes" is not a bool
 
     type: Literal["BlendedMegatronDatasetDataLoader"]
     datasets_type: Annotated[str, BeforeValidator(_datasets_type)] = "GPTDataset"

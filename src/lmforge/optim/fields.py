@@ -16,6 +16,8 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator
 
+from lmforge.config.base import number_from_string
+
 DEFAULT_ADAMW_INCLUDE = ("*word_embeddings*", "*output_layer*")
 COMM_STRATEGIES = ("allgather", "allgather_deredundency")
 
@@ -29,7 +31,9 @@ class SubkeyProblem(ValueError):
 
 
 def as_float(value: Any) -> float:
-    # The original requires floats (``weight_decay: 0`` fails there); an int is a number, so we take it.
+    # The original requires floats (``weight_decay: 0`` fails there); an int is a number, so we take it,
+    # and so is a number written as a string (``"1e-8"``), as every float key of the config takes it.
+    value = number_from_string(value)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"expected a number, got {type(value).__name__} ({value!r}).")
     value = float(value)
