@@ -198,3 +198,24 @@ def test_the_live_doctor_records_an_emulated_compute_dtype(monkeypatch):
     assert "compute_dtype_emulated" not in live.DoctorCallback._parameter_facts(
         object.__new__(live.DoctorCallback), model, None
     )
+
+
+def test_an_omitted_optimizer_key_reads_as_its_types_default(tmp_path):
+    # config.yaml keeps only the optimizer keys the user wrote; the doctor asks the optimizer type's
+    # schema for the rest (Muon's weight decay is 0.1 and its Adam eps 1e-8; LAMB's eps is 1e-6).
+    from lmforge.tools.doctor.rule_base import _eps_value, optimizer_setting
+
+    muon = read_run_dir(
+        _write_run(
+            tmp_path,
+            _healthy(),
+            config=CONFIG.replace("{type: AdamW, eps: 1.0e-8, weight_decay: 0.1}", "{type: Muon}"),
+        )
+    )
+    assert optimizer_setting(muon, "weight_decay") == 0.1 and _eps_value(muon) == 1e-8
+    assert optimizer_setting(muon, "no_such_key") is None
+    (tmp_path / "b").mkdir()
+    lamb = read_run_dir(
+        _write_run(tmp_path / "b", _healthy(), config=CONFIG.replace("AdamW, eps: 1.0e-8", "LAMB"))
+    )
+    assert _eps_value(lamb) == 1e-6 and optimizer_setting(lamb, "weight_decay") == 0.1

@@ -152,19 +152,30 @@ def _eps_key(ev: RunEvidence) -> str | None:
     return None
 
 
+def optimizer_setting(ev: RunEvidence, name: str) -> Any:
+    """The value of ``optimizer.<name>`` in the run: as its config.yaml wrote it, else the default of the
+    optimizer type's schema (lmforge.optim.specs, the one owner of those defaults: the saved file keeps
+    only the keys the user wrote); None when the run left no config.yaml or the type has no such key."""
+    opt = _optimizer(ev)
+    if name in opt:
+        return opt[name]
+    if not ev.config:
+        return None
+    from lmforge.optim.specs import OPTIMIZER_TYPES  # torch: only when a rule asks
+
+    schema = OPTIMIZER_TYPES.get(_opt_type(ev))
+    declared = None if schema is None else schema.model_fields.get(name)
+    return None if declared is None else declared.get_default(call_default_factory=True)
+
+
 def _eps_value(ev: RunEvidence) -> float | None:
     key = _eps_key(ev)
-    if key is None:
-        return None
-    opt = _optimizer(ev)
-    name = key.split(".", 1)[1]
-    if name in opt and isinstance(opt[name], (int, float)):
-        return float(opt[name])
-    defaults = {
-        "optimizer.eps": 1e-8 if _opt_type(ev).lower() != "lamb" else 1e-6,
-        "optimizer.adamw_eps": 1e-8,
-    }
-    return defaults[key]
+    value = None if key is None else optimizer_setting(ev, key.split(".", 1)[1])
+    if isinstance(value, str):  # a number written as a string ("1e-8"), as the schema reads it
+        from lmforge.config.base import number_from_string
+
+        value = number_from_string(value)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _compute_dtype(ev: RunEvidence) -> str:

@@ -28,6 +28,7 @@ from lmforge.tools.doctor.rule_base import (
     _steps_configured,
     _warmup_steps,
     healthy_lr,
+    optimizer_setting,
 )
 
 
@@ -226,8 +227,7 @@ def decay_on_everything(ev: RunEvidence) -> RuleResult:
 
 
 def weight_decay_too_high(ev: RunEvidence) -> RuleResult:
-    opt = _optimizer(ev)
-    wd = opt.get("weight_decay")
+    wd = optimizer_setting(ev, "weight_decay")
     if not isinstance(wd, (int, float)) or isinstance(wd, bool):
         return None
     if wd <= HIGH_WEIGHT_DECAY:
