@@ -1,4 +1,5 @@
-"""Tiny fp32 lmforge models (one place for their sections: the model tests' conftest fixtures use them too)."""
+"""Tiny fp32 lmforge models (one place for their sections: the model tests' conftest fixtures use them too,
+and tests/tiny_run.py's training runs take theirs from :func:`tiny_run_model`)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,25 @@ def tiny_section(family: str, **overrides) -> dict:
         **TINY_SECTIONS[family],
         **overrides,
     }
+
+
+# The 2-layer Qwen3 of the tests' short training runs (tests/tiny_run.py): smaller than tiny_section's,
+# for runs of tens of steps on a 64-token vocabulary. Its callers set seq_length and compute_dtype.
+TINY_RUN_MODEL = {
+    "model_type": "qwen3",
+    "architectures": "Qwen3ForCausalLM",
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+    "vocab_size": 64,
+}
+
+
+def tiny_run_model(**overrides) -> dict:
+    """The ``model`` section of the tiny training runs (``TINY_RUN_MODEL`` with ``overrides``)."""
+    return {**TINY_RUN_MODEL, **overrides}
 
 
 def tiny_model(family: str = "qwen3", **overrides):

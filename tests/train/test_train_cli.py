@@ -2,49 +2,23 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import yaml
 
 from lmforge.cli import main
 from lmforge.config import load_config
-from lmforge.data import IndexedDatasetWriter
 from lmforge.train.builder import build_trainer
 from lmforge.train.callbacks import TrainerCallback, read_metrics
-
-VOCAB = 64
-
-
-def _write_tokenizer(path):
-    """A word-level tokenizer whose ids are the data's token ids ("t1" .. "t63"; 0 is the eod)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"t{i}": i for i in range(1, VOCAB)}
-    vocab["<|endoftext|>"] = 0
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path))
-
-
-def _write_data(prefix):
-    """Learnable documents: arithmetic token sequences ending with the eod token 0."""
-    rng = np.random.default_rng(0)
-    with IndexedDatasetWriter(prefix, np.uint16) as writer:
-        for _ in range(120):
-            start, step, n = int(rng.integers(1, VOCAB)), int(rng.integers(1, 4)), int(rng.integers(10, 40))
-            writer.add_document([1 + (start + step * i) % (VOCAB - 1) for i in range(n)] + [0])
+from tiny_run import tiny_run_config, write_word_tokenizer
 
 
 def write_config(tmp_path, optimizer: dict, steps: int = 12, **training) -> str:
-    prefix = tmp_path / "data" / "docs"
-    prefix.parent.mkdir(exist_ok=True)
-    if not (prefix.parent / "docs.bin").exists():
-        _write_data(prefix)
-        _write_tokenizer(prefix.parent / "tokenizer.json")
-    raw = {
-        "output_dir": str(tmp_path / "run"),
-        "training": {
+    """tmp_path/train.yaml of a tiny bf16 run (tests/tiny_run.py) with ``optimizer``; returns its path."""
+    raw = tiny_run_config(
+        tmp_path,
+        output_dir=tmp_path / "run",
+        training={
             "steps": steps,
             "local_batch_size": 2,
             "global_batch_size": 4,
@@ -52,44 +26,20 @@ def write_config(tmp_path, optimizer: dict, steps: int = 12, **training) -> str:
             "deterministic": True,
             **training,
         },
-        "optimizer": optimizer,
-        "lr_scheduler": {
+        optimizer=optimizer,
+        lr_scheduler={
             "type": "CosineWithWarmUpLR",
             "learning_rate": 1.0e-2,
             "warmup_steps": 1,
             "lr_end": 1.0e-3,
         },
-        "checkpoint": {"save_path": str(tmp_path / "ckpt"), "save_interleaved_steps": 6, "save_max": 3},
-        "model": {
-            "model_type": "qwen3",
-            "architectures": "Qwen3ForCausalLM",
-            "num_hidden_layers": 2,
-            "hidden_size": 32,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "intermediate_size": 64,
-            "vocab_size": VOCAB,
-            "seq_length": 16,
-            "compute_dtype": "bfloat16",
-        },
-        "train_dataset": {
-            "dataloader": {
-                "type": "BlendedMegatronDatasetDataLoader",
-                "datasets_type": "GPTDataset",
-                "column_names": ["input_ids", "labels", "loss_mask", "position_ids"],
-                "shuffle": True,
-                "config": {
-                    "seq_length": 16,
-                    "eod": 0,
-                    "data_path": [str(prefix)],
-                    "split": "90,10,0",
-                    "create_attention_mask": False,
-                    "path_to_cache": str(tmp_path / "cache"),
-                },
-            },
-            "num_parallel_workers": 0,
-        },
-    }
+        checkpoint={"save_path": str(tmp_path / "ckpt"), "save_interleaved_steps": 6, "save_max": 3},
+        model={"compute_dtype": "bfloat16"},
+        seq_length=16,
+        split="90,10,0",
+        documents=120,
+        tokenizer=True,
+    )
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(raw))
     return str(path)
@@ -197,7 +147,7 @@ def test_generate_from_a_hugging_face_directory(tmp_path, capsys):
     torch.manual_seed(5)
     model = build_model(cfg.model)
     save_hf_pretrained(model, tmp_path / "hf")
-    _write_tokenizer(tmp_path / "hf" / "tokenizer.json")
+    write_word_tokenizer(tmp_path / "hf" / "tokenizer.json")
     argv = ["generate", "--checkpoint", str(tmp_path / "hf"), "--prompt", "t3 t4", "--max-new-tokens", "5"]
     assert main([*argv, "--temperature", "0"]) == 0
     out = capsys.readouterr().out.split()
