@@ -357,9 +357,15 @@ def test_eval_keys_are_typed(base_config: dict[str, Any], key: str, value: Any) 
 
 
 def test_the_optimizer_schema_owns_every_optimizer_key(base_config: dict[str, Any]) -> None:
-    # eps: 0 is valid for torch's AdamW and the original; the section no longer refuses it on its own.
-    base_config["optimizer"] = {"eps": 0}
-    assert load_config(base_config).optimizer.typed.hyper.eps == 0.0
+    # The spec's eps > 0 is the schema's rule now (the section no longer has one of its own), for
+    # every eps of every type, with the original's text for a negative one.
+    for section in ({"eps": 0}, {"type": "Muon", "adamw_eps": 0.0}, {"type": "LAMB", "eps": 0}):
+        base_config["optimizer"] = section
+        key = "adamw_eps" if "adamw_eps" in section else "eps"
+        with pytest.raises(ConfigError, match=rf"optimizer\.{key}: must be > 0 .*NaN"):
+            load_config(base_config)
+    base_config["optimizer"] = {"eps": 1e-30}
+    assert load_config(base_config).optimizer.typed.hyper.eps == 1e-30
     # An omitted key takes its type's default: Muon's Newton-Schulz eps and decay, not AdamW's.
     base_config["optimizer"] = {"type": "Muon"}
     cfg = load_config(base_config)

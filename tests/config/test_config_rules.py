@@ -109,6 +109,7 @@ RULES: dict[str, tuple[dict[str, Any], list[str]]] = {
     ),
     "betas non-negative": ({"optimizer.betas": [-0.1, 0.9]}, ["optimizer.betas", "index 0: -0.1"]),
     "eps non-negative": ({"optimizer.eps": -1e-8}, ["optimizer.eps", "should be >= 0"]),
+    "eps positive": ({"optimizer.eps": 0}, ["optimizer.eps: must be > 0"]),
     "weight decay non-negative": (
         {"optimizer.weight_decay": -0.1},
         ["optimizer.weight_decay", "should be >= 0"],

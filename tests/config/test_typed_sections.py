@@ -178,3 +178,24 @@ def test_data_builder_takes_the_typed_section(base_config: dict[str, Any], monke
         build_dataset(cfg.train_dataset)  # reaches the files: the typed section was used as is
     with pytest.raises(TypeError, match="validate_section"):
         build_dataset(cfg.train_dataset.to_dict())  # a mapping is the config's to validate, not the builder's
+
+
+def test_an_hf_loaders_validation_set_is_read_from_its_typed_form(base_config: dict[str, Any]) -> None:
+    # An HFDataLoader is typed as the TextDataLoader it translates to; eval_interval asks that form.
+    hf = {
+        "type": "HFDataLoader",
+        "path": "json",
+        "data_files": "a.jsonl",
+        "tokenizer": "tok.json",
+        "seq_length": 32,
+    }
+    base_config["train_dataset"]["dataloader"] = hf
+    base_config["eval_interval"] = 5
+    with pytest.raises(
+        ConfigError, match=r"no validation set: give train_dataset\.dataloader\.validation_split"
+    ):
+        load_config(base_config)
+    base_config["train_dataset"]["dataloader"] = {**hf, "validation_split": 0.1}
+    cfg = load_config(base_config)
+    assert cfg.train_dataset.dataloader.typed.type == "TextDataLoader"
+    assert cfg.train_dataset.dataloader.typed.validation_split == 0.1

@@ -58,11 +58,14 @@ def inherit_eval_dataset(eval_section: Any, train_section: Any) -> Any:
     return section
 
 
-def has_validation_set(loader_typed: Any, loader_raw: Mapping[str, Any]) -> bool | None:
+def has_validation_set(loader_typed: Any) -> bool | None:
     """Whether a typed dataloader has a validation split: True, False, or None when only building
-    it can tell (a Megatron ``split`` counted in samples)."""
-    if loader_raw.get("type") in (TEXT_TYPE, "HFDataLoader"):
-        return bool(loader_raw.get("valid_data_path") or loader_raw.get("validation_split"))
+    it can tell (a Megatron ``split`` counted in samples, or no schema registered to type it)."""
+    if loader_typed is None:
+        return None
+    # An HFDataLoader is typed as the TextDataLoader it translates to (lmforge.data.hf_loader).
+    if getattr(loader_typed, "type", None) == TEXT_TYPE:
+        return bool(loader_typed.valid_data_path or loader_typed.validation_split)
     config = getattr(loader_typed, "config", None)
     if config is None:
         return None
@@ -79,11 +82,10 @@ def refuse_eval_without_validation_set(cfg: Any) -> None:
     ``train_dataset``; a ValueError naming the keys that would give one."""
     if cfg.eval_interval <= 0 or cfg.eval_dataset is not None:
         return
-    loader = cfg.train_dataset.dataloader
-    raw = loader.to_dict() if hasattr(loader, "to_dict") else dict(loader)
-    if has_validation_set(loader.typed, raw) is not False:
+    typed = cfg.train_dataset.dataloader.typed
+    if has_validation_set(typed) is not False:
         return
-    if raw.get("type") in (TEXT_TYPE, "HFDataLoader"):
+    if typed.type == TEXT_TYPE:
         how = (
             "train_dataset.dataloader.validation_split (e.g. 0.05: a share of data_path held out of training) "
             "or train_dataset.dataloader.valid_data_path (its own files), or an eval_dataset section"

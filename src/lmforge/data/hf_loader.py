@@ -8,6 +8,12 @@ Mapped: ``load_func`` (``load_dataset`` on local files / ``load_from_disk``), ``
 ``remove_columns``. ``tokenizer`` (``pretrained_model_dir`` / ``tokenizer_file``) and ``seq_length``
 are taken from the loader or its handlers. Everything else is refused by name with the equivalent
 ``TextDataLoader`` key (docs/data.md lists the table).
+
+The translation is a pre-validation expansion, not a schema of its own: the registered loader schema
+(``data/schema.py`` ``text_loader``) runs it once, at load, on the keys the file wrote, and types its
+result as a :class:`~lmforge.data.text_schema.TextLoader` (``cfg.train_dataset.dataloader.typed``).
+Nothing keeps the HFDataLoader mapping after load or validates it again; everything after reads the
+typed ``TextLoader``, so a second schema would only repeat the text loader's keys and checks.
 """
 
 from __future__ import annotations

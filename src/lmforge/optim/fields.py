@@ -73,6 +73,12 @@ def _eps(value: Any) -> float:
     v = as_float(value)
     if v < 0:
         raise ValueError(f"Invalid epsilon value: {v}, should be >= 0.")
+    # The spec requires eps > 0; the original (and torch) take 0, where a parameter whose gradient is
+    # exactly 0 (an unseen token's embedding row) is updated by 0/0 = NaN.
+    if v == 0:
+        raise ValueError(
+            "must be > 0 (e.g. 1.0e-8): with eps 0, a parameter whose gradient is 0 gets a NaN update (0/0)."
+        )
     return v
 
 
