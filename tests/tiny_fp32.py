@@ -1,5 +1,5 @@
 """Tiny fp32 lmforge models (one place for their sections: the model tests' conftest fixtures use them too,
-and tests/tiny_run.py's training runs take theirs from :func:`tiny_run_model`)."""
+and tests/tiny_train_config.py's training runs take theirs from :func:`tiny_run_model`)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def tiny_section(family: str, **overrides) -> dict:
     }
 
 
-# The 2-layer Qwen3 of the tests' short training runs (tests/tiny_run.py): smaller than tiny_section's,
+# The 2-layer Qwen3 of the tests' short training runs (tests/tiny_train_config.py): smaller than tiny_section's,
 # for runs of tens of steps on a 64-token vocabulary. Its callers set seq_length and compute_dtype.
 TINY_RUN_MODEL = {
     "model_type": "qwen3",

@@ -10,11 +10,11 @@ from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.train.builder import build_trainer
 from lmforge.train.callbacks import TrainerCallback, read_metrics
-from tiny_run import tiny_run_config, write_word_tokenizer
+from tiny_train_config import tiny_run_config, write_word_tokenizer
 
 
 def write_config(tmp_path, optimizer: dict, steps: int = 12, **training) -> str:
-    """tmp_path/train.yaml of a tiny bf16 run (tests/tiny_run.py) with ``optimizer``; returns its path."""
+    """tmp_path/train.yaml of a tiny bf16 run (tests/tiny_train_config.py) with ``optimizer``; returns its path."""
     raw = tiny_run_config(
         tmp_path,
         output_dir=tmp_path / "run",

@@ -2,7 +2,7 @@
 
 ``train_run(tmp, name, **changes)`` writes a train.yaml with ``changes`` (dotted key -> value, the
 induced pathology) applied, trains it in-process with :func:`build_trainer` and returns the run dir.
-The config (model, learnable arithmetic token data) is tests/tiny_run.py's, shared with the CLI tests.
+The config (model, learnable arithmetic token data) is tests/tiny_train_config.py's, shared with the CLI tests.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import yaml
 from lmforge.config import load_config
 from lmforge.train.builder import build_trainer
 from tiny_fp32 import tiny_run_model
-from tiny_run import tiny_run_config
+from tiny_train_config import tiny_run_config
 
 TRAINING = {"steps": 30, "local_batch_size": 4, "global_batch_size": 4, "seed": 3, "max_norm": 1.0}
 OPTIMIZER = {
