@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from lmforge.cli.check_problems import find_problems, raise_problems
 from lmforge.cli.options import add_set_option
-from lmforge.config import read_raw
+from lmforge.config import TrainConfig, read_raw
 from lmforge.config.load import apply_overrides, split_key
 from lmforge.config.outputs import follow_output_dir_override, output_locations, with_output_dir
 from lmforge.errors import ConfigError
@@ -165,7 +165,7 @@ def _with_schema_defaults(shown: dict[str, Any], typed: Any) -> None:
             shown[name] = value
 
 
-def _resolved(cfg: Any) -> dict[str, Any]:
+def _resolved(cfg: TrainConfig) -> dict[str, Any]:
     """The configuration with defaults filled in, the typed sections' defaults included."""
     resolved = cfg.to_dict()
     _with_schema_defaults(resolved["optimizer"], cfg.optimizer.typed)
@@ -195,7 +195,7 @@ def _source_of(key: str, value: Any, file_raw: Mapping[str, Any], set_keys: list
     return "file, adjusted" if raw_value != value else "file"
 
 
-def _parallel_plan_lines(cfg: Any, world: int) -> list[str]:
+def _parallel_plan_lines(cfg: TrainConfig, world: int) -> list[str]:
     """The mesh, each rank's share and a per-rank memory estimate (lmforge.tools.report)."""
     from lmforge.parallel.plan import collected_warnings
     from lmforge.tools.report import parallel_plan
@@ -205,7 +205,7 @@ def _parallel_plan_lines(cfg: Any, world: int) -> list[str]:
         return parallel_plan(cfg.parallelism, cfg.model, cfg.training, cfg.optimizer, world, cfg.recompute)
 
 
-def _load_path_problems(cfg: Any) -> list[str]:
+def _load_path_problems(cfg: TrainConfig) -> list[str]:
     from lmforge.train.checkpoint.resume import load_path_problem
 
     problem = load_path_problem(cfg.checkpoint)
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     file_raw, source = read_raw(args.config)
     merged = apply_overrides(file_raw, args.overrides)
 
-    def plan_checks(cfg: Any) -> Any:
+    def plan_checks(cfg: TrainConfig) -> Any:
         # Exactly what `lmforge train` runs before building anything.
         cfg = follow_output_dir_override(cfg, file_raw, args.overrides)
         if args.output_dir is not None:

@@ -29,6 +29,9 @@ if TYPE_CHECKING:  # torch is imported where it is used: `lmforge --help` must n
 
 from lmforge.cli.options import add_set_option
 
+if TYPE_CHECKING:
+    from lmforge.config import TrainConfig
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -151,7 +154,9 @@ def _run_config(checkpoint: Path, config: str | None, overrides: Any) -> Any:
         ) from None
 
 
-def _task_model(header: Any, cfg: Any, args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
+def _task_model(
+    header: Any, cfg: TrainConfig | None, args: argparse.Namespace, device: torch.device
+) -> tuple[Any, Any]:
     """(model with the checkpoint's weights, LoRA adapters included; tokenizer path or None)."""
     from lmforge.train.builder import find_tokenizer
 

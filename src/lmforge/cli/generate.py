@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from lmforge.config import TrainConfig
+
 if TYPE_CHECKING:  # torch is imported where it is used: `lmforge --help` must not pay for it
     import torch
 
@@ -150,7 +153,9 @@ def _load(args: argparse.Namespace, device: torch.device) -> tuple[Any, Path | N
     return model, tokenizer_path, cfg
 
 
-def _chat_template(args: argparse.Namespace, cfg: Any, tokenizer_path: Path) -> tuple[str | None, str, str]:
+def _chat_template(
+    args: argparse.Namespace, cfg: TrainConfig | None, tokenizer_path: Path
+) -> tuple[str | None, str, str]:
     """(template text or None, bos, eos): --chat-template, else the run's, else the tokenizer's."""
     from lmforge.data.text_format import BUILTIN_TEMPLATES, tokenizer_chat_template
     from lmforge.errors import ConfigError
@@ -161,8 +166,9 @@ def _chat_template(args: argparse.Namespace, cfg: Any, tokenizer_path: Path) -> 
             return Path(args.chat_template).read_text(encoding="utf-8"), bos, eos
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"--chat-template {args.chat_template}: cannot read it ({exc}).") from None
-    loader = getattr(getattr(cfg, "train_dataset", None), "dataloader", None) if cfg is not None else None
-    run_template = getattr(loader, "chat_template", None)
+    # The run's text loader (an HFDataLoader typed as one too) names its template; a Megatron one has none.
+    typed_loader = cfg.train_dataset.dataloader.typed if cfg is not None else None
+    run_template = getattr(typed_loader, "chat_template", None)
     if isinstance(run_template, str) and run_template:
         return BUILTIN_TEMPLATES.get(run_template, run_template), bos, eos
     return own, bos, eos

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmforge.config.base import Section
+    from lmforge.config.schema import ParallelismConfig, TrainConfig
 
 # dotted key -> why it has no effect in lmforge
 INERT_FIELDS: dict[str, str] = {
@@ -92,7 +96,7 @@ def _unknown_top_level(raw: Mapping[str, Any], sections: Mapping[str, Any]) -> l
     return out
 
 
-def collect_warnings(raw: Mapping[str, Any], cfg: Any) -> list[str]:
+def collect_warnings(raw: Mapping[str, Any], cfg: TrainConfig) -> list[str]:
     """Warnings about ``raw`` (the file after overrides) that do not make it invalid."""
     from lmforge.config.schema import SECTION_CLASSES
 
@@ -129,7 +133,7 @@ def collect_warnings(raw: Mapping[str, Any], cfg: Any) -> list[str]:
     return warnings
 
 
-def _conditionally_inert(parallelism: Any) -> list[str]:
+def _conditionally_inert(parallelism: ParallelismConfig) -> list[str]:
     # Settings that do something in some layouts only; the section's own values say which.
     notes = []
     if parallelism.context_parallel_async and parallelism.context_parallel == 1:
@@ -151,7 +155,7 @@ def inert_fields(path: str) -> dict[str, str]:
     return {d.rsplit(".", 1)[1]: why for d, why in INERT_FIELDS.items() if d.rsplit(".", 1)[0] == path}
 
 
-def inert_keys(path: str, section: Any) -> list[str]:
+def inert_keys(path: str, section: Section) -> list[str]:
     """The keys of the typed section at ``path`` (e.g. ``"parallelism"``) that INERT_FIELDS lists and that
     ``section`` sets to something other than their default (what ``lmforge check`` names)."""
     cls = type(section)

@@ -18,7 +18,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import PurePath
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmforge.config.schema import TrainConfig
 
 # (section, key) of every path a run writes that may sit under output_dir.
 OUTPUT_PATHS: tuple[tuple[str, ...], ...] = (
@@ -58,8 +61,12 @@ def _set(node: Any, keys: tuple[str, ...], old: str, new: str) -> Any:
 
 
 def with_output_dir(
-    cfg: Any, new_dir: str | os.PathLike, *, old_dir: str | None = None, keep: frozenset[str] = frozenset()
-) -> Any:
+    cfg: TrainConfig,
+    new_dir: str | os.PathLike,
+    *,
+    old_dir: str | None = None,
+    keep: frozenset[str] = frozenset(),
+) -> TrainConfig:
     """``cfg`` (a ``TrainConfig``) with every output moved to ``new_dir`` (see the module docstring),
     from ``old_dir`` (default: ``cfg.output_dir``); the dotted keys in ``keep`` stay as they are."""
     old, new = old_dir or cfg.output_dir or DEFAULT_OUTPUT_DIR, str(new_dir)
@@ -69,7 +76,7 @@ def with_output_dir(
     return cfg.model_copy(update={"output_dir": new})
 
 
-def follow_output_dir_override(cfg: Any, file_raw: Any, overrides: Any) -> Any:
+def follow_output_dir_override(cfg: TrainConfig, file_raw: Mapping[str, Any], overrides: Any) -> TrainConfig:
     """``--set output_dir=X`` moves what ``--output-dir X`` moves: the paths the file places under its
     own ``output_dir`` follow it, except those the same command line also sets (explicit, kept)."""
     if isinstance(overrides, Mapping):
@@ -83,7 +90,7 @@ def follow_output_dir_override(cfg: Any, file_raw: Any, overrides: Any) -> Any:
     return with_output_dir(cfg, cfg.output_dir, old_dir=old or DEFAULT_OUTPUT_DIR, keep=frozenset(keys))
 
 
-def output_locations(cfg: Any) -> list[tuple[str, str]]:
+def output_locations(cfg: TrainConfig) -> list[tuple[str, str]]:
     """(what, where) for every output of a run of ``cfg`` (what ``lmforge check`` prints)."""
     run = cfg.output_dir
     rows = [

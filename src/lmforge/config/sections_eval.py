@@ -11,7 +11,10 @@ set's preprocessing. See docs/config.md ("Validation").
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmforge.config.schema import TrainConfig
 
 TEXT_TYPE = "TextDataLoader"
 # An eval_dataset's own data: never taken from train_dataset (that would evaluate on training data).
@@ -77,7 +80,7 @@ def has_validation_set(loader_typed: Any) -> bool | None:
     return False
 
 
-def refuse_eval_without_validation_set(cfg: Any) -> None:
+def refuse_eval_without_validation_set(cfg: TrainConfig) -> None:
     """``eval_interval > 0`` needs a validation set: an ``eval_dataset`` or a validation split of
     ``train_dataset``; a ValueError naming the keys that would give one."""
     if cfg.eval_interval <= 0 or cfg.eval_dataset is not None:

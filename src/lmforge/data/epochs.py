@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from lmforge.config import TrainDatasetConfig
 from lmforge.errors import ConfigError, DataError
 
 from .build import build_dataset, typed_loader
@@ -74,7 +75,12 @@ def samples_of_epochs(
 
 
 def _megatron_samples(
-    section: Any, epochs: int, lbs: int, dp: int, seq_length: int | None, vocab_size: int | None
+    section: TrainDatasetConfig,
+    epochs: int,
+    lbs: int,
+    dp: int,
+    seq_length: int | None,
+    vocab_size: int | None,
 ) -> EpochLength:
     dataset, typed = build_dataset(section, phase="train", vocab_size=vocab_size, seq_length=seq_length)
     if dataset is None:

@@ -11,6 +11,8 @@ import os
 import re
 from typing import Any
 
+from lmforge.config import TrainDatasetConfig
+
 from .config import CONFIG_PATH
 from .schema import MegatronLoader, TextLoader
 
@@ -19,7 +21,7 @@ TRAINING_KEYS = ("data_path", "train_data_path")  # what the training split read
 _BLEND_WEIGHT = re.compile(r"\s*[-+]?[\d.eE]+\s*")
 
 
-def _candidates(section: Any, keys: tuple[str, ...]) -> list[tuple[str, list[Any]]]:
+def _candidates(section: TrainDatasetConfig, keys: tuple[str, ...]) -> list[tuple[str, list[Any]]]:
     """(dotted key, the paths it names) of the typed ``train_dataset`` section."""
     typed = section.dataloader.typed
     if isinstance(typed, MegatronLoader):
@@ -30,7 +32,7 @@ def _candidates(section: Any, keys: tuple[str, ...]) -> list[tuple[str, list[Any
     return []
 
 
-def missing_data_files(section: Any, keys: tuple[str, ...] = CONFIG_KEYS) -> list[str]:
+def missing_data_files(section: TrainDatasetConfig, keys: tuple[str, ...] = CONFIG_KEYS) -> list[str]:
     """One message per data path of the typed ``train_dataset`` section (``keys``: which of a Megatron
     loader's blends) that does not exist."""
     messages = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
 
@@ -23,6 +23,9 @@ from lmforge.utils.logging import get_logger
 from .config import CONFIG_PATH, GPTDatasetConfig, check_token_ids, gpt_config
 from .schema_errors import config_error
 from .text_schema import TextLoader, text_loader_schema
+
+if TYPE_CHECKING:
+    from lmforge.config.sections_components import DataloaderConfig
 
 log = get_logger("lmforge.data")
 
@@ -194,7 +197,7 @@ def text_loader(loader: Mapping[str, Any]) -> TextLoader:
 TypedDataloader = MegatronLoader | TextLoader
 
 
-def type_dataloader(node: Any) -> TypedDataloader:
+def type_dataloader(node: DataloaderConfig) -> TypedDataloader:
     """The typed form of a validated dataloader config section; ConfigError when invalid."""
     loader = node.written_values()
     kind = loader.get("type")
@@ -206,7 +209,7 @@ def type_dataloader(node: Any) -> TypedDataloader:
     raise AssertionError("unreachable")  # refuse_type raises
 
 
-def _schema(node: Any, path: str, cfg: Mapping[str, Any]) -> TypedDataloader:
+def _schema(node: DataloaderConfig, path: str, cfg: Mapping[str, Any]) -> TypedDataloader:
     return type_dataloader(node)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from typing import Annotated, Any, Union
+from typing import TYPE_CHECKING, Annotated, Any, Union
 
 from pydantic import Field, TypeAdapter, ValidationError
 
@@ -20,6 +20,9 @@ from lmforge.config.registry import register_section_schema
 from lmforge.errors import ConfigError
 from lmforge.lr.keys import KeyProblem
 from lmforge.lr.specs import SCHEDULER_TYPES, SPEC_CLASSES, SchedulerSpec
+
+if TYPE_CHECKING:
+    from lmforge.config.sections_components import LrSchedulerConfig
 
 _ANY_SCHEDULER = TypeAdapter(Annotated[Union[SPEC_CLASSES], Field(discriminator="type")])  # noqa: UP007
 
@@ -100,7 +103,7 @@ def _unknown_keys(unknown: list[str], type_name: str, path: str) -> str:
     )
 
 
-def _typed(section: Any, path: str, cfg: Mapping[str, Any]) -> SchedulerSpec:
+def _typed(section: LrSchedulerConfig, path: str, cfg: Mapping[str, Any]) -> SchedulerSpec:
     return validate_scheduler(section.written_values(), path)
 
 

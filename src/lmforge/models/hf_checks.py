@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from lmforge.errors import CheckpointError
+from lmforge.models.common.transformer_config import TransformerConfig
 
 # safetensors dtype names of the floating formats a weight may be stored in (F64 is read in full).
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
@@ -61,7 +62,9 @@ def tensor_headers(files: dict[str, Path]) -> dict[str, tuple[str, tuple[int, ..
     return headers
 
 
-def expected_hf_shapes(model: torch.nn.Module, cfg: Any, to_hf: Any) -> dict[str, tuple[int, ...]]:
+def expected_hf_shapes(
+    model: torch.nn.Module, cfg: TransformerConfig, to_hf: Any
+) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name → shape, for the model of ``cfg`` (built on any device, meta included)."""
     sd = {name: t for name, t in model.state_dict().items()}
     return {name: tuple(t.shape) for name, t in to_hf(sd, cfg).items()}

@@ -13,7 +13,7 @@ as a provider, run on the first load.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Union
+from typing import TYPE_CHECKING, Annotated, Any, Union
 
 from pydantic import Field, TypeAdapter, ValidationError
 
@@ -22,6 +22,9 @@ from lmforge.errors import ConfigError
 from lmforge.optim.fields import KeyProblem, SubkeyProblem
 from lmforge.optim.specs import OPTIMIZER_TYPES, SPEC_CLASSES, OptimizerOptions, OptimizerSpec
 from lmforge.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from lmforge.config.sections_components import OptimizerConfig
 
 logger = get_logger("lmforge.optim")
 
@@ -95,7 +98,7 @@ def _warn_inert(spec: OptimizerSpec, given: set[str], ignored: list[str], path: 
         )
 
 
-def _options(section: Any, path: str, cfg: Mapping[str, Any]) -> OptimizerOptions:
+def _options(section: OptimizerConfig, path: str, cfg: Mapping[str, Any]) -> OptimizerOptions:
     return validate_optimizer(section.written_values(), path)
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmforge.config.base import OpenSection
 from lmforge.config.load import collected_log_warnings
 from lmforge.config.schema import TrainConfig
 from lmforge.config.sections_run import TrainingConfig
@@ -367,7 +368,7 @@ def _steps_of_epochs(cfg: TrainConfig, batches: BatchSchedule, model_config: Any
     return steps, schedule, note
 
 
-def _typed(section: Any, path: str, problems: list[str]) -> Any:
+def _typed(section: OpenSection, path: str, problems: list[str]) -> Any:
     typed = section.typed
     if typed is None:  # a registered schema returned nothing (a plugin's bug): nothing can be built
         problems.append(f"{path}: no registered schema typed this section (type {section.get('type')!r}).")
@@ -478,6 +479,6 @@ def _parameter_patterns(cfg: TrainConfig, optimizer: Any) -> list[tuple[str, str
     found += [("optimizer.weight_decay_exclude", p) for p in g.weight_decay_exclude]
     found += [(f"optimizer.lr_scale[{p!r}]", p) for p, _ in g.lr_scale]
     found += [(f"optimizer.weight_decay_values[{p!r}]", p) for p, _ in g.weight_decay_values]
-    if optimizer.type == "Muon" and cfg.optimizer.get("adamw_include") is not None:
+    if optimizer.type == "Muon" and "adamw_include" in optimizer.hyper.model_fields_set:
         found += [("optimizer.adamw_include", p) for p in optimizer.hyper.adamw_include]
     return found

@@ -105,7 +105,12 @@ _REST_CONST = 536
 
 
 def _mtp_activation_bytes(
-    config: Any, per_layer_act: float, tokens: float, hidden_size: int, cbytes: int, dims: ParallelDims
+    config: TransformerConfig,
+    per_layer_act: float,
+    tokens: float,
+    hidden_size: int,
+    cbytes: int,
+    dims: ParallelDims,
 ) -> tuple[float, float]:
     """(activations, what full recompute keeps) of the multi-token-prediction depths, which all run on the
     last pipeline stage: each a layer's activations plus its input projection's (the two normed halves,
@@ -116,7 +121,9 @@ def _mtp_activation_bytes(
     return depths * (per_layer_act + 6 * per_token), depths * 3 * per_token
 
 
-def layer_activation_parts_per_token(config: Any, hidden_size: int, cbytes: int) -> dict[str, float]:
+def layer_activation_parts_per_token(
+    config: TransformerConfig, hidden_size: int, cbytes: int
+) -> dict[str, float]:
     """The attention and MLP shares of :func:`layer_activation_bytes_per_token` (what recomputing the
     whole ``self_attention`` or ``mlp`` module of a layer frees: its input is the norm's output, which
     the layer keeps anyway)."""
@@ -152,7 +159,7 @@ def selected_recompute_parts(
 
 
 def layer_activation_bytes_per_token(
-    config: Any, hidden_size: int, cbytes: int, parts: dict[str, float] | None = None
+    config: TransformerConfig, hidden_size: int, cbytes: int, parts: dict[str, float] | None = None
 ) -> float:
     """Bytes one decoder layer saves for backward per token (no tp/cp split), from its dimensions.
 
@@ -199,7 +206,7 @@ def layer_activation_bytes_per_token(
 
 
 def mlp_backward_bytes(
-    config: Any, layer_id: int, tokens: float, hidden_size: int, cbytes: int, dims: Any
+    config: TransformerConfig, layer_id: int, tokens: float, hidden_size: int, cbytes: int, dims: Any
 ) -> float:
     """The gradients alive in the MLP backward of layer ``layer_id`` (``tokens``: the MLP's input rows on
     this rank; its intermediate width is split by tp), measured at the SiLU·up product's backward: the
@@ -218,7 +225,7 @@ def mlp_backward_bytes(
     return 3 * tokens * f * c + hidden_size * f * c
 
 
-def _require_dimensions(config: Any) -> None:
+def _require_dimensions(config: object) -> None:
     """The activation estimate reads these facts of the model's ``TransformerConfig``; a model without one,
     or a family that leaves one unset, is refused rather than estimated with a made-up value."""
     if not isinstance(config, TransformerConfig):

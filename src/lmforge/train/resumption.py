@@ -28,7 +28,7 @@ class Resumption:
         checkpoint_cfg = trainer.checkpoint_cfg
         header, own = checkpoint_to_load(checkpoint_cfg)
         # This job's own checkpoint (auto-resume) continues completely, optimizer included.
-        no_load_optim = False if own else bool(checkpoint_cfg.get("no_load_optim", False))
+        no_load_optim = False if own else checkpoint_cfg.no_load_optim
         consumed = 0
         if header is not None and header.kind == "dcp" and not no_load_optim:
             consumed = int(header.common.get("consumed_samples", 0))
@@ -39,8 +39,8 @@ class Resumption:
                 trainer.checkpointable(),
                 no_load_optim=no_load_optim,
                 hf_loader=trainer.hf_loader,
-                partial_load=bool(checkpoint_cfg.get("partial_load", False)),
-                reset_optimizer=bool(checkpoint_cfg.get("reset_optimizer", False)),
+                partial_load=checkpoint_cfg.partial_load,
+                reset_optimizer=checkpoint_cfg.reset_optimizer,
             )
             self.resumed_from = str(header.path)
             if header.kind == "dcp" and not no_load_optim:

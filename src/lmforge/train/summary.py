@@ -23,7 +23,7 @@ def run_summary(trainer: Any) -> dict[str, Any]:
     s = trainer.state
     elapsed = time.perf_counter() - trainer._run_started if trainer._run_started else 0.0
     ck = trainer.checkpoint_cfg
-    latest = read_tracker(ck["save_path"]) if ck.get("enable_save", True) and ck.get("save_path") else None
+    latest = read_tracker(ck.save_path) if ck.enable_save and ck.save_path else None
     out = {
         "status": _status(trainer),
         "steps": f"{s.global_step}/{s.max_steps}",
@@ -34,7 +34,7 @@ def run_summary(trainer: Any) -> dict[str, Any]:
         "best loss": f"{s.best_loss:.6f}",
         "skipped steps": s.skipped_steps,
         "resumed from": trainer.resumption.resumed_from or "-",
-        "checkpoints": f"{ck.get('save_path')} (latest: iteration {latest})" if latest is not None else "-",
+        "checkpoints": f"{ck.save_path} (latest: iteration {latest})" if latest is not None else "-",
         "metrics": str(trainer.output_dir / "metrics.jsonl"),
     }
     recovery = trainer._recovery

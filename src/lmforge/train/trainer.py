@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lmforge.config import TrainConfig
 from lmforge.errors import ConfigError
 from lmforge.parallel.plan import BatchSchedule
 from lmforge.train.callbacks import (
@@ -55,7 +56,7 @@ class Trainer:
 
     def __init__(
         self,
-        config: Any,
+        config: TrainConfig,
         *,
         model: nn.Module,
         optimizer: Any,
@@ -77,12 +78,12 @@ class Trainer:
         self.dataloader_factory = dataloader_factory
         self.dataloader: Any = None
         self.ctx = ctx or ParallelContext(device=_model_device(model))
-        self.output_dir = Path(output_dir or getattr(config, "output_dir", None) or "./output")
+        self.output_dir = Path(output_dir or config.output_dir or "./output")
         self.hf_loader = hf_loader
-        self.mfu = MfuMeter(model, self.ctx.device, getattr(config, "mfu", None), peak_flops)
+        self.mfu = MfuMeter(model, self.ctx.device, config.mfu, peak_flops)
         # Regional torch.compile (parallel/compile.py): log how long compiling took, and any recompile.
         self._compile_watch = None
-        if getattr(getattr(config, "compile", None), "enable", False):
+        if config.compile.enable:
             from lmforge.parallel.compile import CompileWatch
 
             self._compile_watch = CompileWatch()
@@ -114,15 +115,15 @@ class Trainer:
             scheduler,
             max_norm=self.max_norm,
             ctx=self.ctx,
-            skip_policy=SkipPolicy.from_monitor(getattr(config, "monitor", None)),
+            skip_policy=SkipPolicy.from_monitor(config.monitor),
             loss_scaler=_loss_scaler_for(model),
         )
-        self.checkpoint_cfg = config.checkpoint  # typed; .get(key, default) reads it like a mapping
+        self.checkpoint_cfg = config.checkpoint  # the typed CheckpointConfig
         self.callbacks = CallbackHandler()
         self._add_builtin_callbacks(files_to_copy)
         for cb in callbacks or []:
             self.callbacks.add(cb)
-        for i, item in enumerate(getattr(config, "callbacks", None) or []):
+        for i, item in enumerate(config.callbacks):
             self.callbacks.add(build_callback(item, i))
         self._run_started = 0.0
         self._run_tokens = 0
@@ -136,12 +137,12 @@ class Trainer:
 
     def _warn_inert_checkpoint_fields(self) -> None:
         ck = self.checkpoint_cfg
-        if ck.get("load_balanced"):
+        if ck.load_balanced:
             logger.warning(
                 "checkpoint.load_balanced: true has no effect in lmforge: torch.distributed.checkpoint already "
                 "reads on every rank only the shards that rank needs."
             )
-        if ck.get("remove_redundancy"):
+        if ck.remove_redundancy:
             logger.warning(
                 "checkpoint.remove_redundancy: true has no effect in lmforge: torch.distributed.checkpoint "
                 "always writes a replicated tensor once (redundancy is always removed)."
@@ -161,17 +162,17 @@ class Trainer:
             self.callbacks.add(cb)
         ck = self.checkpoint_cfg
         self._checkpoint_manager: CheckpointManager | None = None
-        if ck.get("enable_save", True):
+        if ck.enable_save:
             manager = self._checkpoint_manager = CheckpointManager(
-                ck.get("save_path", ""),
-                prefix=ck.get("prefix", "checkpoint"),
-                save_max=int(ck.get("save_max", 5)),
-                no_save_optim=bool(ck.get("no_save_optim", False)),
-                async_save=bool(ck.get("async_save", False)),
-                config_dict=_config_dict(self.config),
+                ck.save_path,
+                prefix=ck.prefix,
+                save_max=ck.save_max,
+                no_save_optim=ck.no_save_optim,
+                async_save=ck.async_save,
+                config_dict=self.config.to_dict(),  # serialised: the checkpoint's config.yaml
                 files_to_copy=files_to_copy,
             )
-            self.callbacks.add(CheckpointCallback(manager, int(ck.get("save_interleaved_steps", 1000))))
+            self.callbacks.add(CheckpointCallback(manager, ck.save_interleaved_steps))
 
     @property
     def checkpoint_manager(self) -> CheckpointManager | None:
@@ -429,11 +430,3 @@ def _loss_scaler_for(model: nn.Module) -> LossScaler | None:
 def _model_device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
-
-
-def _config_dict(config: Any) -> dict[str, Any] | None:
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    if isinstance(config, dict):
-        return dict(config)
-    return None

@@ -11,10 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from lmforge.cli import main
-from lmforge.config import load_config
+from lmforge.config import load_config, validate_section
 from lmforge.errors import ConfigError
-from lmforge.train.checkpoint import write_tracker
-from lmforge.train.checkpoint.resume import auto_resume_path
+from lmforge.train.checkpoint import resume, write_tracker
 from lmforge.train.watchdog import HangWatchdog
 from lmforge.utils.elastic import NAMESPACE, agree_generation
 
@@ -61,6 +60,10 @@ def test_handshake_gives_every_attempt_a_fresh_generation_despite_stale_keys():
 def test_auto_resume_modes(tmp_path, monkeypatch):
     save = tmp_path / "ckpt"
     ck = {"save_path": str(save), "enable_save": True, "load_path": "/weights/hf"}
+
+    def auto_resume_path(section):  # of the typed section, as load_config makes it
+        return resume.auto_resume_path(validate_section("checkpoint", section))
+
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert auto_resume_path({**ck, "auto_resume": "auto"}) is None  # nothing saved yet
     save.mkdir()
@@ -70,7 +73,8 @@ def test_auto_resume_modes(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert auto_resume_path({**ck, "auto_resume": "auto"}) is None  # a fresh launch: the original's meaning
     assert auto_resume_path({**ck, "auto_resume": True}) == str(save)
-    assert auto_resume_path({**ck, "auto_resume": True, "enable_save": False}) is None
+    with pytest.raises(ConfigError, match="auto_resume: true needs checkpoint.enable_save"):
+        auto_resume_path({**ck, "auto_resume": True, "enable_save": False})  # refused at load
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmforge.config import validate_section
+from lmforge.config import load_config, validate_section
 from lmforge.errors import ConfigError
 from lmforge.train.callbacks.base import CallbackHandler, TrainerCallback
 from lmforge.train.callbacks.evaluation import EvaluationCallback
@@ -70,15 +70,22 @@ def test_evaluation_callback_every_interval_adds_metrics():
         ({"eval_interval": 5, "eval_steps": 0}, "eval_steps must be"),
     ],
 )
-def test_eval_settings_validation(cfg, needle):
+def test_eval_settings_are_checked_at_load(base_config, cfg, needle):
+    # TrainConfig owns these keys' rule; eval_settings reads the typed values and checks nothing again.
     with pytest.raises(ConfigError, match=needle):
-        eval_settings(cfg)
+        load_config({**base_config, **cfg})
 
 
-def test_eval_settings_defaults():
-    s = eval_settings({})
+def test_eval_settings_defaults(base_config):
+    cfg = load_config(base_config)
+    s = eval_settings(cfg)
     assert (s.interval, s.steps) == (0, None)
-    assert EvaluationCallback.from_config({}) is None
+    assert EvaluationCallback.from_config(cfg) is None
+    cfg = load_config(
+        {**base_config, "eval_interval": 3, "eval_steps": 2, "eval_dataset": base_config["train_dataset"]}
+    )
+    assert (eval_settings(cfg).interval, eval_settings(cfg).steps) == (3, 2)
+    assert EvaluationCallback.from_config(cfg).interval == 3
 
 
 class _Recorder(TrainerCallback):

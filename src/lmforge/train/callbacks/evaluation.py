@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmforge.config import TrainConfig
 from lmforge.train.callbacks.base import TrainerCallback
 from lmforge.train.callbacks.logging import readable_number
 from lmforge.train.callbacks.validation import EvalResult, build_eval_loader, eval_settings, evaluate
@@ -33,7 +34,7 @@ class EvaluationCallback(TrainerCallback):
         self.history: list[tuple[int, EvalResult]] = []
 
     @classmethod
-    def from_config(cls, config: Any) -> EvaluationCallback | None:
+    def from_config(cls, config: TrainConfig) -> EvaluationCallback | None:
         settings = eval_settings(config)
         return cls(settings.interval, settings.steps) if settings.interval > 0 else None
 

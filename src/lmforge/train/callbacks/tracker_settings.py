@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from lmforge.config.sections_trackers import MlflowConfig, WandbConfig
 from lmforge.errors import ConfigError
 
 # WANDB_MODE's values (W&B's own aliases: dryrun = offline, run = online).
@@ -57,7 +58,7 @@ class MlflowSettings:
 
 
 def wandb_settings(
-    section: Any, output_dir: str | os.PathLike, env: Mapping[str, str] = os.environ
+    section: WandbConfig, output_dir: str | os.PathLike, env: Mapping[str, str] = os.environ
 ) -> WandbSettings:
     """``monitor.wandb`` resolved: the YAML's value, else the W&B variable, else the default."""
     if section.offline is not None:
@@ -90,7 +91,7 @@ def wandb_settings(
 
 
 def mlflow_settings(
-    section: Any, output_dir: str | os.PathLike, env: Mapping[str, str] = os.environ
+    section: MlflowConfig, output_dir: str | os.PathLike, env: Mapping[str, str] = os.environ
 ) -> MlflowSettings:
     """``monitor.mlflow`` resolved: the YAML's value, else the MLflow variable, else the default."""
     default_uri = f"sqlite:///{(Path(output_dir) / 'mlflow.db').resolve()}"  # MLflow's advised local store

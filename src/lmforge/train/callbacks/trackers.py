@@ -62,7 +62,7 @@ class TrackerCallback(TrainerCallback):
         self.cfg = section
         require_package(self.module, self.name, f"monitor.{self.name}.enable")
         self.output_dir = Path(output_dir)
-        self.log_interval = int(self.cfg.get("log_interval") or 1)
+        self.log_interval = self.cfg.log_interval
         self.active = False
         self.run_id: str | None = None
 
@@ -193,7 +193,7 @@ class MlflowCallback(TrackerCallback):
         else:
             exp_id = self._experiment_id(settings)
             run = self.client.create_run(
-                exp_id, run_name=settings.run_name, tags=_tag_dict(self.cfg.get("tags") or [])
+                exp_id, run_name=settings.run_name, tags=_tag_dict(self.cfg.tags or [])
             )
             run_id, known = run.info.run_id, {}
         # Parameters are immutable in MLflow: a resumed run adds the keys it did not have; the whole

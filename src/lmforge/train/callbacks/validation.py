@@ -50,27 +50,10 @@ class EvalSettings:
     steps: int | None  # None: whole split
 
 
-def eval_settings(config: Any) -> EvalSettings:
-    """Read and check ``eval_interval`` / ``eval_steps`` from a TrainConfig or a mapping."""
-
-    def get(key: str) -> Any:
-        if isinstance(config, dict):
-            return config.get(key)
-        return getattr(config, key, None)
-
-    interval, steps = get("eval_interval"), get("eval_steps")
-    if interval is None:
-        interval = 0
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
-        raise ConfigError(
-            f"eval_interval must be a non-negative int (evaluate every N optimizer steps; 0 = never), got {interval!r}"
-        )
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
-        raise ConfigError(
-            f"eval_steps must be a positive int (micro-batches per evaluation) or absent for the whole "
-            f"validation split, got {steps!r}"
-        )
-    return EvalSettings(interval=interval, steps=steps)
+def eval_settings(config: TrainConfig) -> EvalSettings:
+    """``eval_interval`` / ``eval_steps`` of the typed configuration (``TrainConfig`` checked them at load,
+    the one owner of their rule and message)."""
+    return EvalSettings(interval=config.eval_interval, steps=config.eval_steps)
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -39,9 +39,8 @@ logger = get_logger("lmforge.train.checkpoint.resume")
 
 def _own_checkpoint(checkpoint: Any) -> tuple[str, int] | None:
     """(save_path, its latest iteration) when this run resumes from its own checkpoints, else None."""
-    mode = checkpoint.get("auto_resume", "auto")
-    save_path = checkpoint.get("save_path") or ""
-    if mode is False or not checkpoint.get("enable_save", True) or not save_path:
+    mode, save_path = checkpoint.auto_resume, checkpoint.save_path
+    if mode is False or not checkpoint.enable_save or not save_path:
         return None
     if mode == "auto" and not is_elastic_restart():
         return None
@@ -51,10 +50,10 @@ def _own_checkpoint(checkpoint: Any) -> tuple[str, int] | None:
 
 def _load_path_is_save_path(checkpoint: Any) -> bool:
     """``auto_resume: true`` with ``load_path`` = ``save_path``: the load path says the same as auto_resume."""
-    load_path, save_path = checkpoint.get("load_path") or "", checkpoint.get("save_path") or ""
+    load_path, save_path = checkpoint.load_path, checkpoint.save_path
     return (
-        checkpoint.get("auto_resume", "auto") is True
-        and bool(checkpoint.get("enable_save", True))
+        checkpoint.auto_resume is True
+        and checkpoint.enable_save
         and bool(load_path)
         and bool(save_path)
         and Path(load_path).resolve() == Path(save_path).resolve()
@@ -65,7 +64,7 @@ def load_path_problem(checkpoint: Any) -> str | None:
     """Why ``checkpoint.load_path`` cannot be loaded because it holds nothing, else None. ``train`` refuses
     with it before anything is built (and before its run lock is created in save_path); ``check`` warns,
     as for data files that do not exist yet."""
-    load_path = checkpoint.get("load_path") or ""
+    load_path = checkpoint.load_path
     if not load_path or _own_checkpoint(checkpoint) is not None or _load_path_is_save_path(checkpoint):
         return None
     return empty_load_path_message(load_path) if holds_nothing(Path(load_path)) else None
@@ -78,7 +77,7 @@ def load_path_to_use(checkpoint: Any) -> tuple[str, bool]:
         return own, True
     if _load_path_is_save_path(checkpoint):
         return "", False  # auto_resume: true on the first launch: nothing saved yet, start from scratch
-    return checkpoint.get("load_path") or "", False
+    return checkpoint.load_path, False
 
 
 def checkpoint_to_load(checkpoint: Any) -> tuple[CheckpointHeader | None, bool]:
@@ -97,7 +96,7 @@ def auto_resume_path(checkpoint: Any) -> str | None:
         return None
     save_path, step = own
     reason = f"elastic restart {restart_count()}" if is_elastic_restart() else "checkpoint.auto_resume: true"
-    load_path = checkpoint.get("load_path") or ""
+    load_path = checkpoint.load_path
     instead = (
         f" instead of checkpoint.load_path {load_path!r}"
         if load_path and not _load_path_is_save_path(checkpoint) and load_path != save_path

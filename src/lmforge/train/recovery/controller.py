@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lmforge.config import TrainConfig
+from lmforge.config.sections_recovery import RecoveryConfig
 from lmforge.train.checkpoint import iteration_dir_name, load_checkpoint, resolve_checkpoint
 from lmforge.train.recovery.detector import Anomaly, AnomalyDetector
 from lmforge.train.recovery.quarantine import quarantine
@@ -34,7 +36,7 @@ STATE_KEY = RECOVERY_KEY  # TrainState.extra[STATE_KEY]: rollbacks so far, end o
 class Recovery:
     """The ``recovery:`` section at work in one trainer (one per rank)."""
 
-    def __init__(self, section: Any, save_path: str | Path) -> None:
+    def __init__(self, section: RecoveryConfig, save_path: str | Path) -> None:
         self.section = section
         self.save_path = Path(save_path)
         self.detector = AnomalyDetector()
@@ -334,16 +336,16 @@ def _agreed_step(step: int | None, ctx: Any) -> int | None:
     return None if int(none.item()) else int(value.item())
 
 
-def build_recovery(config: Any, manager: Any, callbacks: Any) -> Recovery | None:
+def build_recovery(config: TrainConfig, manager: Any, callbacks: Any) -> Recovery | None:
     """The ``recovery:`` section at work in a trainer, or None when it is off (``callbacks``: the trainer's
     handler, which takes the in-memory snapshots when ``recovery.snapshot_interval`` asks for them)."""
-    section = getattr(config, "recovery", None)
-    if section is None or not section.enable:
+    section = config.recovery
+    if not section.enable:
         return None
     from lmforge.train.recovery.checks import check_recovery
 
     check_recovery(config)  # (preflight refused it already for a run built from a YAML)
-    recovery = Recovery(section, config.checkpoint.get("save_path"))
+    recovery = Recovery(section, config.checkpoint.save_path)
     if manager is not None:
         manager.protect = recovery.protects
         manager.refuse = recovery.refuses_save
