@@ -371,7 +371,8 @@ def _steps_of_epochs(cfg: TrainConfig, batches: BatchSchedule, model_config: Any
 def _typed(section: OpenSection, path: str, problems: list[str]) -> Any:
     typed = section.typed
     if typed is None:  # a registered schema returned nothing (a plugin's bug): nothing can be built
-        problems.append(f"{path}: no registered schema typed this section (type {section.get('type')!r}).")
+        kind = getattr(section, "type", None) or getattr(section, "model_type", None)
+        problems.append(f"{path}: no registered schema typed this section (type {kind!r}).")
     return typed
 
 
