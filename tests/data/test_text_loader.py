@@ -206,7 +206,7 @@ def test_bad_sections_are_clear_errors(tmp_path, tok):
     path = write_jsonl(tmp_path / "a.jsonl", text_rows(5))
     cases = [
         ({"pack": "zip"}, "pack must be 'concat'"),
-        ({"shuffle": "yes"}, "shuffle must be a boolean"),  # shuffle: true works (test_text_shuffle.py)
+        ({"shuffle": "yes"}, "shuffle must be true or false"),  # shuffle: true works (test_text_shuffle.py)
         ({"data_path": [str(tmp_path / "none.jsonl")]}, "names no data"),
         ({"column_names": ["input_ids", "tokens"]}, "column_names must list"),
         ({"chat_template": "{% for %}"}, "not a valid Jinja template"),

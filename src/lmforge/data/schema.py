@@ -22,7 +22,7 @@ from lmforge.utils.logging import get_logger
 
 from .config import CONFIG_PATH, GPTDatasetConfig, check_token_ids, gpt_config
 from .schema_errors import config_error
-from .text_schema import TextLoader, text_loader_schema
+from .text_schema import TextLoader, flag_key, text_loader_schema
 
 if TYPE_CHECKING:
     from lmforge.config.sections_components import DataloaderConfig
@@ -114,8 +114,8 @@ class MegatronLoader(BaseModel):
     config: Annotated[GPTDatasetConfig, BeforeValidator(gpt_config)]
     sizes: Annotated[list[int | None], BeforeValidator(_sizes)] = [None, None, None]
     column_names: list[str] = ["input_ids", "labels"]
-    shuffle: bool = False
-    python_multiprocessing: bool = False
+    shuffle: Annotated[bool, flag_key("shuffle")] = False
+    python_multiprocessing: Annotated[bool, flag_key("python_multiprocessing")] = False
     tokenizer: Any = None  # the original's tokenizer settings: the .bin files are tokenized already
 
     @model_validator(mode="before")

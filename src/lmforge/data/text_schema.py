@@ -118,7 +118,9 @@ def _token_id(name: str) -> Any:
     return BeforeValidator(check)
 
 
-def _flag(name: str) -> Any:
+def flag_key(name: str) -> Any:
+    """The validator of a true/false key of a loader section (the Megatron loader's too), named in its message."""
+
     def check(value: Any) -> bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{KEY}.{name} must be true or false; got {value!r}.")
@@ -184,14 +186,14 @@ class TextLoader(BaseModel):
     pack: Annotated[Literal["concat", "whole"], BeforeValidator(_pack)] = "concat"
     eod: Annotated[int | None, _token_id("eod")] = None  # None: the tokenizer's end-of-document token
     pad: Annotated[int | None, _token_id("pad")] = None  # None: eod
-    eod_mask_loss: Annotated[bool, _flag("eod_mask_loss")] = False
+    eod_mask_loss: Annotated[bool, flag_key("eod_mask_loss")] = False
     eod_pad_length: Annotated[int, BeforeValidator(_eod_pad_length)] = 128
-    shuffle: Annotated[bool, _flag("shuffle")] = False
+    shuffle: Annotated[bool, flag_key("shuffle")] = False
     shuffle_buffer: Annotated[int, BeforeValidator(_shuffle_buffer)] = DEFAULT_SHUFFLE_BUFFER
     valid_data_path: Annotated[list[str] | None, BeforeValidator(_valid_data_path)] = None
     validation_split: Annotated[float | None, BeforeValidator(_validation_split)] = None
     # Declared by the typed section; the tokenization workers are always processes here.
-    python_multiprocessing: Annotated[bool, _flag("python_multiprocessing")] = False
+    python_multiprocessing: Annotated[bool, flag_key("python_multiprocessing")] = False
     # The key the file named the sources under: data_path, or an HFDataLoader's data_files / path.
     _sources_key: str = PrivateAttr(default="data_path")
 
