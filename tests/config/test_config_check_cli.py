@@ -144,6 +144,29 @@ def test_typed_sections_show_their_schemas_defaults(
     assert "optimizer.eps: 1.0e-07  [default]" in out  # Muon's, not AdamW's 1e-8
     assert "optimizer.weight_decay: 0.1  [default]" in out
     assert "optimizer.ns_steps: 5  [default]" in out
+    assert "optimizer.lr_scale: {}  [default]" in out  # written as a mapping
     assert "optimizer.betas: [0.9, 0.99]  [file]" in out  # written, kept, and warned about
     assert "optimizer.betas is not used by the Muon optimizer" in out
     assert "train_dataset.dataloader.column_names: [input_ids, labels]  [default]" in out
+
+
+@pytest.mark.parametrize("optimizer", [{"type": "AdamW"}, {"type": "Muon"}, {"type": "LAMB"}])
+def test_the_optimizer_defaults_check_shows_are_the_ones_in_effect(
+    tmp_path: Path, base_config: dict[str, Any], capsys: Any, optimizer: dict[str, Any]
+) -> None:
+    # Writing every [default] value check prints into the file must change nothing typed.
+    from lmforge.config import load_config
+
+    base_config["optimizer"] = dict(optimizer)
+    status, out, err = _check(capsys, "--config", _write(tmp_path, base_config))
+    assert status == 0, err
+    shown = {}
+    for line in out.splitlines():
+        if line.startswith("  optimizer.") and line.endswith("  [default]"):
+            key, value = line.strip()[len("optimizer.") : -len("  [default]")].split(": ", 1)
+            shown[key] = yaml.safe_load(value)
+    assert "eps" in shown or optimizer["type"] == "Lion"
+    written = load_config({**base_config, "optimizer": {**optimizer, **shown}}).optimizer.typed.hyper
+    implied = load_config(base_config).optimizer.typed.hyper
+    assert written.model_dump(mode="json") == implied.model_dump(mode="json")  # (tuples as lists)
+    assert getattr(written, "ns_schedule", None) == getattr(implied, "ns_schedule", None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -148,6 +149,9 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         items = [_plain(v) for v in value]
         return _NOT_SHOWN if any(v is _NOT_SHOWN for v in items) else items
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        items = {k: _plain(v) for k, v in value.items()}
+        return _NOT_SHOWN if any(v is _NOT_SHOWN for v in items.values()) else items
     return _NOT_SHOWN
 
 
@@ -159,10 +163,20 @@ def _with_schema_defaults(shown: dict[str, Any], typed: Any) -> None:
     # An HFDataLoader is typed as the TextDataLoader it translates to, whose keys are not its own.
     if not isinstance(schema, BaseModel) or getattr(schema, "type", None) != shown.get("type"):
         return
-    for name in type(schema).model_fields:
-        value = _plain(getattr(schema, name))
+    for name, field in type(schema).model_fields.items():
+        value = getattr(schema, name)
+        if _is_pair_list(
+            field.annotation
+        ):  # e.g. lr_scale: written as a mapping, held as (rule, value) pairs
+            value = dict(value)
+        value = _plain(value)
         if name not in shown and value is not _NOT_SHOWN:
             shown[name] = value
+
+
+def _is_pair_list(annotation: Any) -> bool:
+    args = typing.get_args(annotation)
+    return typing.get_origin(annotation) is list and len(args) == 1 and typing.get_origin(args[0]) is tuple
 
 
 def _resolved(cfg: TrainConfig) -> dict[str, Any]:
