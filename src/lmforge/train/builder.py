@@ -177,7 +177,9 @@ def _claim_run_dirs(rank: int, run_dir: Path, cfg: TrainConfig) -> None:
     if rank == 0:
         try:
             check_output_dir(run_dir, "output_dir")
-            for lock in lock_dirs(run_dirs(run_dir, cfg.checkpoint)):
+            for lock in lock_dirs(
+                run_dirs(run_dir, cfg.checkpoint.save_path if cfg.checkpoint.enable_save else None)
+            ):
                 lock.release()
             run_dir.mkdir(parents=True, exist_ok=True)
             from lmforge.train.callbacks.tracker_settings import open_tracker_stores

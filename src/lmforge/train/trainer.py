@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.config import TrainConfig
+from lmforge.config import CheckpointConfig, TrainConfig
 from lmforge.errors import ConfigError
 from lmforge.parallel.plan import BatchSchedule
 from lmforge.train.callbacks import (
@@ -226,7 +226,9 @@ class Trainer:
     def _lock_run_dirs(self) -> list[Any]:
         from lmforge.utils.run_lock import lock_dirs, run_dirs
 
-        locks = lock_dirs(run_dirs(self.output_dir, self.checkpoint_cfg)) if self.ctx.rank == 0 else []
+        locks = (
+            lock_dirs(run_dirs(self.output_dir, _saved_to(self.checkpoint_cfg))) if self.ctx.rank == 0 else []
+        )
         if locks and self._checkpoint_manager is not None:  # ours now: fix a crashed save's leftovers
             recover_save_path(self._checkpoint_manager.save_path)
         if dist.is_available() and dist.is_initialized():
@@ -425,6 +427,11 @@ class Trainer:
 def _loss_scaler_for(model: nn.Module) -> LossScaler | None:
     """fp16 compute needs dynamic loss scaling; bf16 and fp32 do not (fp32's exponent range)."""
     return LossScaler() if getattr(model, "compute_dtype", None) == torch.float16 else None
+
+
+def _saved_to(checkpoint: CheckpointConfig) -> str | None:
+    """``checkpoint.save_path`` when the run saves checkpoints, else None."""
+    return checkpoint.save_path if checkpoint.enable_save else None
 
 
 def _model_device(model: nn.Module) -> torch.device:

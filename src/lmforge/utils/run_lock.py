@@ -170,9 +170,10 @@ def lock_dirs(dirs: dict[Path, str]) -> list[RunLock]:
     return locks
 
 
-def run_dirs(output_dir: Any, checkpoint: dict[str, Any]) -> dict[Path, str]:
-    """The directories a training run writes: its output_dir and its checkpoint.save_path."""
+def run_dirs(output_dir: str | os.PathLike, save_path: str | None) -> dict[Path, str]:
+    """The directories a training run writes: its output_dir and, when it saves (``save_path`` is
+    ``checkpoint.save_path`` then, else None or ""), its checkpoint directory."""
     dirs = {Path(output_dir).resolve(): "output_dir"}
-    if checkpoint.get("enable_save", True) and checkpoint.get("save_path"):
-        dirs.setdefault(Path(checkpoint["save_path"]).resolve(), "checkpoint.save_path")
+    if save_path:
+        dirs.setdefault(Path(save_path).resolve(), "checkpoint.save_path")
     return dirs
