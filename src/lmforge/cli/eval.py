@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = torch.device(parse_device(args.device) or ("cuda" if torch.cuda.is_available() else "cpu"))
     loader = build_eval_loader(config)  # data problems are found before the model is built
-    model = _load_model(Path(args.checkpoint), config.model, device, getattr(config, "lora_config", None))
+    model = _load_model(Path(args.checkpoint), config.model, device, config.lora_config)
     result = evaluate(model, loader, max_batches=steps, device=device)
     if args.json:
         print(
@@ -164,7 +164,7 @@ def _task_model(
     if header.kind == "hf":
         return _load_model(header.path, None, device), tokenizer_path or header.path
     if cfg is not None:
-        model = _load_model(header.path, cfg.model, device, getattr(cfg, "lora_config", None))
+        model = _load_model(header.path, cfg.model, device, cfg.lora_config)
     else:  # a model-only config.yaml, as `lmforge convert --from-hf` writes
         from lmforge.cli.convert import model_section_for
         from lmforge.config import validate_section

@@ -142,7 +142,7 @@ def _load(args: argparse.Namespace, device: torch.device) -> tuple[Any, Path | N
 
     check_model_fits(build_model_config(cfg.model), device)
     model = build_model(cfg.model, device=device)
-    if getattr(cfg, "lora_config", None) is not None:
+    if cfg.lora_config is not None:
         from lmforge.models.lora import apply_lora
 
         apply_lora(model, cfg.lora_config)  # the checkpoint's adapters are loaded with the base

@@ -297,7 +297,7 @@ def _plan(cfg: TrainConfig, world_size: int, problems: list[str]) -> RunPlan | N
                 "training.rampup_batch_size cannot be combined with parallelism.pipeline_parallel > 1: the "
                 "pipeline schedule runs a fixed number of micro-batches per step."
             )
-    lora = getattr(cfg, "lora_config", None)
+    lora = cfg.lora_config
     if lora is not None and dims is not None and dims.pp > 1:
         problems.append(
             f"lora_config cannot be combined with parallelism.pipeline_parallel ({dims.pp}) > 1 yet: LoRA "
@@ -403,7 +403,7 @@ def _check_model_structure(
         lambda: dims.check_transformer(mc, cfg.parallelism, seq_length=mc.seq_length),
     )
     patterns = _parameter_patterns(cfg, optimizer)
-    lora = getattr(cfg, "lora_config", None)
+    lora = cfg.lora_config
     if not (dims.is_parallel or activation_wanted(cfg) or patterns or lora is not None):
         return None
     model = build_from_config(mc, model_class, "meta")

@@ -333,7 +333,7 @@ def plan(
             net,
             dims,
             compute_dtype=mc.compute_dtype,
-            optimizer_type=str(getattr(cfg.optimizer, "type", "AdamW")),
+            optimizer_type=cfg.optimizer.type,
             seq_length=mc.seq_length,
             local_batch_size=layout.local_batch_size,
             hidden_size=mc.hidden_size,

@@ -69,8 +69,8 @@ def _maybe_float8(model: torch.nn.Module, section: Float8Config | None) -> None:
 
 def _with_compile(hook: Any, cfg: TrainConfig):
     """Regional compile after recompute/swap wrapped the blocks and before FSDP2 shards them."""
-    section = getattr(cfg, "compile", None)
-    if section is None or not section.enable:
+    section = cfg.compile
+    if not section.enable:
         return hook
     from lmforge.parallel.compile import compile_blocks
 
@@ -261,7 +261,7 @@ def _open_run_dir(cfg: TrainConfig, plan: Any, ctx: ParallelContext) -> Path:
     _claim_run_dirs(ctx.rank, run_dir, cfg)
     # Logging first, so that model / optimizer construction messages reach train.log too.
     setup_logging(log_file=str(run_dir / "train.log") if ctx.rank == 0 else None)
-    for note in plan.warnings_beyond(getattr(cfg, "warnings", ())):  # load_config logged those
+    for note in plan.warnings_beyond(cfg.warnings):  # load_config logged those
         logger.warning("%s", note)
     logger.info("%s", compute_dtype_report(plan.model_config, ctx.device.type)[0])
     return run_dir
@@ -308,7 +308,7 @@ def _build_model(cfg: TrainConfig, plan: Any, ctx: ParallelContext) -> tuple[tor
         init_lora_weights(model, seed)
     logger.info(
         "Model %s: %.2fM parameters, %s; parallel: %s",
-        getattr(cfg.model, "architectures", "?"),
+        cfg.model.architectures,
         sum(p.numel() for p in model.parameters()) / 1e6,
         getattr(model, "compute_dtype", next(model.parameters()).dtype),
         dims.describe(),
