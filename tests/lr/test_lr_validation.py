@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from lmforge.config import validate_section
 from lmforge.errors import ConfigError
 from lmforge.lr import SCHEDULER_TYPES, build_scheduler
 
@@ -88,9 +89,12 @@ def test_total_steps_in_yaml_must_equal_training_steps():
         ({"type": "ConstantWarmUpLR", "warmup_ratio": "0.1"}, "lr_scheduler.warmup_ratio", "float or int"),
         ({"type": "ConstantWarmUpLR", "learning_rate": -1e-4}, "lr_scheduler.learning_rate", ">= 0"),
         ({"type": "ConstantWarmUpLR", "learning_rate": float("nan")}, "lr_scheduler.learning_rate", "finite"),
-        # learning_rate is a field of the config's own section, whose floats take "1e-5" written as text
-        # (config/base.py); the scheduler's other keys refuse text with the YAML 1.1 hint.
-        ({"type": "CosineWithWarmUpLR", "lr_end": "1e-7"}, "lr_scheduler.lr_end", "write 1.e-5"),
+        # A number written as text ("1e-7") counts, as in every float key; other text does not.
+        (
+            {"type": "CosineWithWarmUpLR", "lr_end": "tiny"},
+            "lr_scheduler.lr_end",
+            "must be a learning rate, got 'tiny' (str)",
+        ),
         ({"type": "ConstantWarmUpLR", "warmup_lr_init": -1.0}, "lr_scheduler.warmup_lr_init", ">= 0"),
         ({"type": "CosineWithWarmUpLR", "lr_end": float("inf")}, "lr_scheduler.lr_end", "finite"),
         ({"type": "CosineWithWarmUpLR", "lr_end": -1e-6}, "lr_scheduler.lr_end", ">= 0"),
@@ -271,3 +275,12 @@ def test_every_problem_of_the_section_is_named_at_once():
     assert "lr_scheduler.warmup_ration (did you mean warmup_ratio?)" in message
     assert "lr_scheduler.warmup_steps: The warmup_step must be >= 0, but got -1" in message
     assert "lr_scheduler.lr_end: must be a learning rate, got 'low' (str)" in message
+
+
+def test_a_number_written_as_text_is_a_number_in_every_scheduler_key() -> None:
+    # The scheduler's schema owns learning_rate too (the config section declares only type).
+    typed_spec = validate_section(
+        "lr_scheduler", {"type": "CosineWithWarmUpLR", "learning_rate": "3e-4", "lr_end": "1e-7"}
+    ).typed
+    assert (typed_spec.learning_rate, typed_spec.lr_end) == (3e-4, 1e-7)
+    assert validate_section("lr_scheduler", {"type": "ConstantWarmUpLR"}).typed.learning_rate == 1e-5

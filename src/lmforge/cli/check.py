@@ -183,6 +183,7 @@ def _resolved(cfg: TrainConfig) -> dict[str, Any]:
     """The configuration with defaults filled in, the typed sections' defaults included."""
     resolved = cfg.to_dict()
     _with_schema_defaults(resolved["optimizer"], cfg.optimizer.typed)
+    _with_schema_defaults(resolved["lr_scheduler"], cfg.lr_scheduler.typed)
     for name in ("train_dataset", "eval_dataset"):
         section = getattr(cfg, name)
         if section is not None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import PrivateAttr, model_validator
 
-from lmforge.config.base import Float, OpenSection, Section, check_positive
+from lmforge.config.base import OpenSection, Section, check_positive
 from lmforge.config.registry import expand_section, typed_section
 
 # --------------------------------------------------------------------------------------------------
@@ -38,8 +38,10 @@ class OptimizerConfig(OpenSection):
 
 
 class LrSchedulerConfig(OpenSection):
+    """``type`` picks the scheduler; every other key (``learning_rate`` included) passes through, as the
+    file wrote it, to the schema lr/ registered for that type (lmforge.lr.specs), its one owner."""
+
     type: str
-    learning_rate: Float = 1e-5
 
     # The scheduler the registered schema of ``type`` made of this section (lmforge.config.registry);
     # None when no schema is registered (the config package used on its own).

@@ -17,6 +17,8 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, ValidationInfo
 
+from lmforge.config.base import number_from_string
+
 # A product ratio × total that lies this close to a whole number counts as that number, so that
 # 0.29 × 100 gives 29 warm-up steps (binary floating point gives 28.999999999999996).
 _WHOLE_NUMBER_TOLERANCE = 1e-9
@@ -99,14 +101,9 @@ def _ratio(tag: str) -> Callable[[Any], float]:
 
 def _number(what: str, minimum: float | None) -> Callable[[Any], float]:
     def check(value: Any) -> float:
+        value = number_from_string(value)  # "1e-5" counts, as in every float key of the config
         if not _is_number(value):
-            hint = ""
-            if isinstance(value, str):
-                hint = (
-                    " YAML 1.1 reads a number such as 1e-5 without a dot as text: write 1.e-5 or 1.0e-5 "
-                    "instead."
-                )
-            raise ValueError(f"must be {what}, got {show(value)}.{hint}")
+            raise ValueError(f"must be {what}, got {show(value)}.")
         if not math.isfinite(value):
             raise ValueError(f"must be a finite number, got {value!r}: it would make the lr NaN or inf.")
         if minimum is not None and value < minimum:
