@@ -1,9 +1,11 @@
 """Loop features on the tiny model: non-finite handling, batch ramp-up, accumulation rules, callbacks."""
 
+import json
+
 import pytest
 import torch
 
-from lmforge.errors import ConfigError
+from lmforge.errors import EXIT_TRAINING_FAILED, ConfigError
 from lmforge.train.callbacks import TrainerCallback, read_metrics, register_callback
 from lmforge.train.step import TrainingStopped
 
@@ -41,6 +43,76 @@ def test_consecutive_non_finite_steps_stop_training_with_a_clear_message(make_co
     with pytest.raises(TrainingStopped, match="3 consecutive steps were skipped"):
         trainer.fit()
     assert [r["step"] for r in read_metrics(trainer.output_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+ALL_STEPS = set(range(1, 100))
+
+
+@pytest.mark.parametrize(
+    "sections,why",
+    [
+        ({"monitor": {"health_checkpoint": {"global_norm_skip_time": 0}}}, "global_norm_skip_time is 0"),
+        (
+            {},
+            "fewer steps than the 10 skipped steps in a row (monitor.health_checkpoint.global_norm_skip_time = 10, "
+            "its default without a monitor.health_checkpoint section)",
+        ),
+        ({"recovery": {"enable": True}}, "fewer steps than the 10 skipped steps in a row"),
+    ],
+    ids=["no-skip-limit", "shorter-than-the-limit", "with-recovery"],
+)
+def test_a_run_whose_every_step_is_skipped_fails_with_what_happened_and_what_to_change(
+    make_config, sections, why
+):
+    cfg = make_config(training={"steps": 4}, checkpoint={"save_interleaved_steps": 2}, **sections)
+    trainer = tiny_trainer(cfg, callbacks=[PoisonSteps(ALL_STEPS)])
+    with pytest.raises(TrainingStopped) as info:
+        trainer.fit()
+    message = str(info.value)
+    assert info.value.exit_status == EXIT_TRAINING_FAILED
+    assert message.startswith(
+        "Training applied no update: all 4 step(s) this run took (steps 1..4) were skipped (4 non-finite loss; "
+        "the last: loss is nan), so the model's weights are the ones it started from; the checkpoints it saved "
+        "(iteration_00000002, iteration_00000004) hold those same weights"
+    )
+    assert why in message and "Lower lr_scheduler.learning_rate" in message
+    summary = json.loads((trainer.output_dir / "summary.json").read_text())
+    assert summary["status"] == "failed: no update applied: all 4 step(s) skipped"
+    assert (
+        summary["skipped steps"] == 4 and summary["skipped steps (this run)"] == "4 of 4 (4 non-finite loss)"
+    )
+    assert "Training applied no update" in (trainer.output_dir / "train.log").read_text()
+
+
+def test_a_run_that_ends_on_skipped_steps_completes_and_says_so_in_its_summary(make_config):
+    cfg = make_config(training={"steps": 6}, monitor={"health_checkpoint": {"global_norm_skip_time": 0}})
+    summary = tiny_trainer(cfg, callbacks=[PoisonSteps({2, 5, 6})]).fit()
+    assert summary["status"] == "completed"
+    assert summary["skipped steps (this run)"] == "3 of 6 (3 non-finite loss)"
+    assert summary["last steps skipped"] == (
+        "2 (steps 5..6; last: loss is nan): the final weights are those after the update of step 4"
+    )
+
+
+def test_a_stopped_run_with_no_update_is_no_failure_and_a_resumed_run_counts_its_own_steps(
+    make_config, tmp_path
+):
+    class StopAt2(TrainerCallback):
+        def on_step_end(self, args, state, **kw):
+            if state.global_step == 2:
+                kw["trainer"].request_stop("test stop")
+
+    cfg = make_config(training={"steps": 6})
+    summary = tiny_trainer(cfg, callbacks=[PoisonSteps({1, 2}), StopAt2()]).fit()
+    assert summary["status"] == "stopped early (test stop); no update applied: all 2 step(s) skipped"
+    # Resumed at step 2: this run's steps 3..6 are all skipped, so it trained nothing, whatever came before.
+    resumed = make_config(training={"steps": 6}, checkpoint={"auto_resume": True})
+    with pytest.raises(TrainingStopped, match=r"all 4 step\(s\) this run took \(steps 3..6\) were skipped"):
+        tiny_trainer(resumed, callbacks=[PoisonSteps(ALL_STEPS)]).fit()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (
+        summary["skipped steps"] == 6 and summary["skipped steps (this run)"] == "4 of 4 (4 non-finite loss)"
+    )
 
 
 def test_batch_rampup_grows_global_batch_and_accumulation(make_config):
@@ -148,7 +220,11 @@ def test_spike_skipping_is_opt_in_and_non_finite_steps_are_always_skipped(make_c
 
     tiny = {"health_checkpoint": {"global_norm_skip_threshold": 1e-6, "global_norm_skip_time": 0}}
     spiky = tiny_trainer(make_config(training={"steps": 3}, monitor=tiny))
-    spiky.fit()
+    # Every step skipped: the run applied no update, an error (train/run_outcome.py) that names the threshold.
+    with pytest.raises(
+        TrainingStopped, match=r"raise monitor.health_checkpoint.global_norm_skip_threshold \(1e-06\)"
+    ):
+        spiky.fit()
     records = read_metrics(spiky.output_dir / "metrics.jsonl")
     assert all(r.get("skipped") and "global_norm_skip_threshold" in r["skip_reason"] for r in records)
     plain = tiny_trainer(make_config(training={"steps": 3}), callbacks=[PoisonSteps({2})])

@@ -16,7 +16,7 @@ import traceback
 
 from lmforge import __version__
 from lmforge.cli.threads import apply_thread_defaults
-from lmforge.errors import LmforgeError
+from lmforge.errors import EXIT_USER_ERROR, LmforgeError
 from lmforge.utils.launcher_death import end_with_launcher
 from lmforge.utils.malloc import apply_malloc_defaults
 
@@ -34,8 +34,6 @@ SUBCOMMANDS: list[str] = [
     "plan",
     "env",
 ]
-
-EXIT_USER_ERROR = 2
 
 # Failures of the machine or the paths given, not of lmforge: a message, not a traceback.
 USER_ERRNOS = {
@@ -105,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         if not getattr(exc, "quiet", False):  # quiet: another rank of the job reports it (utils/elastic.py)
             print(f"lmforge {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return exc.exit_status  # 2, or 5 for a run that could not train (lmforge.errors)
     except OSError as exc:
         if exc.errno not in USER_ERRNOS:
             raise

@@ -16,7 +16,8 @@ def register(subparsers: Any) -> None:
         description=(
             "Show a checkpoint: the resolved iteration directory (a save_path resolves through "
             "latest_checkpointed_iteration.txt), common.json, the model/optimizer/scheduler/trainer/RNG/"
-            "data-position entries with sizes, the trainer counters, and the files."
+            "data-position entries with sizes, the trainer counters, and the files; and whether recovery "
+            "gave up on the run (save_path/recovery_gave_up.json)."
         ),
     )
     inspect.add_argument(
@@ -30,6 +31,10 @@ def register(subparsers: Any) -> None:
 
 def run_inspect(args: argparse.Namespace) -> int:
     from lmforge.train.checkpoint.inspect import describe_checkpoint
+    from lmforge.train.recovery.give_up import give_up_note
 
     print(describe_checkpoint(args.dir, list_tensors=args.tensors))
+    note = give_up_note(args.dir)  # recovery's give-up marker next to the checkpoints
+    if note is not None:
+        print(note)
     return 0

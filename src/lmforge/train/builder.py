@@ -22,7 +22,7 @@ from lmforge.config.sections_components import ModelConfig
 from lmforge.config.sections_parallel import ParallelismConfig
 from lmforge.config.sections_run import LoraConfig
 from lmforge.config.sections_speed import Float8Config
-from lmforge.errors import ConfigError, DataError, LmforgeError
+from lmforge.errors import ConfigError, DataError, LmforgeError, TrainingFailed
 from lmforge.train.callbacks.monitor import ActivationPlanCallback
 from lmforge.train.parallel_seam import ParallelContext, distributed_env
 from lmforge.train.rng import seed_everything
@@ -236,6 +236,7 @@ def _checked_plan(cfg: TrainConfig, device: str | None) -> Any:
     from lmforge.data.files import TRAINING_KEYS, missing_data_files
     from lmforge.train.checkpoint.resume import load_path_problem
     from lmforge.train.preflight import preflight
+    from lmforge.train.recovery.give_up import give_up_problem
     from lmforge.utils.elastic import launch_env
 
     world_size = launch_env().world_size  # every torchrun variable checked, before anything starts
@@ -250,6 +251,9 @@ def _checked_plan(cfg: TrainConfig, device: str | None) -> Any:
     empty_load_path = load_path_problem(cfg.checkpoint)
     if empty_load_path is not None:
         raise ConfigError(empty_load_path)
+    gave_up = give_up_problem(cfg.checkpoint)  # recovery gave up in save_path: a restart must not retry
+    if gave_up is not None:
+        raise TrainingFailed(gave_up)
     return plan
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.errors import LmforgeError
+from lmforge.errors import TrainingFailed
 from lmforge.models.common.loss import loss_gradient_scale
 from lmforge.optim.update_rule import UpdateRuleOptimizer
 from lmforge.train.loss_scale import LossScaler
@@ -27,8 +27,9 @@ CLIP_EPS = 1e-6  # coef = max_norm / (norm + eps), as the original
 MODEL_INPUTS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask", "actual_seq_len")
 
 
-class TrainingStopped(LmforgeError):
-    """Training cannot continue (e.g. too many consecutive non-finite or spiking steps)."""
+class TrainingStopped(TrainingFailed):
+    """Training could not go on, or trained nothing: too many consecutive skipped steps, recovery gave up, or
+    no step of the run applied its update (exit status 5, lmforge.errors.EXIT_TRAINING_FAILED)."""
 
 
 @dataclass

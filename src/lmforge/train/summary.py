@@ -14,8 +14,13 @@ def _status(trainer: Any) -> str:
         if "recovery." in reason:
             return "stopped: recovery could not repair the run"
         return "stopped: too many consecutive skipped steps"
+    steps = trainer.run_steps
     if trainer.stop_agreement.stopping:
+        if steps.none_applied:  # a stop asked for is no failure (the run is resumed later), but say it
+            return f"stopped early ({reason}); no update applied: all {steps.taken} step(s) skipped"
         return f"stopped early ({reason})"
+    if steps.none_applied:  # Trainer.fit raises the error with the reasons (train/run_outcome.py)
+        return f"failed: no update applied: all {steps.taken} step(s) skipped"
     return "completed"
 
 
@@ -32,11 +37,15 @@ def run_summary(trainer: Any) -> dict[str, Any]:
         "tokens/s (this run)": f"{trainer._run_tokens / elapsed:,.0f}" if elapsed > 0 else "n/a",
         "final loss": f"{s.last_loss:.6f}",
         "best loss": f"{s.best_loss:.6f}",
-        "skipped steps": s.skipped_steps,
+        "skipped steps": s.skipped_steps,  # the whole run's, steps before a resume included
+        "skipped steps (this run)": trainer.run_steps.summary_line(),
         "resumed from": trainer.resumption.resumed_from or "-",
         "checkpoints": f"{ck.save_path} (latest: iteration {latest})" if latest is not None else "-",
         "metrics": str(trainer.output_dir / "metrics.jsonl"),
     }
+    trailing = trainer.run_steps.trailing_line()
+    if trailing is not None:  # the run trained, but its last steps did not move the weights
+        out["last steps skipped"] = trailing
     recovery = trainer._recovery
     if recovery is not None:  # train/recovery/: rollbacks of the whole run (also before a restart)
         out["rollbacks"] = recovery.rollbacks

@@ -31,6 +31,7 @@ from lmforge.train.loss_scale import LossScaler
 from lmforge.train.parallel_seam import ParallelContext
 from lmforge.train.perf import MfuMeter, device_memory_gib
 from lmforge.train.resumption import Resumption
+from lmforge.train.run_outcome import StepTally, no_update_failure
 from lmforge.train.state import TrainState
 from lmforge.train.step import SkipPolicy, StepResult, TrainingStopped, TrainStep
 from lmforge.train.stop_agreement import StopAgreement
@@ -127,6 +128,7 @@ class Trainer:
             self.callbacks.add(build_callback(item, i))
         self._run_started = 0.0
         self._run_tokens = 0
+        self.run_steps = StepTally()  # this launch's steps: applied, skipped and why (train/run_outcome.py)
         self.resumption = Resumption(self)
         from lmforge.train.recovery import build_recovery
 
@@ -216,7 +218,20 @@ class Trainer:
         reason = self.stop_agreement.reason
         if reason and reason.startswith("diverged"):
             raise TrainingStopped(reason[len("diverged: ") :])
+        failure = self.no_update_failure()
+        if failure is not None:
+            logger.error("%s", failure)
+            raise TrainingStopped(failure)
         return summary
+
+    def no_update_failure(self) -> str | None:
+        """Why this run failed although it ran to its end: none of its steps applied an update (a stop that
+        was asked for is no failure: the run is resumed later). None when it trained."""
+        if self.stop_agreement.stopping:
+            return None
+        manager = self._checkpoint_manager
+        saved = [Path(p).name for p in manager.saved_this_run] if manager is not None else []
+        return no_update_failure(self.run_steps, self.step_fn.skip_policy, saved=saved)
 
     def request_stop(self, reason: str) -> None:
         """Ask the run to stop (signal-safe: flags only): all ranks agree on it before the next step,
@@ -373,6 +388,7 @@ class Trainer:
         s = self.state
         s.tokens_seen += r.num_tokens
         self._run_tokens += r.input_tokens
+        self.run_steps.record(s.global_step, r)
         if r.skipped:
             s.skipped_steps += 1
             # An fp16 overflow lowers the loss scale and is expected now and then; it counts towards

@@ -64,3 +64,14 @@ class KillAfterRollback(TrainerCallback):
             and this_attempt() == 0
         ):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class NonFiniteWeights(TrainerCallback):
+    """Makes the final norm's weights NaN before the first step (what a damaged checkpoint that still loads
+    does): every step's loss is NaN and skipped, so no update is ever applied."""
+
+    def on_train_begin(self, args, state, **kwargs):
+        with torch.no_grad():
+            for name, p in kwargs["model"].named_parameters():
+                if "final_layernorm" in name:
+                    p.mul_(float("nan"))

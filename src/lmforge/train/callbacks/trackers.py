@@ -229,7 +229,8 @@ class MlflowCallback(TrackerCallback):
         self.client.log_dict(self.run_id, summary, "summary.json")
         status = str(summary.get("status", "completed"))
         self.client.set_tag(self.run_id, "lmforge.status", status)
-        self.client.set_terminated(self.run_id, status="FINISHED" if status == "completed" else "KILLED")
+        ended = "FINISHED" if status == "completed" else "FAILED" if status.startswith("failed") else "KILLED"
+        self.client.set_terminated(self.run_id, status=ended)
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id, status="FINISHED")

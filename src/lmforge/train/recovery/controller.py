@@ -21,6 +21,7 @@ from lmforge.config import TrainConfig
 from lmforge.config.sections_recovery import RecoveryConfig
 from lmforge.train.checkpoint import iteration_dir_name, load_checkpoint, resolve_checkpoint
 from lmforge.train.recovery.detector import Anomaly, AnomalyDetector
+from lmforge.train.recovery.give_up import marker_path, write_give_up_marker
 from lmforge.train.recovery.quarantine import quarantine
 from lmforge.train.recovery.safe_checkpoint import complete_iterations, newest_safe
 from lmforge.train.recovery.snapshot import Snapshot, Snapshots
@@ -302,14 +303,34 @@ class Recovery:
             else "no checkpoint from before it exists: save earlier (checkpoint.save_interleaved_steps) and start again"
         )
         aside = f"; the checkpoints that may hold the damage are in {moved}" if moved is not None else ""
+        marker = self._mark_given_up(trainer, anomaly, why, safe, moved)
         trainer.stop_agreement.stop_now(
             f"diverged: {anomaly.reason}; {why}, after {self.rollbacks} rollback(s). Training stops; {where}, with "
             "a lower lr_scheduler.learning_rate, recovery.lr_scale < 1 or recovery.data: skip (a resume keeps "
             "the count of rollbacks used: raise recovery.max_rollbacks to allow more), or check the data "
-            f"around that step{aside}."
+            f"around that step{aside}. {marker} records this give-up: a run that saves into "
+            f"{self.save_path} (a torchrun restart too) is refused until you delete it."
         )
         logger.error("%s", trainer.stop_agreement.reason[len("diverged: ") :])
         return None
+
+    def _mark_given_up(
+        self, trainer: Any, anomaly: Anomaly, why: str, safe: int | None, moved: Path | None
+    ) -> Path:
+        """Rank 0 writes the give-up marker (give_up.py), so that a restarted job does not try again."""
+        record = {
+            "step": int(trainer.state.global_step),
+            "onset": anomaly.onset,
+            "anomaly": anomaly.reason,
+            "reason": why,
+            "rollbacks": self.rollbacks,
+            "max_rollbacks": int(self.section.max_rollbacks),
+            "safe_checkpoint": str(self.save_path / iteration_dir_name(safe)) if safe is not None else None,
+            "damaged_dir": str(moved) if moved is not None else None,
+        }
+        if trainer.ctx.rank == 0:
+            return write_give_up_marker(self.save_path, record)
+        return marker_path(self.save_path)
 
 
 def _set_lrs(groups: list[dict[str, Any]], lrs: list[float]) -> None:

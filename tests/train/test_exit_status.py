@@ -1,0 +1,68 @@
+"""``lmforge train``'s exit status says whether the run trained: 0 when it did, 5 (a run that could not train,
+lmforge.errors.EXIT_TRAINING_FAILED) when none of its steps applied an update — never 0 "completed"."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lmforge.cli import main
+from lmforge.errors import EXIT_TRAINING_FAILED, EXIT_USER_ERROR
+from lmforge.train.callbacks import read_metrics
+
+from .test_train_cli import ADAMW, write_config
+
+FAULTS = Path(__file__).resolve().parent / "recovery"  # faults.py: test-only callbacks named in a YAML
+
+
+def fp32_config(tmp_path: Path, steps: int) -> str:
+    cfg = write_config(tmp_path, ADAMW, steps=steps)
+    raw = yaml.safe_load(Path(cfg).read_text())
+    raw["model"]["compute_dtype"] = "float32"
+    Path(cfg).write_text(yaml.safe_dump(raw))
+    return cfg
+
+
+@pytest.mark.slow
+def test_a_run_that_applies_no_update_exits_5_with_the_reasons_and_a_normal_run_exits_0(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.syspath_prepend(str(FAULTS))
+    monkeypatch.setenv("LMFORGE_ALLOW_IMPORTS", "1")
+    assert EXIT_TRAINING_FAILED not in (0, EXIT_USER_ERROR)
+    normal = tmp_path / "normal"
+    normal.mkdir()
+    assert main(["train", "--config", fp32_config(normal, steps=3)]) == 0
+    assert json.loads((normal / "run" / "summary.json").read_text())["status"] == "completed"
+
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    capsys.readouterr()
+    # 3 steps, fewer than the 10 skipped steps in a row that stop a run: without the check it "completed".
+    code = main(
+        [
+            "train",
+            "--config",
+            fp32_config(damaged, steps=3),
+            "--set",
+            "callbacks=[{type: faults.NonFiniteWeights}]",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == EXIT_TRAINING_FAILED, err
+    (message,) = [
+        line for line in err.splitlines() if line.startswith("lmforge train: error: ")
+    ]  # one paragraph
+    assert "Training applied no update: all 3 step(s) this run took (steps 1..3) were skipped" in message
+    assert "3 non-finite loss; the last: loss is nan" in message
+    assert "fewer steps than the 10 skipped steps in a row" in message
+    assert "Lower lr_scheduler.learning_rate" in message
+    assert "iteration_00000003" in message  # the end-of-run save holds the starting weights: named, to delete
+    assert "Traceback" not in err
+    assert all(r["skipped"] for r in read_metrics(damaged / "run" / "metrics.jsonl"))
+    summary = json.loads((damaged / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed: no update applied: all 3 step(s) skipped"
+    assert summary["skipped steps (this run)"] == "3 of 3 (3 non-finite loss)"
