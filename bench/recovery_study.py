@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,9 @@ class CorruptUpdate(TrainerCallback):
 
 def train(root: Path, name: str, raw: dict[str, Any], fault: str | None, at: int) -> dict[str, Any]:
     raw = copy.deepcopy(raw)
+    # Each mode starts from nothing: an earlier study's checkpoints (or the give-up marker of a mode that gave up,
+    # which refuses a run saving there) must not change this one.
+    shutil.rmtree(root / name, ignore_errors=True)
     raw["output_dir"] = str(root / name)
     raw["checkpoint"]["save_path"] = str(root / name / "ckpt")
     trainer = build_trainer(load_config(raw), device="cpu")

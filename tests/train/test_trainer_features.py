@@ -54,8 +54,9 @@ ALL_STEPS = set(range(1, 100))
         ({"monitor": {"health_checkpoint": {"global_norm_skip_time": 0}}}, "global_norm_skip_time is 0"),
         (
             {},
-            "fewer steps than the 10 skipped steps in a row (monitor.health_checkpoint.global_norm_skip_time = 10, "
-            "its default without a monitor.health_checkpoint section)",
+            "fewer steps than the 10 skipped steps in a row that stop a run "
+            "(monitor.health_checkpoint.global_norm_skip_time = 10, its default without a monitor.health_checkpoint "
+            "section)",
         ),
         ({"recovery": {"enable": True}}, "fewer steps than the 10 skipped steps in a row"),
     ],
