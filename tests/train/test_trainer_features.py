@@ -223,7 +223,7 @@ def test_spike_skipping_is_opt_in_and_non_finite_steps_are_always_skipped(make_c
     spiky = tiny_trainer(make_config(training={"steps": 3}, monitor=tiny))
     # Every step skipped: the run applied no update, an error (train/run_outcome.py) that names the threshold.
     with pytest.raises(
-        TrainingStopped, match=r"raise monitor.health_checkpoint.global_norm_skip_threshold \(1e-06\)"
+        TrainingStopped, match=r"Raise monitor.health_checkpoint.global_norm_skip_threshold \(1e-06\)"
     ):
         spiky.fit()
     records = read_metrics(spiky.output_dir / "metrics.jsonl")
