@@ -146,3 +146,23 @@ def test_hsdp_on_four_ranks_rolls_back_and_replays_bitwise(tmp_path):
     torchrun(4, cfg, "training.local_batch_size=1", FAULT, *REPLAY, import_dirs=(HERE,))
     assert_replayed_bitwise(tmp_path / "run")
     assert "dp_replicate=2" in (tmp_path / "run" / "train.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_give_up_under_max_restarts_is_not_tried_again(tmp_path):
+    """torchrun --max-restarts=1 restarts a job whatever its exit status; the give-up's marker makes the restarted
+    attempt stop before it builds anything, instead of resuming and giving up again at the same anomaly."""
+    cfg = layout_config(tmp_path, {})
+    damage = "callbacks=[{type: faults.DamageNorm, step: 4, times: 2}]"  # seen again after the one rollback
+    r = torchrun(
+        2, cfg, damage, *REPLAY, "recovery.max_rollbacks=1", max_restarts=1, import_dirs=(HERE,), check=False
+    )
+    log = r.stdout + r.stderr
+    marker = tmp_path / "ckpt" / "recovery_gave_up.json"
+    assert r.returncode != 0 and json.loads(marker.read_text())["step"] == 5, log[-3000:]
+    train_log = (tmp_path / "run" / "train.log").read_text()
+    assert train_log.count("recovery.max_rollbacks (1) is reached") == 1  # given up once: the first attempt
+    assert f"{marker} says that recovery gave up" in log  # the restarted attempt, refused
+    assert "elastic restart 1: resuming" not in log  # it did not resume, build or train
+    assert [e["rollback"] for e in rollback_events(tmp_path / "run")] == [1]
