@@ -220,11 +220,19 @@ def _parallel_plan_lines(cfg: TrainConfig, world: int) -> list[str]:
         return parallel_plan(cfg.parallelism, cfg.model, cfg.training, cfg.optimizer, world, cfg.recompute)
 
 
-def _load_path_problems(cfg: TrainConfig) -> list[str]:
+def _start_refusals(cfg: TrainConfig) -> list[str]:
+    """What ``lmforge train`` refuses in the directories the file names; ``check`` warns (the file is valid)."""
     from lmforge.train.checkpoint.resume import load_path_problem
+    from lmforge.train.recovery.give_up import give_up_problem
 
+    refusals = []
     problem = load_path_problem(cfg.checkpoint)
-    return [] if problem is None else [problem]
+    if problem is not None:
+        refusals.append(f"{problem} (lmforge train refuses to start until it holds one.)")
+    gave_up = give_up_problem(cfg.checkpoint)  # recovery's give-up marker in save_path
+    if gave_up is not None:
+        refusals.append(gave_up)
+    return refusals
 
 
 def run(args: argparse.Namespace) -> int:
@@ -263,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
         list(cfg.warnings)
         + plan.warnings_beyond(cfg.warnings)
         + [f"{m}; training will refuse to start until it does" for m in missing_data_files(cfg.train_dataset)]
-        + [f"{m} (lmforge train refuses to start until it holds one.)" for m in _load_path_problems(cfg)]
+        + _start_refusals(cfg)
     )
     if warnings:
         lines += ["", "Warnings:"] + [f"  - {w}" for w in warnings]

@@ -62,6 +62,8 @@ def test_a_give_up_is_final_until_the_marker_is_deleted(tmp_path, monkeypatch, c
     capsys.readouterr()
     assert main(["checkpoint", "inspect", str(ckpt)]) == 0  # says so too
     assert "recovery gave up at step 5 (loss spike" in capsys.readouterr().out
+    assert main(["check", "--config", cfg]) == 0  # the file is valid; check warns of what train will refuse
+    assert f"{marker_file} says that recovery gave up" in capsys.readouterr().out
 
     # The same command again (a torchrun restart): refused with the marker's story, before anything is built.
     monkeypatch.setattr("lmforge.train.builder._build_model", not_built)
