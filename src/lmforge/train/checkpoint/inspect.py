@@ -4,7 +4,7 @@ without building a model.
 Verification is the load path's own (``verify.py``: the record, the per-file check and the damage error
 are the ones ``load_checkpoint`` uses), done on every file in this one process. It is on by default:
 inspect is what a user asks before trusting a checkpoint with a long job, and the cost is one read of the
-checkpoint (about 1 GB/s per core; the files are hashed on up to 4 threads).
+checkpoint (about 1 GiB/s per core; the files are hashed on up to 4 threads).
 """
 
 from __future__ import annotations
