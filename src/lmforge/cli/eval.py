@@ -207,26 +207,6 @@ def _hub_unreachable(tasks: list[str], include_path: str | None) -> str | None:
         return endpoint
 
 
-def _is_missing_download(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is a download that offline mode or the network refused."""
-    seen = 0
-    while exc is not None and seen < 10:
-        name = type(exc).__name__
-        text = str(exc)
-        if isinstance(exc, (ConnectionError, TimeoutError)) or name in (
-            "OfflineModeIsEnabled",
-            "LocalEntryNotFoundError",
-            "DatasetNotFoundError",
-            "ConnectError",
-            "ConnectTimeout",
-        ):
-            return True
-        if "offline" in text.lower() or "Couldn't reach" in text or "couldn't find" in text.lower():
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
-
-
 def _run_tasks(args: argparse.Namespace) -> int:
     import torch
 
@@ -238,6 +218,7 @@ def _run_tasks(args: argparse.Namespace) -> int:
         require_lm_eval,
         split_tasks,
     )
+    from lmforge.train.callbacks.lm_eval_offline import first_uncached_task, is_missing_download
     from lmforge.train.checkpoint import CONFIG_FILE, resolve_checkpoint
     from lmforge.utils.tokenizer import find_eod_id, load_tokenizer
 
@@ -246,6 +227,14 @@ def _run_tasks(args: argparse.Namespace) -> int:
     for name, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be a positive number, got {value}.")
+    if offline is not None and not args.include_path:  # before the harness indexes its tasks
+        uncached = first_uncached_task(split_tasks(args.tasks))
+        if uncached is not None:
+            raise DataError(
+                f"--tasks {args.tasks}: the dataset of {uncached.task} ({uncached.dataset}) is not in the local "
+                f"Hugging Face cache and {offline} cannot be reached (offline); run it once with network "
+                "access to cache it, or use a local .jsonl task (docs/guide.md)."
+            )
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     header = resolve_checkpoint(args.checkpoint)
     if header is None:
@@ -280,7 +269,7 @@ def _run_tasks(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
         )
     except Exception as exc:  # noqa: BLE001 (datasets / huggingface_hub raise many kinds of network errors)
-        if offline is None or not _is_missing_download(exc):
+        if offline is None or not is_missing_download(exc):
             raise
         raise DataError(
             f"--tasks {args.tasks}: a task's dataset is not in the local Hugging Face cache and {offline} cannot be "

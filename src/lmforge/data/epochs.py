@@ -12,7 +12,9 @@ which the training loader built for the same layout finishes its last pass.
   orders the loader will use (``shuffle`` permutes each pass differently, which changes the packing).
   A pass of a blend ends when every source has been read completely (a source drawn more than its
   share is read again meanwhile: the step line's ``epoch`` counts the source furthest behind). The
-  rank with the fewest rows decides, so no rank trains beyond the last pass.
+  rank with the fewest rows decides, so no rank trains beyond the last pass. The rows are counted once
+  for a given data, tokenizer and settings, and kept beside the data (data/epochs_cache.py): the
+  processes of a job, ``check`` and every restart read that count instead of tokenizing again.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from lmforge.config import TrainDatasetConfig
 from lmforge.errors import ConfigError, DataError
 
 from .build import build_dataset, typed_loader
+from .epochs_cache import cached_rows
 from .loader import SampleOrder
 from .text_loader import _SourceStream, blend_choice
 from .text_pack import Packer
@@ -58,7 +61,15 @@ def samples_of_epochs(
     typed = typed_loader(dataset_section, "samples_of_epochs")
     if isinstance(typed, TextLoader):
         settings = text_loader_settings(typed, seq_length=seq_length, vocab_size=vocab_size)
-        rows = min(_text_rows(settings, epochs, rank, dp_size, seed) for rank in range(dp_size))
+        shuffle_seed = None if settings.shuffle_buffer is None else seed  # the seed orders shuffle only
+        per_rank = cached_rows(
+            settings,
+            lambda: [_text_rows(settings, epochs, rank, dp_size, seed) for rank in range(dp_size)],
+            epochs=epochs,
+            dp_size=dp_size,
+            seed=shuffle_seed,
+        )
+        rows = min(per_rank)
         micro_steps = rows // local_batch_size
         return EpochLength(
             micro_steps * local_batch_size * dp_size,

@@ -204,8 +204,10 @@ def test_damaged_checkpoint_in_inspect_and_generate(run_copy, cli, what):
         "generate", "--checkpoint", run_copy / "ckpt", "--prompt", "t1", "--max-new-tokens", "1"
     )
     assert code == 2 and FILE_DAMAGE.get(what, DAMAGE[what]) in err
-    if what != "shard-truncated":  # inspect reads metadata and small items only
-        code, _, err = cli("checkpoint", "inspect", run_copy / "ckpt")
+    code, _, err = cli("checkpoint", "inspect", run_copy / "ckpt")  # verifies the checksums first
+    assert code == 2 and FILE_DAMAGE.get(what, DAMAGE[what]) in err
+    if what != "shard-truncated":  # without them it reads metadata and small items only
+        code, _, err = cli("checkpoint", "inspect", "--no-verify", run_copy / "ckpt")
         assert code == 2 and DAMAGE[what] in err
 
 

@@ -1,0 +1,125 @@
+"""``lmforge checkpoint inspect`` verifies every file of a checkpoint against its checksums.json (the load
+path's own check) and names what is damaged or missing, recorded against found, with exit status 2."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from lmforge.cli import main
+from lmforge.train.checkpoint import Checkpointable, CheckpointManager
+from lmforge.train.checkpoint import inspect as inspect_mod
+from lmforge.train.checkpoint.verify import CHECKSUM_FILE
+
+from .tiny import TinyLM
+
+ITER = "iteration_00000002"
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A real checkpoint of a tiny model with its AdamW state, saved by the CheckpointManager."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 32, (2, 8)), labels=torch.randint(0, 32, (2, 8))).loss.backward()
+    opt.step()
+    assert CheckpointManager(tmp_path / "ckpt").save(Checkpointable(model, opt), 2)
+    return tmp_path / "ckpt"
+
+
+def _inspect(capsys, *argv):
+    capsys.readouterr()
+    code = main(["checkpoint", "inspect", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _shard(ckpt):
+    return next((ckpt / ITER).glob("*.distcp"))
+
+
+def _line(out, name):
+    """The line of file ``name`` in the ``files:`` section."""
+    files = out.split("\nfiles:\n", 1)[1].splitlines()
+    return next(line for line in files if line.split()[0] == name)
+
+
+def test_an_intact_checkpoint_is_verified_quietly(ckpt, capsys):
+    code, out, err = _inspect(capsys, ckpt)
+    recorded = json.loads((ckpt / ITER / CHECKSUM_FILE).read_text())["files"]
+    assert code == 0 and f"verified: all {len(recorded)} files match {CHECKSUM_FILE}" in out
+    assert all(_line(out, name).endswith("OK") for name in recorded)
+    assert "global_step" in out and "optimizer" in out  # the description is still there
+    assert err == ""  # a tiny checkpoint prints no progress
+
+
+def test_one_flipped_byte_in_a_shard_is_named_with_both_digests(ckpt, capsys):
+    shard = _shard(ckpt)
+    data = bytearray(shard.read_bytes())
+    recorded = hashlib.sha256(data).hexdigest()
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    code, out, err = _inspect(capsys, ckpt)
+    assert code == 2 and "Traceback" not in err
+    assert f"{shard.name} has other bytes than were written" in err and str(ckpt / ITER) in err
+    found = hashlib.sha256(data).hexdigest()
+    assert f"DAMAGED: sha256 {found} found, {recorded} recorded" in _line(out, shard.name)
+    assert _line(out, ".metadata").endswith("OK") and _line(out, "common.json").endswith("OK")
+    recorded_files = json.loads((ckpt / ITER / CHECKSUM_FILE).read_text())["files"]
+    assert f"DAMAGED: 1 of {len(recorded_files)} files differ" in out
+
+
+def test_a_truncated_shard_is_named_with_both_sizes(ckpt, capsys):
+    shard = _shard(ckpt)
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:100])
+    code, out, err = _inspect(capsys, ckpt)
+    assert code == 2 and f"{shard.name} has 100 bytes, {size} were written" in err
+    assert f"DAMAGED: 100 bytes found, {size} recorded" in _line(out, shard.name)
+
+
+def test_a_missing_shard_is_named(ckpt, capsys):
+    shard = _shard(ckpt)
+    size = shard.stat().st_size
+    shard.unlink()
+    code, out, err = _inspect(capsys, ckpt)
+    assert code == 2 and f"{shard.name} is missing" in err
+    assert f"MISSING ({size} bytes recorded)" in _line(out, shard.name)
+
+
+def test_a_missing_record_is_damage_in_this_format(ckpt, capsys):
+    (ckpt / ITER / CHECKSUM_FILE).unlink()
+    code, _, err = _inspect(capsys, ckpt)
+    assert code == 2 and f"{CHECKSUM_FILE} is missing" in err
+
+
+def test_a_checkpoint_from_before_checksums_says_it_cannot_be_verified(ckpt, capsys):
+    it = ckpt / ITER
+    common = json.loads((it / "common.json").read_text())
+    (it / "common.json").write_text(json.dumps({**common, "format": "lmforge-dcp/1"}))
+    (it / CHECKSUM_FILE).unlink()
+    code, out, _ = _inspect(capsys, ckpt)
+    assert code == 0 and "none recorded (format lmforge-dcp/1" in out and "cannot be verified" in out
+
+
+def test_no_verify_reads_no_shard(ckpt, capsys):
+    shard = _shard(ckpt)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    code, out, _ = _inspect(capsys, ckpt, "--no-verify")
+    assert code == 0 and "checksums: not verified (--no-verify)" in out
+
+
+def test_a_large_checkpoint_reports_progress_per_file(ckpt, capsys, monkeypatch):
+    monkeypatch.setattr(inspect_mod, "PROGRESS_BYTES", 0)  # every checkpoint counts as large
+    code, _, err = _inspect(capsys, ckpt)
+    n = len(json.loads((ckpt / ITER / CHECKSUM_FILE).read_text())["files"])
+    lines = err.splitlines()
+    counts = [line.split(":")[1].split()[0] for line in lines[:-1]]
+    assert code == 0 and counts == [f"{i}/{n}" for i in range(1, n + 1)]
+    assert lines[-1].startswith(f"verified {n} files")
