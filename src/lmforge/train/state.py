@@ -6,8 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# TrainState.extra[RECOVERY_KEY]: recovery's rollbacks so far and the end of its lowered-lr window
-# (train/recovery/), restored with the rest of the state on a resume.
+# TrainState.extra[RECOVERY_KEY]: recovery's rollbacks so far, the end of its lowered-lr window and its
+# detector's recent losses (train/recovery/), restored with the rest of the state on a resume.
 RECOVERY_KEY = "recovery"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 from lmforge.train.recovery import AnomalyDetector
@@ -52,3 +53,62 @@ def test_the_safe_checkpoint_is_two_steps_before_the_onset():
     assert newest_safe([2, 4, 6], onset=7) == 4  # 6's weights made the loss of step 7
     assert newest_safe([2, 4, 6], onset=8) == 6
     assert newest_safe([4], onset=5) is None
+
+
+def test_a_resumed_detector_judges_its_first_step_as_the_run_before_would():
+    # A resumed run used to start with no history: no spike could be judged for its first three steps, so a
+    # damaged step there passed as normal (and its checkpoint later counted as safe).
+    before = AnomalyDetector()
+    assert feed([4.0, 3.8, 3.6, 3.5, 3.4], before) == (None, None)
+    resumed = AnomalyDetector()
+    resumed.load_state_dict(before.state_dict())
+    found = resumed.observe(6, 5.5, False, 0, 10)
+    assert (
+        found is not None and found.onset == 6 and found.reason.startswith("loss spike: loss 5.5 at step 6")
+    )
+    assert AnomalyDetector().observe(6, 5.5, False, 0, 10) is None  # what an empty history judged
+
+
+def test_the_saved_history_is_bounded_and_keeps_the_first_and_the_lowest_loss():
+    d = AnomalyDetector()
+    losses = [3.0, 1.0] + [2.0 + 0.001 * i for i in range(100)]  # lowest at step 2, long before the window
+    assert feed(losses, d) == (None, None)
+    saved = d.state_dict()
+    assert len(saved["recent"]) == 10 and saved["best"] == [2, 1.0] and saved["first_loss"] == 3.0
+    resumed = AnomalyDetector()
+    resumed.load_state_dict(saved)
+    assert resumed.best_step() == 2 and resumed.newest_verified_step() == d.newest_verified_step()
+    # The divergence rule compares with the run's first loss and rolls back to before the lowest one.
+    assert resumed.first_loss == 3.0
+    assert resumed.state_dict() == saved  # loading and saving again changes nothing
+
+
+def test_an_empty_record_is_an_empty_history():
+    d = AnomalyDetector()
+    d.load_state_dict({})
+    assert (
+        d.history == []
+        and d.first_loss is None
+        and d.state_dict() == {"first_loss": None, "recent": [], "best": None}
+    )
+
+
+def test_the_trainer_state_carries_the_detector_into_a_resumed_run(tmp_path):
+    from types import SimpleNamespace
+
+    from lmforge.config.sections_recovery import RecoveryConfig
+    from lmforge.train.recovery.controller import Recovery
+
+    section = RecoveryConfig(enable=True)
+    state = SimpleNamespace(global_step=0, consecutive_skips=0, extra={})
+    first = Recovery(section, tmp_path)
+    first.start(state)
+    for loss in (4.0, 3.8, 3.6, 3.5, 3.4):
+        state.global_step += 1
+        assert first.observe(state, SimpleNamespace(loss=loss, skipped=False), 10) is None
+    # What the checkpoint of step 5 holds (TrainState.extra), read back by a restarted run.
+    resumed = Recovery(section, tmp_path)
+    resumed.start(SimpleNamespace(extra=copy.deepcopy(state.extra)))
+    state.global_step += 1
+    found = resumed.observe(state, SimpleNamespace(loss=5.5, skipped=False), 10)
+    assert found is not None and found.onset == 6

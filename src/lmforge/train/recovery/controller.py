@@ -31,7 +31,7 @@ from lmforge.utils.logging import get_logger
 logger = get_logger("lmforge.train.recovery")
 
 _NO_ONSET = -(2**62)  # the vote's "no anomaly here" (votes are reduced with MAX over -onset)
-STATE_KEY = RECOVERY_KEY  # TrainState.extra[STATE_KEY]: rollbacks so far, end of the lowered-lr window
+STATE_KEY = RECOVERY_KEY  # TrainState.extra[STATE_KEY]: rollbacks, end of the lowered-lr window, detector
 
 
 class Recovery:
@@ -55,9 +55,16 @@ class Recovery:
         saved = state.extra.get(STATE_KEY) or {}
         self.rollbacks = int(saved.get("rollbacks", 0))
         self.lr_scaled_until = int(saved.get("lr_scaled_until", 0))
+        # The detector's recent losses: without them a resumed run could not judge a spike in its first
+        # steps, and a damaged step there would be accepted as normal (and later restored as safe).
+        self.detector.load_state_dict(saved.get("detector") or {})
 
     def _remember(self, state: Any) -> None:
-        state.extra[STATE_KEY] = {"rollbacks": self.rollbacks, "lr_scaled_until": self.lr_scaled_until}
+        state.extra[STATE_KEY] = {
+            "rollbacks": self.rollbacks,
+            "lr_scaled_until": self.lr_scaled_until,
+            "detector": self.detector.state_dict(),
+        }
 
     # -- detection ------------------------------------------------------------------------------------
 
@@ -71,6 +78,7 @@ class Recovery:
                 int(state.consecutive_skips),
                 skip_limit,
             )
+            self._remember(state)  # the checkpoint of this step carries the detector's history
         return self.pending
 
     def vote_values(self) -> list[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from statistics import median
+from typing import Any
 
 from lmforge.tools.doctor.rules import LOSS_RISE, SPIKE_FACTOR
 
@@ -87,6 +88,28 @@ class AnomalyDetector:
     def best_step(self) -> int | None:
         """The step of the lowest normal loss: a divergence rolls back to before it."""
         return min(self.history, key=lambda sv: sv[1])[0] if self.history else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to judge its first steps as this run would: the first loss, the newest
+        normal losses (the spike window) and the lowest one (the divergence rule's onset). Bounded, so a
+        long run's checkpoint does not carry every loss."""
+        recent = self.history[-SPIKE_WINDOW:]
+        best = min(self.history, key=lambda sv: sv[1]) if self.history else None
+        return {
+            "first_loss": self.first_loss,
+            "recent": [[s, v] for s, v in recent],
+            "best": None if best is None else [best[0], best[1]],
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s record (a resumed run; an empty record: no history)."""
+        first = saved.get("first_loss")
+        self.first_loss = None if first is None else float(first)
+        pairs = [(int(s), float(v)) for s, v in saved.get("recent") or []]
+        best = saved.get("best")
+        if best is not None and all(s != int(best[0]) for s, _ in pairs):
+            pairs.append((int(best[0]), float(best[1])))
+        self.history = sorted(pairs)
 
     def forget_after(self, step: int) -> None:
         """After a rollback to ``step``: the losses of the steps undone are no longer the run's history."""
