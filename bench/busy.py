@@ -8,7 +8,7 @@ than the HF loop's does. Each loop runs as its own fresh process, as a user woul
 * ``lmforge``: the thread and allocator defaults the ``lmforge`` command sets before torch loads
   (``cli/threads.py``: ``OMP_WAIT_POLICY=PASSIVE``, one share of the cores; ``utils/malloc.py``), then
   the trainer's build and ``TrainStep`` (``bench/train.py``'s ``lmforge_runner``);
-* ``hf``: a plain transformers loop (``bench/train.py``'s ``hf_runner``: fused AdamW, clipping, autocast
+* ``hf``: a plain transformers loop (``bench/train.py``'s ``hf_step``: fused AdamW, clipping, autocast
   when the dtype is 16-bit) with torch's own defaults (OpenMP threads spin while they wait);
 * ``hf-passive``: the same loop with ``OMP_WAIT_POLICY=PASSIVE`` (the peer in its fastest form on a busy
   machine).
@@ -104,24 +104,11 @@ def _hf_step(hf_dir: Path, batch: dict, dtype: str):
     import torch
     import transformers
 
+    import train as bench  # bench/train.py (on sys.path: worker() put it there)
+
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     model.train()
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, fused=True
-    )
-    ids = batch["full"]
-    autocast = dtype != "float32"
-
-    def step():
-        with torch.autocast("cpu", dtype=getattr(torch, dtype), enabled=autocast):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    return bench.hf_step(model, batch["full"], getattr(torch, dtype))
 
 
 def export_hf(dtype: str, hf_dir: Path) -> None:

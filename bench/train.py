@@ -133,14 +133,19 @@ def hf_runner(lmforge_model, batch: dict, workdir: Path, compiled: bool = False)
     model.train()
     if compiled:
         model.compile()
-    # The peer in its fastest form: torch's fused AdamW (its default foreach path is several times slower here).
+    return model, hf_step(model, batch["full"])
+
+
+def hf_step(model, ids: torch.Tensor, compute_dtype: torch.dtype = torch.bfloat16):
+    """One training step of the plain HF loop on ``ids`` (transformers shifts the labels itself): autocast to
+    ``compute_dtype`` over fp32 parameters (none for float32), clipping at 1.0, and the peer's optimizer in
+    its fastest form, torch's fused AdamW (its default foreach path is several times slower here)."""
     opt = torch.optim.AdamW(
         model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, fused=True
     )
-    ids = batch["full"]  # transformers shifts the labels itself
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=compute_dtype, enabled=compute_dtype != torch.float32):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -148,7 +153,7 @@ def hf_runner(lmforge_model, batch: dict, workdir: Path, compiled: bool = False)
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return model, step
+    return step
 
 
 def timed(fn, steps: int) -> list[float]:

@@ -17,19 +17,9 @@ from lmforge.models import build_model
 from lmforge.train.callbacks.validation import build_eval_loader
 from lmforge.train.checkpoint import Checkpointable, CheckpointManager
 from lmforge.train.state import TrainState
+from tiny_fp32 import TINY_RUN_MODEL
 
-MODEL = {
-    "model_type": "qwen3",
-    "architectures": "Qwen3ForCausalLM",
-    "num_hidden_layers": 2,
-    "hidden_size": 32,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 64,
-    "vocab_size": 64,
-    "seq_length": 16,
-    "compute_dtype": "float32",
-}
+MODEL = {**TINY_RUN_MODEL, "seq_length": 16, "compute_dtype": "float32"}
 
 
 def _write_data(prefix):

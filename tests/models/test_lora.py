@@ -15,6 +15,7 @@ from lmforge.models import build_model
 from lmforge.models.lora import LoRALinear, apply_lora, init_lora_weights, lora_modules, merge_lora
 from lmforge.train.builder import build_trainer
 from lmforge.train.callbacks import read_metrics
+from tiny_fp32 import TINY_RUN_MODEL
 from train.test_train_cli import ADAMW, MUON, write_config
 
 TARGETS = ".*linear_qkv|.*linear_proj|.*linear_fc1|.*linear_fc2"
@@ -29,21 +30,7 @@ LORA = [
 
 def _tiny_model():
     return build_model(
-        validate_section(
-            "model",
-            {
-                "model_type": "qwen3",
-                "architectures": "Qwen3ForCausalLM",
-                "num_hidden_layers": 2,
-                "hidden_size": 32,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "intermediate_size": 64,
-                "vocab_size": 64,
-                "seq_length": 16,
-                "compute_dtype": "float32",
-            },
-        )
+        validate_section("model", {**TINY_RUN_MODEL, "seq_length": 16, "compute_dtype": "float32"})
     )
 
 
