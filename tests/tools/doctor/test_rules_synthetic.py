@@ -219,3 +219,19 @@ def test_an_omitted_optimizer_key_reads_as_its_types_default(tmp_path):
         _write_run(tmp_path / "b", _healthy(), config=CONFIG.replace("AdamW, eps: 1.0e-8", "LAMB"))
     )
     assert _eps_value(lamb) == 1e-6 and optimizer_setting(lamb, "weight_decay") == 0.1
+
+
+def test_an_lr_held_at_0_by_skipped_steps_is_not_blamed_on_the_lr(tmp_path):
+    # Every step skipped (non-finite): the warm-up from 0 never advanced, so the lr is 0 throughout. The
+    # cause is what skipped the steps; a learning rate of 0 is not (the schedule's learning_rate is 3e-4).
+    nan = {"loss": math.nan, "grad_norm": math.nan, "lr": 0.0, "skipped": True, "skip_reason": "loss is nan"}
+    records = [{"step": s, **nan} for s in range(1, 41)]
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    causes = [f.cause for f in diagnose(read_run_dir(_write_run(tmp_path / "a", records))).findings]
+    assert causes and not any(c.startswith("learning rate 0") for c in causes)
+    # With the same lr of 0 on applied steps, the lr is the cause.
+    applied = [{**r, "loss": 4.0, "grad_norm": 0.8, "skipped": False} for r in records]
+    for r in applied:
+        r.pop("skip_reason")
+    causes = [f.cause for f in diagnose(read_run_dir(_write_run(tmp_path / "b", applied))).findings]
+    assert any(c.startswith("learning rate 0") for c in causes)

@@ -39,6 +39,12 @@ def lr_zero(ev: RunEvidence) -> RuleResult:
     if any(v != 0 for _, v in lrs):
         return f"the lr is above 0 (peak {_fmt(max(v for _, v in lrs))})"
     base = _base_lr(ev)
+    if base and all(r.get("skipped") is True for r in ev.metrics if "lr" in r):
+        # Skipped steps do not advance the schedule: a warm-up from 0 stays at 0 when every step is
+        # skipped, and the cause is what skipped them (the NaN / Inf rules), not the learning rate.
+        return (
+            "the lr stayed 0 because every logged step was skipped (no update advanced the schedule from 0)"
+        )
     if base == 0 or base is None:
         keys = {"lr_scheduler.learning_rate": 3e-4}
         cause = "lr_scheduler.learning_rate is 0, so no update changes a weight"
