@@ -40,6 +40,33 @@ def write_word_tokenizer(path: Path) -> None:
     tok.save(str(path))
 
 
+def megatron_train_dataset(
+    prefix: Path,
+    *,
+    seq_length: int,
+    split: str,
+    cache: Path,
+    workers: int,
+    shuffle: bool | None = None,
+    attention_mask: bool | None = False,
+) -> dict[str, Any]:
+    """The ``train_dataset`` section of the tests' tiny runs: GPTDataset windows of ``prefix``'s
+    .bin/.idx, eod 0. ``shuffle`` / ``attention_mask`` None leave the key out (its default)."""
+    loader: dict[str, Any] = {
+        "type": "BlendedMegatronDatasetDataLoader",
+        "datasets_type": "GPTDataset",
+        "column_names": ["input_ids", "labels", "loss_mask", "position_ids"],
+    }
+    if shuffle is not None:
+        loader["shuffle"] = shuffle
+    config: dict[str, Any] = {"seq_length": seq_length, "eod": 0, "data_path": [str(prefix)], "split": split}
+    if attention_mask is not None:
+        config["create_attention_mask"] = attention_mask
+    config["path_to_cache"] = str(cache)
+    loader["config"] = config
+    return {"dataloader": loader, "num_parallel_workers": workers}
+
+
 def tiny_run_config(
     tmp: Path,
     *,
@@ -69,21 +96,7 @@ def tiny_run_config(
         "lr_scheduler": dict(lr_scheduler),
         "checkpoint": dict(checkpoint),
         "model": tiny_run_model(seq_length=seq_length, **(model or {})),
-        "train_dataset": {
-            "dataloader": {
-                "type": "BlendedMegatronDatasetDataLoader",
-                "datasets_type": "GPTDataset",
-                "column_names": ["input_ids", "labels", "loss_mask", "position_ids"],
-                "shuffle": True,
-                "config": {
-                    "seq_length": seq_length,
-                    "eod": 0,
-                    "data_path": [str(prefix)],
-                    "split": split,
-                    "create_attention_mask": False,
-                    "path_to_cache": str(tmp / "cache"),
-                },
-            },
-            "num_parallel_workers": 0,
-        },
+        "train_dataset": megatron_train_dataset(
+            prefix, seq_length=seq_length, split=split, cache=tmp / "cache", shuffle=True, workers=0
+        ),
     }

@@ -18,6 +18,7 @@ from lmforge.train.callbacks.validation import build_eval_loader
 from lmforge.train.checkpoint import Checkpointable, CheckpointManager
 from lmforge.train.state import TrainState
 from tiny_fp32 import TINY_RUN_MODEL
+from tiny_train_config import megatron_train_dataset
 
 MODEL = {**TINY_RUN_MODEL, "seq_length": 16, "compute_dtype": "float32"}
 
@@ -37,22 +38,9 @@ def _config(tmp_path):
         "training": {"steps": 1, "local_batch_size": 2, "global_batch_size": 2},
         "lr_scheduler": {"type": "ConstantWarmUpLR", "learning_rate": 1.0e-4, "warmup_steps": 0},
         "model": MODEL,
-        "train_dataset": {
-            "dataloader": {
-                "type": "BlendedMegatronDatasetDataLoader",
-                "datasets_type": "GPTDataset",
-                "column_names": ["input_ids", "labels", "loss_mask", "position_ids"],
-                "config": {
-                    "seq_length": 16,
-                    "eod": 0,
-                    "data_path": [str(prefix)],
-                    "split": "50,50,0",
-                    "create_attention_mask": False,
-                    "path_to_cache": str(tmp_path / "cache"),
-                },
-            },
-            "num_parallel_workers": 1,
-        },
+        "train_dataset": megatron_train_dataset(
+            prefix, seq_length=16, split="50,50,0", cache=tmp_path / "cache", workers=1
+        ),
         "eval_steps": 3,
     }
     path = tmp_path / "train.yaml"

@@ -10,6 +10,7 @@ from cli.test_eval_cli import _write_data
 from lmforge.config import load_config
 from lmforge.train.builder import build_trainer
 from lmforge.train.callbacks import read_metrics
+from tiny_train_config import megatron_train_dataset
 
 from .test_tensorboard_profiler_memory import _scalars, _trace_step_names
 
@@ -41,22 +42,9 @@ def run(tmp_path):
             "seq_length": 16,
             "compute_dtype": "float32",
         },
-        "train_dataset": {
-            "dataloader": {
-                "type": "BlendedMegatronDatasetDataLoader",
-                "datasets_type": "GPTDataset",
-                "column_names": ["input_ids", "labels", "loss_mask", "position_ids"],
-                "config": {
-                    "seq_length": 16,
-                    "eod": 0,
-                    "data_path": [str(prefix)],
-                    "split": "70,30,0",
-                    "create_attention_mask": False,
-                    "path_to_cache": str(tmp_path / "cache"),
-                },
-            },
-            "num_parallel_workers": 1,
-        },
+        "train_dataset": megatron_train_dataset(
+            prefix, seq_length=16, split="70,30,0", cache=tmp_path / "cache", workers=1
+        ),
         "monitor": {
             "train_state": {"local_norm": "word_embeddings", "device_loss": True},
             "moe_monitor": {"save_tokens_per_expert_interval": 1, "target_layers": [0]},
