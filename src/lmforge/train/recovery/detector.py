@@ -34,6 +34,9 @@ class AnomalyDetector:
     def __init__(self) -> None:
         self.history: list[tuple[int, float]] = []  # (step, loss) of the steps judged normal
         self.first_loss: float | None = None
+        # The lowest of them, kept as they come: every step saves the detector's record, and a min over
+        # the whole history each step would grow with the run.
+        self.best: tuple[int, float] | None = None
 
     def observe(
         self, step: int, loss: float, skipped: bool, consecutive_skips: int, skip_limit: int
@@ -58,7 +61,7 @@ class AnomalyDetector:
             and len(recent) == DIVERGENCE_STEPS
             and median(recent) > LOSS_RISE * self.first_loss
         ):
-            best_step, best = min(self.history, key=lambda sv: sv[1])
+            best_step, best = self.best if self.best is not None else (step, loss)
             return Anomaly(
                 f"divergence: the median loss of steps {step - DIVERGENCE_STEPS + 1}..{step} ({median(recent):.4g}) > "
                 f"{LOSS_RISE:g} x the run's first loss {self.first_loss:.4g} (lowest loss {best:.4g} at step {best_step})",
@@ -67,6 +70,8 @@ class AnomalyDetector:
         if self.first_loss is None:
             self.first_loss = loss
         self.history.append((step, loss))
+        if self.best is None or loss < self.best[1]:
+            self.best = (step, loss)
         return None
 
     def _spike(self, step: int, loss: float) -> Anomaly | None:
@@ -87,18 +92,17 @@ class AnomalyDetector:
 
     def best_step(self) -> int | None:
         """The step of the lowest normal loss: a divergence rolls back to before it."""
-        return min(self.history, key=lambda sv: sv[1])[0] if self.history else None
+        return self.best[0] if self.best is not None else None
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to judge its first steps as this run would: the first loss, the newest
         normal losses (the spike window) and the lowest one (the divergence rule's onset). Bounded, so a
         long run's checkpoint does not carry every loss."""
         recent = self.history[-SPIKE_WINDOW:]
-        best = min(self.history, key=lambda sv: sv[1]) if self.history else None
         return {
             "first_loss": self.first_loss,
             "recent": [[s, v] for s, v in recent],
-            "best": None if best is None else [best[0], best[1]],
+            "best": None if self.best is None else [self.best[0], self.best[1]],
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -110,7 +114,9 @@ class AnomalyDetector:
         if best is not None and all(s != int(best[0]) for s, _ in pairs):
             pairs.append((int(best[0]), float(best[1])))
         self.history = sorted(pairs)
+        self.best = min(self.history, key=lambda sv: sv[1]) if self.history else None
 
     def forget_after(self, step: int) -> None:
         """After a rollback to ``step``: the losses of the steps undone are no longer the run's history."""
         self.history = [(s, v) for s, v in self.history if s <= step]
+        self.best = min(self.history, key=lambda sv: sv[1]) if self.history else None
