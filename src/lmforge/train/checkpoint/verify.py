@@ -422,6 +422,7 @@ def read_record(directory: Path, *, required: bool) -> tuple[dict[str, dict[str,
 
 def damaged_error(directory: Path, problems: list[str]) -> CheckpointError:
     """The one error of a checkpoint whose files differ from their record (load and inspect)."""
+    problems = [p.rstrip(".") for p in problems]  # a record's own error ends in a full stop
     return CheckpointError(
         f"Checkpoint {directory} is damaged: {'; '.join(problems[:5])}"
         f"{f' (and {len(problems) - 5} more)' if len(problems) > 5 else ''}. It was not loaded. Use another "
