@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,21 @@ def test_a_multi_block_file_verifies(tmp_path, workers):
     assert check_file(tmp_path, "big", files["big"], workers=workers).ok
     assert [c.name for c in check_all(tmp_path, files, workers=workers) if c.ok] == ["big", "small"]
     verify_checkpoint(tmp_path, required=True)
+
+
+def test_the_blocks_of_one_file_are_hashed_at_the_same_time(tmp_path, monkeypatch):
+    _write(tmp_path / "big", 4 * BLOCK)
+    files = _recorded(tmp_path)
+    together = threading.Barrier(2, timeout=10)  # broken (an error) unless two blocks are hashed at once
+    hash_block = verify._sha256_of
+
+    def meet_then_hash(path, block):
+        if block.index < 2:
+            together.wait()
+        return hash_block(path, block)
+
+    monkeypatch.setattr(verify, "_sha256_of", meet_then_hash)
+    assert check_file(tmp_path, "big", files["big"], workers=2).ok
 
 
 def test_a_flipped_byte_in_one_block_is_named_with_its_byte_range(tmp_path):
