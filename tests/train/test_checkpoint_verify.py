@@ -5,6 +5,7 @@ lmforge-dcp/2) verify as before. Blocks are a few KiB here so that every test st
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import shutil
@@ -146,6 +147,25 @@ def test_a_file_of_another_size_is_damaged_without_hashing(tmp_path, monkeypatch
     assert check.problem == f"big has {4 * BLOCK + change} bytes, {4 * BLOCK} were written"
     (tmp_path / "big").unlink()
     assert check_all(tmp_path, files)[0].problem == "big is missing"
+
+
+def test_a_read_error_is_damage_named_with_its_block_not_a_traceback(tmp_path, monkeypatch):
+    _write(tmp_path / "big", 4 * BLOCK)
+    _recorded(tmp_path)
+    hash_block = verify._sha256_of
+
+    def bad_sector(path, block):
+        if block.index == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return hash_block(path, block)
+
+    monkeypatch.setattr(verify, "_sha256_of", bad_sector)
+    with pytest.raises(CheckpointError) as err:
+        verify_checkpoint(tmp_path, required=True)
+    assert (
+        f"big could not be read (bytes {BLOCK}-{2 * BLOCK - 1} (block 2 of 4): OSError: [Errno 5] Input/output "
+        "error). It was not loaded." in str(err.value)
+    )
 
 
 def test_a_whole_file_record_of_a_large_file_still_verifies(tmp_path, monkeypatch):

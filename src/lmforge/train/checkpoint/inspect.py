@@ -145,6 +145,8 @@ def _status(check: FileCheck) -> str:
         return f"MISSING ({check.recorded_size} bytes recorded)"
     if check.size != check.recorded_size:
         return f"DAMAGED: {check.size} bytes found, {check.recorded_size} recorded"
+    if check.unreadable is not None:
+        return f"UNREADABLE: {check.unreadable}"
     first = check.mismatches[0]
     digests = f"{ALGORITHM} {first.found} found, {first.recorded} recorded"
     if first.count == 1:  # a whole-file record

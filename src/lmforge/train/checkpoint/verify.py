@@ -271,24 +271,30 @@ class BlockMismatch:
 
     @property
     def where(self) -> str:
-        """The byte range and block, in the words of the error (``bytes A-B, block i of n``)."""
-        return f"bytes {self.offset}-{self.offset + self.length - 1} (block {self.index + 1} of {self.count})"
+        return _where(self.offset, self.length, self.index, self.count)
+
+
+def _where(offset: int, length: int, index: int, count: int) -> str:
+    """A block's byte range, in the words of the error (``bytes A-B (block i of n)``)."""
+    return f"bytes {offset}-{offset + length - 1} (block {index + 1} of {count})"
 
 
 @dataclass(frozen=True)
 class FileCheck:
     """One file of a checkpoint against its record: what was written (``recorded_size``) and what is on
     disk (``size`` None: the file is missing); ``mismatches``: the blocks that hash to other digests (none
-    are hashed when the size already differs). Under a process group a rank's check covers its blocks."""
+    are hashed when the size already differs); ``unreadable``: the error of a block that could not be read.
+    Under a process group a rank's check covers its share of the blocks."""
 
     name: str
     recorded_size: int
     size: int | None
     mismatches: tuple[BlockMismatch, ...] = ()
+    unreadable: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.size == self.recorded_size and not self.mismatches
+        return self.size == self.recorded_size and not self.mismatches and self.unreadable is None
 
     @property
     def problem(self) -> str | None:
@@ -297,6 +303,8 @@ class FileCheck:
             return f"{self.name} is missing"
         if self.size != self.recorded_size:
             return f"{self.name} has {self.size} bytes, {self.recorded_size} were written"
+        if self.unreadable is not None:
+            return f"{self.name} could not be read ({self.unreadable})"
         if not self.mismatches:
             return None
         first = self.mismatches[0]
@@ -358,18 +366,39 @@ def check_blocks(
             pending[block.name].append((block, pool.submit(_sha256_of, directory / block.name, block)))
         checks = []
         for name in names:
-            mismatches = tuple(
-                BlockMismatch(b.index, b.count, b.offset, b.length, b.recorded, found)
-                for b, future in pending[name]
-                if (found := future.result()) != b.recorded
-            )
-            check = FileCheck(name, files[name]["size"], sizes[name], mismatches)
+            check = _file_check(name, files[name]["size"], sizes[name], pending[name])
             if on_checked is not None:
                 on_checked(check)
             checks.append(check)
         return checks
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # on an error, drop the blocks not yet started
+
+
+def _file_check(
+    name: str, recorded_size: int, size: int | None, hashed: list[tuple[Block, Future]]
+) -> FileCheck:
+    """One file's check from its hashed blocks (waiting for each). A block that cannot be read (a disk's
+    I/O error) makes the file damaged rather than raising, so that every rank still reaches the collective
+    that shares the results and all raise the same error."""
+    mismatches = []
+    unreadable = None
+    for block, future in hashed:
+        try:
+            found = future.result()
+        except OSError as exc:
+            where = (
+                _where(block.offset, block.length, block.index, block.count)
+                if block.count > 1
+                else "reading it"
+            )
+            unreadable = unreadable or f"{where}: {type(exc).__name__}: {exc}"
+            continue
+        if found != block.recorded:
+            mismatches.append(
+                BlockMismatch(block.index, block.count, block.offset, block.length, block.recorded, found)
+            )
+    return FileCheck(name, recorded_size, size, tuple(mismatches), unreadable)
 
 
 def check_file(directory: Path, name: str, want: dict[str, Any], *, workers: int | None = None) -> FileCheck:
@@ -403,7 +432,8 @@ def merge_checks(checks: Iterable[FileCheck]) -> list[FileCheck]:
             merged.append(wrong_size)
             continue
         mismatches = tuple(sorted({m for c in parts for m in c.mismatches}, key=lambda m: m.index))
-        merged.append(FileCheck(name, parts[0].recorded_size, parts[0].size, mismatches))
+        unreadable = next((c.unreadable for c in parts if c.unreadable is not None), None)
+        merged.append(FileCheck(name, parts[0].recorded_size, parts[0].size, mismatches, unreadable))
     return merged
 
 
