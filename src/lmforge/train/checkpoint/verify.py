@@ -17,7 +17,8 @@ agree on it), each on ``verify_threads()`` threads: the CPUs of the process divi
 its node, at most ``MAX_THREADS``. SHA-256 runs at ~1-2 GB/s per core with SHA instructions. A file of
 another size is damaged without reading it. ``lmforge checkpoint inspect`` checks every block in one
 process (``check_all``) with the same rule and reports damage with the same error (``damaged_error``),
-naming the file and, for a block record, the byte range that differs.
+naming the file and, for a block record, the byte range that differs. A block that cannot be read (an
+I/O error) is damage too, so that every rank reaches the collective that shares the results.
 
 Why: a shard whose bytes were overwritten (same size) loads without complaint and its NaN/garbage
 weights only show as skipped steps; a checkpoint with a missing or altered ``common.json`` would
