@@ -120,6 +120,11 @@ def main() -> None:
             *table,
             "",
             f"Speed-up of verifying on 2 threads over today's whole-file digest: {check['whole'] / check['2']:.2f}x.",
+            "A save records either in one pass on one thread, so the block record costs it nothing; on load",
+            "each thread adds about one core of SHA-256 while cores and storage keep up (`verify_threads()`:",
+            "up to 8 per process, the CPUs divided between the local ranks). At these rates the ~84 GB training",
+            f"state of a 7B model, one file on one process, verifies in {84e9 * check['whole'] / size:.0f} s with a",
+            f"whole-file digest and in {84e9 * check['2'] / size:.0f} s on these 2 cores.",
         ]
     )
     print(body)
