@@ -12,7 +12,7 @@ import torch
 from lmforge.cli import main
 from lmforge.train.checkpoint import Checkpointable, CheckpointManager
 from lmforge.train.checkpoint import inspect as inspect_mod
-from lmforge.train.checkpoint.verify import CHECKSUM_FILE
+from lmforge.train.checkpoint.verify import CHECKSUM_FILE, write_checksums
 
 from .tiny import TinyLM
 
@@ -71,6 +71,27 @@ def test_one_flipped_byte_in_a_shard_is_named_with_both_digests(ckpt, capsys):
     assert _line(out, ".metadata").endswith("OK") and _line(out, "common.json").endswith("OK")
     recorded_files = json.loads((ckpt / ITER / CHECKSUM_FILE).read_text())["files"]
     assert f"DAMAGED: 1 of {len(recorded_files)} files differ" in out
+
+
+def test_damage_in_a_multi_block_shard_is_named_with_its_byte_range(ckpt, capsys):
+    it = ckpt / ITER
+    (it / CHECKSUM_FILE).unlink()
+    write_checksums(it, {}, block_size=1024)  # as a save records a shard larger than a block
+    shard = _shard(ckpt)
+    recorded = json.loads((it / CHECKSUM_FILE).read_text())["files"][shard.name]
+    n = len(recorded["blocks"])
+    assert n > 2 and _inspect(capsys, ckpt)[0] == 0
+    data = bytearray(shard.read_bytes())
+    data[1024 + 5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    code, out, err = _inspect(capsys, ckpt)
+    where = f"bytes 1024-2047 (block 2 of {n})"
+    assert code == 2 and f"{shard.name} has other bytes than were written in {where}" in err
+    found = hashlib.sha256(data[1024:2048]).hexdigest()
+    assert _line(out, shard.name).endswith(
+        f"DAMAGED: {where}: sha256 {found} found, {recorded['blocks'][1]} recorded"
+    )
+    assert _line(out, ".metadata").endswith("OK")
 
 
 def test_a_truncated_shard_is_named_with_both_sizes(ckpt, capsys):

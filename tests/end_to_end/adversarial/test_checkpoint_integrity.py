@@ -59,7 +59,7 @@ def test_a_checkpoint_records_a_checksum_of_every_file(run_copy):
     shard = _shard(run_copy)
     want = record["files"][shard.name]
     assert want == {"size": shard.stat().st_size, "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
-    assert json.loads((it / "common.json").read_text())["format"] == "lmforge-dcp/2"
+    assert json.loads((it / "common.json").read_text())["format"] == "lmforge-dcp/3"
 
 
 @pytest.mark.parametrize("where", ["middle", "end"])

@@ -25,10 +25,13 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.json"
 CONFIG_FILE = "config.yaml"
-# "lmforge-dcp/2": every file is recorded in checksums.json (train/checkpoint/verify.py); "/1" came before.
-FORMAT = "lmforge-dcp/2"
+# "lmforge-dcp/3": files larger than a block are recorded in checksums.json per block (verified in
+# parallel, train/checkpoint/verify.py); a new format so that an lmforge which knows only whole-file
+# digests refuses such a checkpoint by name instead of misreading its record. "/2": every file recorded
+# by one digest; "/1" came before any record.
+FORMAT = "lmforge-dcp/3"
 LEGACY_FORMAT = "lmforge-dcp/1"
-KNOWN_FORMATS = (LEGACY_FORMAT, FORMAT)
+KNOWN_FORMATS = (LEGACY_FORMAT, "lmforge-dcp/2", FORMAT)
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 

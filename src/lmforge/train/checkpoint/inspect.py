@@ -4,7 +4,7 @@ without building a model.
 Verification is the load path's own (``verify.py``: the record, the per-file check and the damage error
 are the ones ``load_checkpoint`` uses), done on every file in this one process. It is on by default:
 inspect is what a user asks before trusting a checkpoint with a long job, and the cost is one read of the
-checkpoint (about 1 GiB/s per core; the files are hashed on up to 4 threads).
+checkpoint (about 1 GiB/s per core; the blocks of all files are hashed on up to 8 threads).
 """
 
 from __future__ import annotations
@@ -145,7 +145,14 @@ def _status(check: FileCheck) -> str:
         return f"MISSING ({check.recorded_size} bytes recorded)"
     if check.size != check.recorded_size:
         return f"DAMAGED: {check.size} bytes found, {check.recorded_size} recorded"
-    return f"DAMAGED: {ALGORITHM} {check.digest} found, {check.recorded_digest} recorded"
+    if check.unreadable is not None:
+        return f"UNREADABLE: {check.unreadable}"
+    first = check.mismatches[0]
+    digests = f"{ALGORITHM} {first.found} found, {first.recorded} recorded"
+    if first.count == 1:  # a whole-file record
+        return f"DAMAGED: {digests}"
+    more = len(check.mismatches) - 1
+    return f"DAMAGED: {first.where}: {digests}" + (f" (and {more} more blocks)" if more else "")
 
 
 def _progress_printer(files: dict[str, dict[str, Any]], stream: TextIO | None) -> Any:

@@ -147,7 +147,7 @@ def _read_common(common_file: Path) -> dict[str, Any]:
     fmt = common.get("format")
     if fmt not in KNOWN_FORMATS:
         raise CheckpointError(
-            f"{common_file}: format is {fmt!r}; this lmforge reads {' and '.join(map(repr, KNOWN_FORMATS))}. "
+            f"{common_file}: format is {fmt!r}; this lmforge reads {', '.join(map(repr, KNOWN_FORMATS[:-1]))} and {KNOWN_FORMATS[-1]!r}. "
             "The file is damaged or comes from another program or a newer lmforge."
         )
     layout = common.get("weight_layout", _LAYOUT_BEFORE_RECORDED if fmt == "lmforge-dcp/1" else None)
