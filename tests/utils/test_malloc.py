@@ -22,9 +22,11 @@ def test_the_users_settings_win():
     assert user_choice({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) == "jemalloc is preloaded"
 
 
-# Allocates and frees a 64 MiB tensor ten times after lmforge's CLI start-up and the imports of a training
-# process, and prints the minor page faults of the last five rounds (the heap settles in the first few):
-# with the blocks kept in the process there is nothing to fault in again. The training stack is imported
+# Allocates and frees a 64 MiB tensor twenty times after lmforge's CLI start-up and the imports of a
+# training process, and prints how many of the last ten rounds faulted in at least half the block again.
+# The heap settles in the first rounds: while small allocations land in the freed block its rest no longer
+# fits and the heap grows once more; that took up to six rounds here and once a seventh in CI. After that,
+# with the blocks kept in the process, there is nothing to fault in again. The training stack is imported
 # as `lmforge train` imports it: with torch alone loaded (the cheap commands load nothing), glibc's heap
 # may not be able to grow in place for a 64 MiB block and maps it instead, which says nothing about runs.
 _PROBE = (
@@ -33,12 +35,12 @@ _PROBE = (
     "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
     "import torch\nimport lmforge.train.builder\n"
     "faults = []\n"
-    "for _ in range(10):\n"
+    "for _ in range(20):\n"
     "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
     "    t = torch.ones(16 << 20)\n"
     "    del t\n"
     "    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
-    "print(sum(faults[5:]))\n"
+    "print(sum(f > 8192 for f in faults[10:]))\n"
     "print(malloc.status)\n"
 )
 
@@ -62,5 +64,5 @@ def test_freed_blocks_are_not_faulted_in_again():
     released, status_off = _probe({"LMFORGE_MALLOC": "default"})
     assert "LMFORGE_MALLOC=default" in status_off
     # 64 MiB are 16,384 pages: glibc's defaults map and unmap the block every round.
-    assert released > 5 * 16_000, released
-    assert kept < 2_000, kept
+    assert released == 10, released
+    assert kept <= 2, kept
