@@ -4,6 +4,7 @@ path's own check) and names what is damaged or missing, recorded against found, 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 
 import pytest
@@ -12,7 +13,14 @@ import torch
 from lmforge.cli import main
 from lmforge.train.checkpoint import Checkpointable, CheckpointManager
 from lmforge.train.checkpoint import inspect as inspect_mod
-from lmforge.train.checkpoint.verify import CHECKSUM_FILE, write_checksums
+from lmforge.train.checkpoint.inspect import HashProgress, inspect_checkpoint
+from lmforge.train.checkpoint.verify import (
+    CHECKSUM_FILE,
+    check_all,
+    file_record,
+    read_checksums,
+    write_checksums,
+)
 
 from .tiny import TinyLM
 
@@ -136,11 +144,90 @@ def test_no_verify_reads_no_shard(ckpt, capsys):
     assert code == 0 and "checksums: not verified (--no-verify)" in out
 
 
-def test_a_large_checkpoint_reports_progress_per_file(ckpt, capsys, monkeypatch):
+class FakeClock:
+    """A clock that moves ``step`` seconds each time it is read (progress is throttled by it, no sleeping)."""
+
+    def __init__(self, step: float = 1.0):
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def _done_bytes(line):
+    """The bytes done of a progress line, in KiB (``... 3.0 KiB of 10.1 KiB (29%) ...``)."""
+    amount = line.split(": ", 1)[1].split(" of ")[0]
+    value, unit = amount.split()
+    return float(value) * {"B": 1 / 1024, "KiB": 1, "MiB": 1024}[unit]
+
+
+def test_a_large_checkpoint_ends_its_progress_with_a_line_of_everything_verified(ckpt, capsys, monkeypatch):
     monkeypatch.setattr(inspect_mod, "PROGRESS_BYTES", 0)  # every checkpoint counts as large
     code, _, err = _inspect(capsys, ckpt)
     n = len(json.loads((ckpt / ITER / CHECKSUM_FILE).read_text())["files"])
     lines = err.splitlines()
-    counts = [line.split(":")[1].split()[0] for line in lines[:-1]]
-    assert code == 0 and counts == [f"{i}/{n}" for i in range(1, n + 1)]
-    assert lines[-1].startswith(f"verified {n} files")
+    assert code == 0 and lines[-1].startswith(f"verified {n} files: ") and "(100%) in " in lines[-1]
+    assert all(line.startswith("verifying checksums: ") for line in lines[:-1])  # at most every 2 s
+
+
+def test_progress_moves_within_one_multi_block_file(tmp_path):
+    """A checkpoint of one large file reports the bytes hashed across its blocks, not files finished."""
+    size = 10 * 1024 + 100
+    (tmp_path / "big").write_bytes(bytes(range(256)) * (size // 256) + bytes(size % 256))
+    files = {"big": file_record(tmp_path / "big", 1024)}
+    assert len(files["big"]["blocks"]) == 11
+    stream = io.StringIO()
+    printer = HashProgress(stream, size, clock=FakeClock(), interval=2.0)
+    (check,) = check_all(tmp_path, files, on_block=printer.block_checked, workers=2)
+    printer.finish(1)
+    lines = stream.getvalue().splitlines()
+    *updates, last = lines
+    assert check.ok and printer.done == size
+    # The clock moves 1 s per block, so every other block prints; each line says more bytes than the one before.
+    assert len(updates) == 5 and all(line.startswith("verifying checksums: ") for line in updates)
+    done = [_done_bytes(line) for line in updates]
+    assert done == sorted(done) and len(set(done)) == len(done) and done[-1] < size / 1024
+    assert all(" MB/s, ETA " in line and " of 10.1 KiB (" in line for line in updates)
+    assert last.startswith("verified 1 file: 10.1 KiB of 10.1 KiB (100%) in ") and last.endswith(" MB/s")
+
+
+def test_a_large_checkpoint_prints_throttled_progress_through_inspect(ckpt, monkeypatch):
+    it = ckpt / ITER
+    (it / CHECKSUM_FILE).unlink()
+    write_checksums(it, {}, block_size=1024)  # the shard in many blocks
+    blocks = sum(len(r.get("blocks", [None])) for r in read_checksums(it).values())
+    monkeypatch.setattr(inspect_mod, "PROGRESS_BYTES", 0)
+    stream = io.StringIO()
+    result = inspect_checkpoint(ckpt, progress=stream, clock=FakeClock(0.5))
+    lines = stream.getvalue().splitlines()
+    assert result.damage is None and lines[-1].startswith("verified ") and "(100%)" in lines[-1]
+    # 0.5 s per block settled: one line per 4 blocks (2 s), never one per block.
+    assert blocks // 4 - 1 <= len(lines) - 1 <= blocks // 4
+    done = [_done_bytes(line) for line in lines]
+    assert done == sorted(done)
+
+
+def test_a_small_checkpoint_prints_no_progress(ckpt):
+    stream = io.StringIO()
+    assert inspect_checkpoint(ckpt, progress=stream, clock=FakeClock()).damage is None
+    assert stream.getvalue() == ""
+
+
+class _ClosedStream(io.StringIO):
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_progress_stream_does_not_pass_for_damage(ckpt, monkeypatch):
+    monkeypatch.setattr(inspect_mod, "PROGRESS_BYTES", 0)
+    result = inspect_checkpoint(ckpt, progress=_ClosedStream(), clock=FakeClock(10.0))
+    assert result.damage is None and "checksums: verified: all " in result.text
+
+
+@pytest.mark.parametrize(
+    ("remaining", "eta"), [(30, "30 s"), (185, "3 min 05 s"), (3720, "1 h 02 min"), (0, "0 s")]
+)
+def test_the_eta_is_the_time_left_at_the_rate_so_far(remaining, eta):
+    assert inspect_mod._eta(remaining * 1000, done=1000, elapsed=1.0) == eta
+    assert inspect_mod._eta(100, done=0, elapsed=0.0) == "?"

@@ -350,28 +350,36 @@ def check_blocks(
     blocks: list[Block],
     *,
     workers: int | None = None,
-    on_checked: Callable[[FileCheck], None] | None = None,
+    on_block: Callable[[Block], None] | None = None,
 ) -> list[FileCheck]:
     """The files of ``blocks`` (records in ``files``) against their record, in name order: sizes first (a
     file of another size is damaged without reading it), then ``blocks`` of the files of the right size
-    hashed on ``workers`` threads (default ``verify_threads()``; file reads and hashlib release the GIL);
-    ``on_checked`` sees each file's result as soon as it and the ones before it are done."""
+    hashed on ``workers`` threads (default ``verify_threads()``; file reads and hashlib release the GIL).
+
+    ``on_block`` (progress) sees each block of ``blocks`` once it is settled: on the worker thread that
+    hashed it (read or not: an unreadable block is settled too), so it must be thread-safe; at once, on
+    this thread, for the blocks of a file of another size, which are not read. Every call has been made
+    when this returns (the pool is shut down first). An error it raises on a worker thread is logged by
+    ``concurrent.futures`` and does not change the result of the check."""
     names = sorted({b.name for b in blocks})
     sizes = {name: _size_on_disk(directory / name) for name in names}
     todo = [b for b in blocks if sizes[b.name] == files[b.name]["size"]]
+    if on_block is not None:
+        for block in blocks:
+            if sizes[block.name] != files[block.name]["size"]:
+                on_block(block)
     workers = max(1, min(workers or verify_threads(), len(todo)))
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmforge-verify")
     try:
         pending: dict[str, list[tuple[Block, Future]]] = {name: [] for name in names}
         for block in todo:  # in name order, so files finish roughly in the order they are reported
-            pending[block.name].append((block, pool.submit(_sha256_of, directory / block.name, block)))
-        checks = []
-        for name in names:
-            check = _file_check(name, files[name]["size"], sizes[name], pending[name])
-            if on_checked is not None:
-                on_checked(check)
-            checks.append(check)
-        return checks
+            future = pool.submit(_sha256_of, directory / block.name, block)
+            if on_block is not None:
+                # A done-callback rather than a call inside the task: an error of the progress (a closed
+                # stderr is an OSError) can never pass for an unreadable block.
+                future.add_done_callback(lambda _, block=block: on_block(block))
+            pending[block.name].append((block, future))
+        return [_file_check(name, files[name]["size"], sizes[name], pending[name]) for name in names]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # on an error, drop the blocks not yet started
 
@@ -411,13 +419,13 @@ def check_all(
     directory: Path,
     files: dict[str, dict[str, Any]],
     *,
-    on_checked: Callable[[FileCheck], None] | None = None,
+    on_block: Callable[[Block], None] | None = None,
     workers: int | None = None,
 ) -> list[FileCheck]:
     """Every recorded file of ``directory`` in this one process (``lmforge checkpoint inspect``), in name
     order, the blocks of all files hashed on one pool of ``workers`` threads (default ``verify_threads()``);
-    ``on_checked`` sees each result as soon as it and the ones before it are done."""
-    return check_blocks(directory, files, all_blocks(files), workers=workers, on_checked=on_checked)
+    ``on_block`` sees each block once it is settled (``check_blocks``)."""
+    return check_blocks(directory, files, all_blocks(files), workers=workers, on_block=on_block)
 
 
 def merge_checks(checks: Iterable[FileCheck]) -> list[FileCheck]:
