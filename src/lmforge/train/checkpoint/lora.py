@@ -8,15 +8,20 @@ generate`` / ``eval`` and ``lmforge convert --to-hf`` rebuild the base first and
 
 - ``{"kind": "init", "seed": S}``: a fresh init; the layout-invariant init gives the same base from ``S``
   on every layout.
-- ``{"kind": "hf" | "dcp", "path": ABS_DIR, "files": {NAME: {"size": N, "sha256": H}}}``: a Hugging Face
-  directory or an lmforge checkpoint loaded through ``checkpoint.load_path``. Every weight file's size
-  and SHA-256 are recorded at the start of the run and checked before the base is rebuilt, so a moved,
-  deleted or rewritten base is a clear error rather than adapters applied to other weights.
+- ``{"kind": "hf" | "dcp", "path": ABS_DIR, "files": {NAME: RECORD}}``: a Hugging Face directory or an
+  lmforge checkpoint loaded through ``checkpoint.load_path``. Every weight file is recorded at the start
+  of the run and checked before the base is rebuilt, so a moved, deleted or rewritten base is a clear
+  error rather than adapters applied to other weights.
+
+A RECORD is the one of ``checksums.json`` (``verify.py``): ``{"size": N, "sha256": H}`` for a file of at
+most one block (128 MiB), ``{"size": N, "block_size": B, "blocks": [H, ...]}`` above, so that a large
+base is checked on several threads rather than one stream of SHA-256 (records of lmforge before block
+records are all of the first form, and are checked as before). The check runs on rank 0 only, each
+time such a checkpoint is loaded.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +30,7 @@ import torch
 from torch import nn
 
 from lmforge.errors import CheckpointError
+from lmforge.train.checkpoint.verify import all_blocks, check_blocks, entry_problem, read_record, record_files
 from lmforge.utils.logging import get_logger
 
 logger = get_logger("lmforge.train.checkpoint.lora")
@@ -58,28 +64,56 @@ def _weight_files(path: Path, kind: str) -> list[Path]:
     return sorted({f for pattern in patterns for f in path.glob(pattern) if f.is_file()})
 
 
-def _sha256(file: Path) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def fingerprint(path: Path, kind: str, block_size: int | None = None) -> dict[str, dict[str, Any]]:
+    """The record of each weight file of a base directory (read once, several files at a time)."""
+    return record_files(_weight_files(path, kind), block_size)
 
 
-def fingerprint(path: Path, kind: str) -> dict[str, dict[str, Any]]:
-    """Size and SHA-256 of each weight file of a base directory (read once per run)."""
-    return {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)} for f in _weight_files(path, kind)}
+def _checkpoint_records(path: Path) -> dict[str, dict[str, Any]] | None:
+    """The records an lmforge checkpoint holds of its own weight files, or None when it lacks one of them
+    (a checkpoint of ``lmforge-dcp/1`` has none)."""
+    files, problem = read_record(path, required=False)
+    if files is None or problem is not None:
+        return None
+    names = [f.name for f in _weight_files(path, "dcp")]
+    if not names or any(name not in files for name in names):
+        return None
+    return {name: dict(files[name]) for name in names}
 
 
 def base_record(header: Any, seed: int) -> dict[str, Any]:
-    """Where the frozen base of this run comes from, given what ``checkpoint.load_path`` resolved to."""
+    """Where the frozen base of this run comes from, given what ``checkpoint.load_path`` resolved to and
+    ``load_checkpoint`` has just loaded into the model."""
     if header is None:
         return {"kind": "init", "seed": int(seed)}
     recorded = header.common.get(LORA_BASE_KEY) if header.kind == "dcp" else None
     if recorded:
         return dict(recorded)  # resumed (or fine-tuned further) from a small checkpoint: the same base
     path = Path(header.path).resolve()
-    return {"kind": header.kind, "path": str(path), "files": fingerprint(path, header.kind)}
+    # An lmforge checkpoint's own checksums.json is taken rather than hashing the base again: the load
+    # that put these weights into the model (every rank, before reading anything) has just checked every
+    # file against that record and refused the checkpoint otherwise, so the record is what was loaded; a
+    # hash taken now would be a second read of the whole base on rank 0 alone, and would describe the
+    # files as they are now rather than as they were loaded.
+    files = _checkpoint_records(path) if header.kind == "dcp" else None
+    if files is None:
+        files = fingerprint(path, header.kind)
+    return {"kind": header.kind, "path": str(path), "files": files}
+
+
+def _recorded_files(record: dict[str, Any], checkpoint: Path) -> dict[str, dict[str, Any]]:
+    """The ``files`` of a base record, each entry one ``checksums.json`` could hold (or refused)."""
+    files = record.get("files") or {}
+    problems = [] if isinstance(files, dict) else ["its files is not an object"]
+    if not problems:
+        problems = [f"the entry of {n!r} {p}" for n, e in sorted(files.items()) if (p := entry_problem(e))]
+    if problems:
+        raise CheckpointError(
+            f"{checkpoint}/common.json: lora_base of kind {record['kind']!r} is not a record lmforge writes: "
+            f'{problems[0]}. Each file is recorded as {{"size": N, "sha256": HEX}} or {{"size": N, '
+            '"block_size": B, "blocks": [HEX, ...]}; the checkpoint is corrupt.'
+        )
+    return files
 
 
 def check_base(record: dict[str, Any], checkpoint: Path) -> None:
@@ -105,15 +139,13 @@ def check_base(record: dict[str, Any], checkpoint: Path) -> None:
             f"{how} That directory no longer exists. Put the base back at that path, or export the adapters "
             "from a copy of the run that still has it."
         )
-    expected: dict[str, Any] = record.get("files") or {}
-    actual_files = {f.name: f for f in _weight_files(path, kind)}
-    changed = sorted(set(expected) ^ set(actual_files))
-    for name, want in sorted(expected.items()):
-        f = actual_files.get(name)
-        if f is None or name in changed:
-            continue
-        if f.stat().st_size != want.get("size") or _sha256(f) != want.get("sha256"):
-            changed.append(name)
+    expected = _recorded_files(record, checkpoint)
+    on_disk = {f.name for f in _weight_files(path, kind)}
+    changed = set(expected) ^ on_disk  # added or removed
+    present = {name: want for name, want in expected.items() if name in on_disk}
+    # Sizes first (a file of another size is not read), then the blocks of all files on several threads.
+    checks = check_blocks(path, present, all_blocks(present))
+    changed = sorted(changed | {check.name for check in checks if not check.ok})
     if changed:
         raise CheckpointError(
             f"{how} Its weight files changed since (size or SHA-256 differ, or files were added/removed: "

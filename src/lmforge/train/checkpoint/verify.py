@@ -100,6 +100,19 @@ def file_record(path: Path, block_size: int | None = None) -> dict[str, Any]:
     return {"size": size, "block_size": block_size, "blocks": digests}
 
 
+def record_files(
+    paths: list[Path], block_size: int | None = None, *, workers: int | None = None
+) -> dict[str, dict[str, Any]]:
+    """Records of ``paths`` (name -> ``file_record``), several files at once on ``workers`` threads
+    (default ``verify_threads()``); each file is still read front to back on one thread."""
+    if not paths:
+        return {}
+    workers = max(1, min(workers or verify_threads(), len(paths)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmforge-record") as pool:
+        records = pool.map(lambda p: file_record(p, block_size), paths)
+        return {p.name: record for p, record in zip(paths, records)}
+
+
 def rank_file_stem(prefix: str | None, rank: int, world: int) -> str:
     """The start of the names of the shard files rank ``rank`` writes (``manager._PrefixedWriter``)."""
     return f"{prefix}-{rank:07d}-{world:07d}_" if prefix else f"{rank:07d}-{world:07d}_"
@@ -139,7 +152,7 @@ def _is_digest(value: Any) -> bool:
     return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
 
 
-def _entry_problem(entry: Any) -> str | None:
+def entry_problem(entry: Any) -> str | None:
     """What is wrong with one file's entry of the record; None when it is one lmforge writes."""
     if not isinstance(entry, dict):
         return "is not a JSON object"
@@ -185,7 +198,7 @@ def _record_problem(record: Any) -> str | None:
     for name, entry in record["files"].items():
         if not name or "/" in name:
             return f"it names the file {name!r}, which is not a file of this directory"
-        problem = _entry_problem(entry)
+        problem = entry_problem(entry)
         if problem is not None:
             return f"the entry of {name!r} {problem}"
     return None
