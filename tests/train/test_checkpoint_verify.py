@@ -32,6 +32,7 @@ from lmforge.train.checkpoint.verify import (
     check_file,
     file_record,
     read_checksums,
+    record_files,
     share_of,
     verify_checkpoint,
     verify_threads,
@@ -88,6 +89,32 @@ def test_a_multi_block_file_verifies(tmp_path, workers):
     assert check_file(tmp_path, "big", files["big"], workers=workers).ok
     assert [c.name for c in check_all(tmp_path, files, workers=workers) if c.ok] == ["big", "small"]
     verify_checkpoint(tmp_path, required=True)
+
+
+def test_record_files_records_several_files_as_file_record_does(tmp_path):
+    _write(tmp_path / "big", 3 * BLOCK + 5)
+    _write(tmp_path / "small", 10, seed=1)
+    paths = [tmp_path / "big", tmp_path / "small"]
+    assert record_files(paths, BLOCK, workers=2) == {p.name: file_record(p, BLOCK) for p in paths}
+    assert record_files([], BLOCK) == {}
+
+
+def test_every_block_is_reported_once_as_it_is_settled(tmp_path):
+    """``on_block`` (inspect's progress) sees each block once: hashed (from several threads), or at once
+    when its file has another size and is not read."""
+    _write(tmp_path / "big", 5 * BLOCK - 7)
+    _write(tmp_path / "short", 3 * BLOCK, seed=1)
+    files = _recorded(tmp_path)
+    (tmp_path / "short").write_bytes(b"cut")
+    seen, lock = [], threading.Lock()
+
+    def on_block(block):
+        with lock:
+            seen.append((block.name, block.index))
+
+    checks = check_all(tmp_path, files, on_block=on_block, workers=3)
+    assert [c.ok for c in checks] == [True, False]
+    assert sorted(seen) == [("big", i) for i in range(5)] + [("short", i) for i in range(3)]
 
 
 def test_the_blocks_of_one_file_are_hashed_at_the_same_time(tmp_path, monkeypatch):

@@ -369,9 +369,9 @@ def check_blocks(
     file of another size is damaged without reading it), then ``blocks`` of the files of the right size
     hashed on ``workers`` threads (default ``verify_threads()``; file reads and hashlib release the GIL).
 
-    ``on_block`` (progress) sees each block of ``blocks`` once it is settled: on the worker thread that
-    hashed it (read or not: an unreadable block is settled too), so it must be thread-safe; at once, on
-    this thread, for the blocks of a file of another size, which are not read. Every call has been made
+    ``on_block`` (progress) sees each block of ``blocks`` once it is settled: once hashed (an unreadable
+    block is settled too), on the worker thread that hashed it or on this one, so it must be thread-safe;
+    at once, for the blocks of a file of another size, which are not read. Every call has been made
     when this returns (the pool is shut down first). An error it raises on a worker thread is logged by
     ``concurrent.futures`` and does not change the result of the check."""
     names = sorted({b.name for b in blocks})
