@@ -49,8 +49,8 @@ from lmforge.train.checkpoint.verify import (
 
 # Checkpoints at least this large get progress lines on the progress stream while they are hashed.
 PROGRESS_BYTES = 512 << 20
-# Seconds between two progress lines: often enough to see a one-file checkpoint of 84 GB move (~70 s of
-# hashing), rarely enough that a log of the run stays short.
+# Seconds between two progress lines: often enough to see a one-file checkpoint of 84 GB move (10 s to a
+# few minutes of hashing, by threads and disk), rarely enough that a log of it stays short.
 PROGRESS_INTERVAL = 2.0
 
 
