@@ -106,3 +106,19 @@ def test_misspelled_dataloader_key_is_refused_by_check_and_train_before_any_cons
     assert checked.split(": error: ", 1)[-1] == trained.split(": error: ", 1)[-1]
     assert not out.exists()
     assert not any("parameters" in r.getMessage() or "Model " in r.getMessage() for r in caplog.records)
+
+
+def test_a_path_to_cache_that_cannot_be_written_is_refused_before_any_construction(
+    tmp_path: Path, base_config: dict[str, Any], capsys: Any, caplog: Any
+) -> None:
+    (tmp_path / "a_file").write_text("not a directory")
+    base_config["train_dataset"]["dataloader"]["config"]["path_to_cache"] = str(tmp_path / "a_file" / "cache")
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(base_config), encoding="utf-8")
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(path), "--output-dir", str(out), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "train_dataset.dataloader.config.path_to_cache" in err and "which is a file" in err
+    assert not out.exists() and not any("parameters" in r.getMessage() for r in caplog.records)
+    assert main(["check", "--config", str(path)]) == 0
+    assert "training will refuse to start until it can be written" in capsys.readouterr().out

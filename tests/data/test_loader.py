@@ -329,3 +329,21 @@ def test_keys_the_megatron_loader_does_not_read_are_warned_about_at_load(base_co
         for w in warnings
     ), warnings
     assert any("config.num_dataset_builder_threads has no effect" in w for w in warnings), warnings
+
+
+def test_a_cache_directory_the_user_named_that_cannot_be_written_is_an_error(prefix, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    section = section_for(prefix, tmp_path, config={"path_to_cache": str(blocker / "cache")})
+    with pytest.raises(DataError, match=r"train_dataset\.dataloader\.config\.path_to_cache: cannot write"):
+        build_dataset(section)
+
+
+def test_the_default_cache_directory_falls_back_to_memory_when_it_cannot_be_written(tmp_path, caplog):
+    # The data's own directory holds a file named "cache": the default <data dir>/cache/... cannot be made.
+    prefix = write_docs(tmp_path / "corpus", random_docs(11, 120, vocab=300))
+    (tmp_path / "cache").write_text("not a directory")
+    section = typed(loader_section({"seq_length": 16, "eod": 0, "train_data_path": [prefix]}))
+    dataset, _ = build_dataset(section)
+    assert len(dataset) > 0
+    assert "keeping it in memory" in caplog.text

@@ -236,7 +236,8 @@ def _start_refusals(cfg: TrainConfig) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lmforge.data.files import missing_data_files  # lmforge.data imports torch: only when checking
+    # lmforge.data imports torch: only when checking
+    from lmforge.data.files import cache_dir_problems, missing_data_files
     from lmforge.train.preflight import preflight
 
     world = _world_size(args)
@@ -271,6 +272,10 @@ def run(args: argparse.Namespace) -> int:
         list(cfg.warnings)
         + plan.warnings_beyond(cfg.warnings)
         + [f"{m}; training will refuse to start until it does" for m in missing_data_files(cfg.train_dataset)]
+        + [
+            f"{p}; training will refuse to start until it can be written"
+            for p in cache_dir_problems(cfg.train_dataset, cfg.eval_dataset)
+        ]
         + _start_refusals(cfg)
     )
     if warnings:

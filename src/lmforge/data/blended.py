@@ -10,7 +10,7 @@ import numpy as np
 from lmforge.errors import DataError
 
 from .config import CONFIG_PATH, GPTDatasetConfig
-from .gpt_dataset import SPLIT_NAMES, GPTDataset, IndexCache, default_cache_dir
+from .gpt_dataset import SPLIT_NAMES, GPTDataset, IndexCache
 from .indexed import IndexedDataset, strip_suffix
 from .indices import build_blending_indices, build_exhaustive_blending_indices, split_sequence_range
 
@@ -45,8 +45,9 @@ class BlendedDataset:
             "random_seed": config.seed,
             "sequence_length": config.seq_length,
         }
-        cache_dir = config.path_to_cache or default_cache_dir(datasets[0].indexed.prefix)
-        cache = IndexCache(cache_dir, "BlendedDataset", SPLIT_NAMES[split], description)
+        cache = IndexCache(
+            config, datasets[0].indexed.prefix, "BlendedDataset", SPLIT_NAMES[split], description
+        )
         names = ("dataset_index", "dataset_sample_index")
         arrays = cache.load(names)
         if arrays is None:

@@ -1,7 +1,9 @@
-"""Whether the data a ``train_dataset`` section names exists, checked without opening anything.
+"""Whether the data a ``train_dataset`` section names exists, and the index cache directory it names can
+be written, checked without opening anything.
 
-``lmforge check`` lists missing files as warnings (they are the machine's state, not the file's);
-``lmforge train`` refuses missing training data before it builds a model or a process group.
+``lmforge check`` lists missing files and an unwritable ``path_to_cache`` as warnings (they are the
+machine's state, not the file's); ``lmforge train`` refuses them before it builds a model or a process
+group.
 """
 
 from __future__ import annotations
@@ -46,3 +48,37 @@ def missing_data_files(section: TrainDatasetConfig, keys: tuple[str, ...] = CONF
                 continue
             messages.append(f"{label}: {item!r} not found (neither the path nor {item}.bin/.idx exists)")
     return messages
+
+
+def cache_dir_problem(section: TrainDatasetConfig, where: str = "train_dataset") -> str | None:
+    """Why the index cache directory a Megatron loader's ``path_to_cache`` names cannot be used, or None
+    (None too when the key is not set: the default beside the data falls back to memory when it cannot
+    be written, since the user did not ask for it). A directory still to be created is judged by the
+    nearest one that exists, which must let this process create it."""
+    typed = section.dataloader.typed
+    path = typed.config.path_to_cache if isinstance(typed, MegatronLoader) else None
+    if not path:
+        return None
+    key = f"{where}.dataloader.config.path_to_cache"
+    target = os.path.abspath(path)
+    existing = target
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        why = "is a file" if existing == target else f"lies under {existing}, which is a file"
+        return f"{key}: {path!r} {why}, not a directory; point it at a directory the index arrays can be written to"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "cannot be written" if existing == target else f"cannot be created in {existing}"
+        return (
+            f"{key}: {path!r} {what} by this user; point it at a writable directory, or remove the key to "
+            "cache beside the data (<data dir>/cache/GPTDataset_indices)"
+        )
+    return None
+
+
+def cache_dir_problems(train: TrainDatasetConfig, eval_section: TrainDatasetConfig | None) -> list[str]:
+    """:func:`cache_dir_problem` of the run's training data and of its own validation data, if any."""
+    problems = [cache_dir_problem(train)]
+    if eval_section is not None:
+        problems.append(cache_dir_problem(eval_section, "eval_dataset"))
+    return [p for p in problems if p is not None]

@@ -17,7 +17,7 @@ import numpy as np
 from lmforge.errors import DataError
 from lmforge.utils.logging import get_logger
 
-from .config import GPTDatasetConfig
+from .config import CONFIG_PATH, GPTDatasetConfig
 from .indexed import IndexedDataset
 from .indices import (
     build_document_index,
@@ -40,14 +40,19 @@ class IndexCache:
     """Index arrays kept as ``<dir>/<md5 of description>-<kind>-<split>-<name>.npy``.
 
     Writes are atomic (temp file + rename) so ranks that build the same arrays at once never see a
-    partial file; an unwritable directory falls back to keeping the arrays in memory.
+    partial file. The default directory beside the data falls back to keeping the arrays in memory when
+    it cannot be written (read-only shared data); one the user named (``path_to_cache``) is an error
+    instead (``files.cache_dir_problem`` refuses the usual cases before anything is built).
     """
 
-    def __init__(self, directory: str, kind: str, split: str, description: dict) -> None:
+    def __init__(
+        self, config: GPTDatasetConfig, prefix: str, kind: str, split: str, description: dict
+    ) -> None:
         self.description = json.dumps(description, indent=2, sort_keys=True)
         digest = hashlib.md5(self.description.encode("utf-8"), usedforsecurity=False).hexdigest()
-        self.stem = os.path.join(directory, f"{digest}-{kind}-{split}")
-        self.directory = directory
+        self.directory = config.path_to_cache or default_cache_dir(prefix)
+        self.named_by_user = config.path_to_cache is not None
+        self.stem = os.path.join(self.directory, f"{digest}-{kind}-{split}")
 
     def path(self, name: str) -> str:
         return f"{self.stem}-{name}.npy"
@@ -72,6 +77,12 @@ class IndexCache:
                 f.write(self.description)
             os.replace(f"{desc}.{os.getpid()}.tmp", desc)
         except OSError as exc:
+            if self.named_by_user:
+                raise DataError(
+                    f"{CONFIG_PATH}.path_to_cache: cannot write the dataset index cache in {self.directory} "
+                    f"({exc}). Point path_to_cache at a writable directory with room for the index arrays, or "
+                    "remove it to cache beside the data."
+                ) from None
             log.warning(
                 "cannot write the dataset index cache in %s (%s); keeping it in memory", self.directory, exc
             )
@@ -130,8 +141,7 @@ class GPTDataset:
             "idx_size": os.path.getsize(f"{self.indexed.prefix}.idx"),
             "idx_mtime_ns": os.stat(f"{self.indexed.prefix}.idx").st_mtime_ns,
         }
-        cache_dir = cfg.path_to_cache or default_cache_dir(self.indexed.prefix)
-        cache = IndexCache(cache_dir, "GPTDataset", SPLIT_NAMES[self.split], description)
+        cache = IndexCache(cfg, self.indexed.prefix, "GPTDataset", SPLIT_NAMES[self.split], description)
         names = ("document_index", "sample_index", "shuffle_index")
         arrays = cache.load(names)
         if arrays is None:

@@ -233,7 +233,7 @@ def build_trainer(
 
 def _checked_plan(cfg: TrainConfig, device: str | None) -> Any:
     """The run plan, or the ConfigError / DataError naming every problem; nothing is built yet."""
-    from lmforge.data.files import TRAINING_KEYS, missing_data_files
+    from lmforge.data.files import TRAINING_KEYS, cache_dir_problems, missing_data_files
     from lmforge.train.checkpoint.resume import load_path_problem
     from lmforge.train.preflight import preflight
     from lmforge.train.recovery.give_up import give_up_problem
@@ -243,11 +243,12 @@ def _checked_plan(cfg: TrainConfig, device: str | None) -> Any:
     _refuse_absurd_model(cfg, device, world_size)
     plan = preflight(cfg, world_size, device)
     missing = missing_data_files(cfg.train_dataset, TRAINING_KEYS)
-    if missing:
-        raise DataError(
-            "; ".join(missing) + ". Nothing was built; create the data (e.g. 'lmforge data preprocess') or "
-            "point the path at it."
+    problems = missing + cache_dir_problems(cfg.train_dataset, cfg.eval_dataset)  # each with its advice
+    if problems:
+        advice = (
+            "; create the data (e.g. 'lmforge data preprocess') or point the path at it" if missing else ""
         )
+        raise DataError("; ".join(problems) + ". Nothing was built" + advice + ".")
     empty_load_path = load_path_problem(cfg.checkpoint)
     if empty_load_path is not None:
         raise ConfigError(empty_load_path)
