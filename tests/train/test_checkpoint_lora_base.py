@@ -141,3 +141,29 @@ def test_an_lmforge_base_without_checksums_is_hashed(tmp_path):
         "sha256": hashlib.sha256(shard.read_bytes()).hexdigest(),
     }
     check_base(record, tmp_path / "lora")
+
+
+def test_an_lmforge_base_being_loaded_is_hashed_once_by_the_load_not_twice(tmp_path, monkeypatch):
+    _save(tmp_path / "base", 3)
+    record = base_record(resolve_checkpoint(tmp_path / "base"), seed=0)
+    hashed: list[str] = []
+    real_check_blocks = lora.check_blocks
+
+    def counting(directory, files, blocks, **kwargs):
+        hashed.append(str(directory))
+        return real_check_blocks(directory, files, blocks, **kwargs)
+
+    monkeypatch.setattr(lora, "check_blocks", counting)
+    check_base(record, tmp_path / "lora", verified_by_load=True)  # the record is the base's own: no read
+    assert hashed == []
+    check_base(record, tmp_path / "lora")  # no load follows: the base is read here
+    assert hashed == [record["path"]]
+    # Bytes damaged under an unchanged record: the load that follows refuses them.
+    shard = next(Path(record["path"]).glob("*.distcp"))
+    _flip(shard, shard.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match="damaged"):
+        lora.restore_base(record, TinyLM(), tmp_path / "lora", hf_loader=None)
+    # A base re-saved since (a new record) is checked here and refused as another base.
+    _save(tmp_path / "base", 5)
+    with pytest.raises(CheckpointError, match="weight files changed since"):
+        lora.restore_base(record, TinyLM(), tmp_path / "lora", hf_loader=None)

@@ -116,8 +116,13 @@ def _recorded_files(record: dict[str, Any], checkpoint: Path) -> dict[str, dict[
     return files
 
 
-def check_base(record: dict[str, Any], checkpoint: Path) -> None:
-    """Refuse a recorded base that is missing or no longer the one the adapters were trained on."""
+def check_base(record: dict[str, Any], checkpoint: Path, *, verified_by_load: bool = False) -> None:
+    """Refuse a recorded base that is missing or no longer the one the adapters were trained on.
+
+    ``verified_by_load``: the caller loads an lmforge base right after, and that load checks every byte
+    against the base's own ``checksums.json`` (``verify_checkpoint``, on every rank). When that record is
+    still exactly the recorded one, the base is the same one unless its bytes were damaged, which the load
+    refuses; hashing it here as well would read the whole base twice."""
     kind = record.get("kind")
     if kind == "init":
         if not isinstance(record.get("seed"), int):
@@ -140,6 +145,8 @@ def check_base(record: dict[str, Any], checkpoint: Path) -> None:
             "from a copy of the run that still has it."
         )
     expected = _recorded_files(record, checkpoint)
+    if verified_by_load and kind == "dcp" and _checkpoint_records(path) == expected:
+        return
     on_disk = {f.name for f in _weight_files(path, kind)}
     changed = set(expected) ^ on_disk  # added or removed
     present = {name: want for name, want in expected.items() if name in on_disk}
@@ -155,16 +162,17 @@ def check_base(record: dict[str, Any], checkpoint: Path) -> None:
 
 
 def _check_base_once(record: dict[str, Any], checkpoint: Path) -> None:
-    """:func:`check_base` on rank 0 only (hashing a large base is slow), its verdict raised on every rank."""
+    """:func:`check_base` on rank 0 only (hashing a large base is slow), its verdict raised on every rank;
+    for the base that :func:`restore_base` loads next (an lmforge one is verified by that load)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        check_base(record, checkpoint)
+        check_base(record, checkpoint, verified_by_load=True)
         return
     verdict: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            check_base(record, checkpoint)
+            check_base(record, checkpoint, verified_by_load=True)
         except CheckpointError as exc:
             verdict[0] = str(exc)
     dist.broadcast_object_list(verdict, src=0)
