@@ -16,7 +16,6 @@ def torchrun(
     nproc: int,
     cfg: str,
     *overrides: str,
-    port: int | None = None,
     max_restarts: int = 0,
     import_dirs: tuple[str | Path, ...] = (),
     check: bool = True,
@@ -24,12 +23,13 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     """Train ``cfg`` (each override a ``--set``) on ``nproc`` ranks; the finished process.
 
-    ``port``: the rendezvous port (``--master-port``; None: ``--standalone``, a free port). ``import_dirs``
-    go on the workers' PYTHONPATH with imports from the YAML allowed (test-only callbacks named in it).
+    The rendezvous is ``--standalone``: the launcher binds a port the kernel picks and holds it, so jobs
+    never collide (a fixed ``--master-port`` is taken whenever another job of this or another test run
+    uses it on the machine). ``import_dirs`` go on the workers' PYTHONPATH with imports from the YAML allowed (test-only callbacks named in it).
     ``check``: assert that the job succeeded (its stderr's end in the message).
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    cmd += ["--standalone"] if port is None else [f"--master-port={port}"]
+    cmd += ["--standalone"]
     if max_restarts:
         cmd += [f"--max-restarts={max_restarts}", "--monitor-interval=0.2"]
     cmd += ["-m", "lmforge", "train", "--config", cfg]

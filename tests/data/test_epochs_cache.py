@@ -96,7 +96,11 @@ def test_other_settings_are_counted_again(tmp_path, counts, settled):
     assert _samples(_section(tmp_path, seq_length=5)) == 2 * 12 // 3 and counts == [0, 1, 0, 1, 0, 1]
 
 
-def test_a_file_written_just_now_is_not_cached(tmp_path, counts):
+def test_a_file_written_just_now_is_not_cached(tmp_path, counts, monkeypatch):
+    # "Just now" is within FRESH_S (2 s) of the count. Both counts must fall within it, which a busy
+    # machine need not manage in 2 s of wall time (tokenizer load and two counts): a day keeps this file
+    # fresh for the whole test, and the cache still has to tell a fresh file from a settled one.
+    monkeypatch.setattr(epochs_cache, "FRESH_S", 86_400.0)
     section = _section(tmp_path)  # written now: its time could still name other bytes of the same size
     assert _samples(section) == _samples(section) == 2 * 12
     assert counts == [0, 1, 0, 1] and _entries(tmp_path) == []

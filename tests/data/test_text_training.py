@@ -111,7 +111,7 @@ def test_sft_recipe_under_two_data_parallel_ranks(tmp_path):
     torch.manual_seed(0)
     save_hf_pretrained(build_model(cfg.model), tmp_path / "hf")
     sets = _plain(_overrides(tmp_path, "dp2", 2, "train_dataset.num_parallel_workers=0"))
-    torchrun(2, str(RECIPE), *sets, port=29653)
+    torchrun(2, str(RECIPE), *sets)
     sets = _plain(_overrides(tmp_path, "dp2", 3, f"checkpoint.load_path={tmp_path / 'dp2' / 'ckpt'}"))
     torchrun(
         2,
@@ -119,7 +119,6 @@ def test_sft_recipe_under_two_data_parallel_ranks(tmp_path):
         *sets,
         "checkpoint.no_load_optim=false",
         "train_dataset.num_parallel_workers=0",
-        port=29654,
     )
     steps = [r["step"] for r in read_metrics(tmp_path / "dp2" / "metrics.jsonl")]
     assert steps == [1, 2, 3]

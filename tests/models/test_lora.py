@@ -283,7 +283,7 @@ def test_lora_under_fsdp2_matches_one_process(tmp_path):
     save_hf_pretrained(build_model(_lora_config(one, ADAMW, 3).model), tmp_path / "hf")  # one base for both
     start = [*LORA, f"checkpoint.load_path={tmp_path / 'hf'}", "checkpoint.no_load_optim=true"]
     assert main(["train", "--config", write_config(one, ADAMW, steps=3), *_sets(start)]) == 0
-    torchrun(2, write_config(two, ADAMW, steps=3), *start, "checkpoint.save_interleaved_steps=3", port=29641)
+    torchrun(2, write_config(two, ADAMW, steps=3), *start, "checkpoint.save_interleaved_steps=3")
     a = [r["loss"] for r in read_metrics(one / "run" / "metrics.jsonl")]
     b = [r["loss"] for r in read_metrics(two / "run" / "metrics.jsonl")]
     assert len(a) == len(b) == 3 and max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
@@ -312,7 +312,7 @@ def test_lora_under_tensor_parallel_matches_one_process(tmp_path):
     start = [*LORA, "lora_config.lora_b_std=0.05", f"checkpoint.load_path={tmp_path / 'hf'}"]
     start += ["checkpoint.no_load_optim=true", "checkpoint.save_interleaved_steps=3"]
     assert main(["train", "--config", write_config(one, ADAMW, steps=3), *_sets(start)]) == 0
-    torchrun(2, write_config(two, ADAMW, steps=3), *start, "parallelism.tensor_parallel=2", port=29643)
+    torchrun(2, write_config(two, ADAMW, steps=3), *start, "parallelism.tensor_parallel=2")
     a = [(r["loss"], r["grad_norm"]) for r in read_metrics(one / "run" / "metrics.jsonl")]
     b = [(r["loss"], r["grad_norm"]) for r in read_metrics(two / "run" / "metrics.jsonl")]
     assert len(a) == len(b) == 3

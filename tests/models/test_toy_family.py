@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -350,10 +349,7 @@ def test_the_toy_family_tensor_parallel_plan_matches_one_process(toy, tmp_path):
     _entry_point_dist(tmp_path / "plugin", "toy_gelu", "test_toy_family:TOY_FAMILY")
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join([str(tmp_path / "plugin"), here, os.environ.get("PYTHONPATH", "")])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
     cmd += ["-m", "lmforge", "train", "--config", cfg]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)

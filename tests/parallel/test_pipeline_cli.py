@@ -24,7 +24,7 @@ def test_pipeline_training_and_single_process_evaluation_agree(tmp_path, capsys)
     from train.test_train_cli import ADAMW, write_config
 
     cfg = write_config(tmp_path, ADAMW, steps=4)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29657"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
     cmd += ["-m", "lmforge", "train", "--config", cfg]
     cmd += ["--set", "parallelism.pipeline_parallel=2", "--set", "checkpoint.save_interleaved_steps=2"]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -195,10 +195,14 @@ def preprocess(
     pool = None
     batches = _batches(read_documents(input_path, json_key, bar), BATCH_DOCUMENTS)
     try:
+        # The workers are forked before the stop handlers are installed: a worker that inherited them
+        # and got pool.terminate()'s SIGTERM before its initializer restored the default (a worker
+        # still starting: at-fork hooks, a busy machine) raised PreprocessInterrupted where nothing
+        # ended it (an at-fork hook swallows it), went on to wait for work that never came, and
+        # terminate() waited for it forever.
+        pool = _start_pool(workers, tokenizer_path) if workers > 1 else None
         with _signals_stop_cleanly():
-            documents, tokens, skipped, pool = _tokenize_into(
-                prefix, dtype, batches, workers, tokenizer_path, eod
-            )
+            documents, tokens, skipped = _tokenize_into(prefix, dtype, batches, pool, tokenizer_path, eod)
     finally:
         if pool is not None:
             pool.terminate()
@@ -207,42 +211,38 @@ def preprocess(
     return PreprocessSummary(prefix, documents, skipped, tokens, time.perf_counter() - start, dtype.name)
 
 
+def _start_pool(workers: int, tokenizer_path: str) -> Any:
+    # fork starts workers without re-importing torch; safe because the parent has only
+    # loaded the tokenizer file, not run its thread pool.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return multiprocessing.get_context(method).Pool(workers, _init_worker, (os.fspath(tokenizer_path),))
+
+
 def _tokenize_into(
     prefix: str,
     dtype: np.dtype,
     batches: Iterator[list[str]],
-    workers: int,
+    pool: Any,
     tokenizer_path: str,
     eod: int | None,
-) -> tuple[int, int, int, Any]:
-    """(documents, tokens, empty documents skipped, the worker pool to end) after writing the pair."""
+) -> tuple[int, int, int]:
+    """(documents, tokens, empty documents skipped) after writing the pair; on ``pool``'s workers, or
+    in this process without one."""
     documents = tokens = skipped = 0
-    pool = None
-    try:
-        if workers > 1:
-            # fork starts workers without re-importing torch; safe because the parent has only
-            # loaded the tokenizer file, not run its thread pool.
-            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-            pool = multiprocessing.get_context(method).Pool(
-                workers, _init_worker, (os.fspath(tokenizer_path),)
-            )
-            encoded = pool.imap(_encode, batches, chunksize=1)
-        else:
-            _load_tokenizer_here(os.fspath(tokenizer_path))
-            encoded = map(_encode, batches)
-        with IndexedDatasetWriter(prefix, dtype) as writer:
-            for batch in encoded:
-                for ids in batch:
-                    if ids.size == 0:
-                        skipped += 1
-                        continue
-                    if eod is not None:
-                        ids = np.append(ids, eod)
-                    writer.add_document(ids)
-                    documents += 1
-                    tokens += ids.size
-    except BaseException:
-        if pool is not None:
-            pool.terminate()
-        raise
-    return documents, tokens, skipped, pool
+    if pool is not None:
+        encoded = pool.imap(_encode, batches, chunksize=1)
+    else:
+        _load_tokenizer_here(os.fspath(tokenizer_path))
+        encoded = map(_encode, batches)
+    with IndexedDatasetWriter(prefix, dtype) as writer:
+        for batch in encoded:
+            for ids in batch:
+                if ids.size == 0:
+                    skipped += 1
+                    continue
+                if eod is not None:
+                    ids = np.append(ids, eod)
+                writer.add_document(ids)
+                documents += 1
+                tokens += ids.size
+    return documents, tokens, skipped

@@ -4,6 +4,7 @@ are clear errors; an interrupted preprocess leaves the previous dataset and no t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -182,6 +183,45 @@ def test_sigterm_during_preprocess_leaves_the_previous_dataset_and_no_temporarie
     assert "stopped by signal 15; nothing was published" in err
     assert not list(tmp_path.glob("*.tmp-*"))
     assert {p.name: p.read_bytes() for p in tmp_path.glob("c_text_document.*")} == before
+
+
+# The second worker of the pool is still starting (an at-fork hook: OpenTelemetry's, loaded by mlflow or
+# wandb, restarts its threads there; here a sleep) when the first one has done all the work and
+# pool.terminate() sends it SIGTERM. It must end; a worker that had inherited the stop handler raised
+# PreprocessInterrupted inside the hook (which swallows it), then waited for work forever, and so did
+# terminate(): a hang that showed when the test files ran in another order.
+_SLOW_SECOND_WORKER = """
+import json, os, sys, time
+from lmforge.data.preprocess import preprocess
+forks = [0]
+def count():
+    forks[0] += 1
+os.register_at_fork(before=count, after_in_child=lambda: time.sleep(60) if forks[0] == 2 else None)
+root = sys.argv[1]
+with open(os.path.join(root, "in.jsonl"), "w") as f:
+    f.write("".join(json.dumps({"text": t}) + "\\n" for t in ["w1 w2", "w3", "w4 w5 w6"]))
+s = preprocess(os.path.join(root, "in.jsonl"), sys.argv[2], os.path.join(root, "out"), workers=2)
+print(s.documents)
+"""
+
+
+@pytest.mark.slow
+def test_preprocess_ends_a_worker_that_is_still_starting(tmp_path):
+    tok = write_tokenizer(tmp_path / "tok")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SECOND_WORKER, str(tmp_path), tok],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        # The run takes a second or two; a worker that ignored terminate()'s SIGTERM never ends (its
+        # hook's 60 s are only there so that it does not start work), so this is the hang's bound.
+        out, err = proc.communicate(timeout=50)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the process group: a stuck worker too
+    assert proc.returncode == 0 and out.split() == ["3"], err[-3000:]
+    assert "PreprocessInterrupted" not in err
 
 
 def test_temporaries_of_a_killed_writer_are_removed_by_the_next_one(tmp_path):

@@ -32,7 +32,7 @@ def test_compiled_fsdp_matches_eager_single_process(tmp_path):
     cfg = _write_config(eager_dir)
     assert main(["train", "--config", cfg, *sum((["--set", o] for o in fp32), [])]) == 0
     cfg = _write_config(compiled_dir)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29637"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
     cmd += ["-m", "lmforge", "train", "--config", cfg]
     for o in [*fp32, "compile.enable=true"]:
         cmd += ["--set", o]

@@ -23,7 +23,7 @@ def test_live_doctor_under_fsdp(tmp_path):
     raw = run_config(tmp_path, "run", changes)
     cfg = tmp_path / "train.yaml"
     cfg.write_text(yaml.safe_dump(raw))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29671"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
     cmd += ["-m", "lmforge", "train", "--config", str(cfg), "--device", "cpu"]
     run = subprocess.run(
         cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180
