@@ -26,8 +26,9 @@ def setup_logging(
         level = getattr(logging, level.upper())
     logger.setLevel(level)
     logger.propagate = False
-    for h in list(logger.handlers):
+    for h in list(logger.handlers):  # a previous run's in this process (tests, notebooks): its file is closed
         logger.removeHandler(h)
+        h.close()
     fmt = logging.Formatter(
         "%(asctime)s %(levelname)s " + (f"[rank{rank}] " if all_ranks else "") + "%(message)s",
         datefmt="%H:%M:%S",
