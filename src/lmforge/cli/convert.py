@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--format",
         choices=("dcp", "safetensors"),
-        default="dcp",
+        default=None,
         help="form of the lmforge checkpoint written by --to (default: dcp, the trainer's layout)",
     )
     parser.add_argument(
@@ -60,7 +60,7 @@ def register(subparsers: Any) -> None:
     export = parser.add_argument_group("export (--to-hf)")
     export.add_argument(
         "--max-shard-size",
-        default="5GB",
+        default=None,
         metavar="SIZE",
         help="largest safetensors file written (e.g. 5GB, 500MB, 2GiB; default 5GB)",
     )
@@ -96,13 +96,47 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "lmforge convert needs exactly one direction: --from-hf DIR --to CKPT_DIR, or --to-hf DIR --from CKPT_DIR."
         )
+    _refuse_flags_of_the_other_direction(args, importing)
     if importing:
-        if args.peft:
-            raise ConfigError(
-                "lmforge convert --peft goes with --to-hf DIR --from CKPT_DIR (exporting a LoRA run)."
-            )
-        return _import_hf(Path(args.from_hf), Path(args.to), args.format, args.dtype)
+        return _import_hf(Path(args.from_hf), Path(args.to), args.format or "dcp", args.dtype)
+    if args.max_shard_size is None:
+        args.max_shard_size = DEFAULT_MAX_SHARD_SIZE
     return _export_hf(Path(args.from_ckpt), Path(args.to_hf), args)
+
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+# Flags that only one direction reads, with what they do there: given with the other direction they
+# would be silently ignored, so they are refused instead.
+_EXPORT_ONLY = {
+    "max_shard_size": "--max-shard-size",
+    "tokenizer": "--tokenizer",
+    "no_tokenizer": "--no-tokenizer",
+    "chat_template": "--chat-template",
+    "peft": "--peft",
+    "config": "--config",
+}
+
+
+def _refuse_flags_of_the_other_direction(args: argparse.Namespace, importing: bool) -> None:
+    if importing:
+        given = [flag for attr, flag in _EXPORT_ONLY.items() if getattr(args, attr)]
+        if given:
+            raise ConfigError(
+                f"lmforge convert {', '.join(given)} only applies to an export (--to-hf DIR --from CKPT_DIR); an "
+                "import (--from-hf DIR --to CKPT_DIR) takes the model, the tokenizer and the chat template from "
+                "the Hugging Face directory. Drop it, or export instead."
+            )
+    elif args.format is not None:
+        raise ConfigError(
+            "lmforge convert --format chooses the lmforge checkpoint written by an import (--from-hf DIR --to "
+            "CKPT_DIR); an export (--to-hf) always writes a Hugging Face directory, and --from reads either "
+            "form. Drop --format."
+        )
+    if args.no_tokenizer and args.tokenizer:
+        raise ConfigError(
+            "lmforge convert: --tokenizer names the tokenizer to export and --no-tokenizer exports none; give "
+            "one of them."
+        )
 
 
 # What a directory written by an earlier conversion of the same kind holds (fnmatch patterns); only
@@ -253,8 +287,9 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
             )
         try:
             chat_template = Path(args.chat_template).read_text(encoding="utf-8")
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"--chat-template {args.chat_template}: cannot read it ({exc}).") from None
+        _check_template(chat_template, args.chat_template)
     tokenizer = None if args.no_tokenizer else _tokenizer_for(src, args)  # found before any loading
     if chat_template is None and tokenizer is not None:
         chat_template = _run_chat_template(src, args.config)  # the template the run trained with
@@ -348,6 +383,18 @@ def _base_hf_config(checkpoint: dict | None) -> dict | None:
     except (OSError, ValueError, LmforgeError) as exc:
         print(f"note: the keys of {config_json} beyond the model's structure are not carried over ({exc})")
         return None
+
+
+def _check_template(template: str, path: str) -> None:
+    """A template that does not compile is refused here, not written into the export for transformers'
+    apply_chat_template (or ``lmforge generate``) to fail on later."""
+    from lmforge.data.text_format import compile_template
+    from lmforge.errors import DataError
+
+    try:
+        compile_template(template)
+    except DataError as exc:
+        raise ConfigError(f"--chat-template {path}: {exc}. Fix the template file.") from None
 
 
 def _run_chat_template(src: Path, config: str | None) -> str | None:
