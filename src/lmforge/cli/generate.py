@@ -80,6 +80,12 @@ def _check_sampling(args: argparse.Namespace) -> None:
         raise ConfigError(f"--top-k must be >= 0 (0 disables top-k filtering), got {args.top_k}")
     if not (0 < args.top_p <= 1):
         raise ConfigError(f"--top-p must be in (0, 1] (1 disables nucleus sampling), got {args.top_p}")
+    if not 0 <= args.seed <= 2**64 - 1:  # torch.manual_seed's range (an overflow was a traceback)
+        raise ConfigError(f"--seed must be an integer in [0, 2**64 - 1], got {args.seed}")
+    if args.chat_template is not None and args.chat is None and args.messages is None:
+        raise ConfigError(
+            "--chat-template goes with chat mode (--chat or --messages); --prompt continues the text as given."
+        )
     if args.system is not None and args.chat is None:
         raise ConfigError("--system goes with --chat (with --messages, put the system turn in the file).")
 

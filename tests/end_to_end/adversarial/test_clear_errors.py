@@ -157,8 +157,20 @@ def test_os_error_outside_lmforge_code_is_a_message(run_copy, cli, monkeypatch, 
         (["--temperature", "-1"], "--temperature must be a finite number"),
         (["--temperature", "inf"], "--temperature must be a finite number"),
         (["--top-k", "-3"], "--top-k must be >= 0"),
+        # was "ValueError: Overflow when unpacking long long" from torch.manual_seed
+        (["--seed", str(2**70)], "--seed must be an integer in [0, 2**64 - 1]"),
+        # was silently ignored: --prompt mode applies no template
+        (["--chat-template", "t.jinja"], "--chat-template goes with chat mode"),
     ],
-    ids=["max-new-tokens", "temperature-nan", "temperature-negative", "temperature-inf", "top-k"],
+    ids=[
+        "max-new-tokens",
+        "temperature-nan",
+        "temperature-negative",
+        "temperature-inf",
+        "top-k",
+        "seed",
+        "template",
+    ],
 )
 def test_bad_generate_values(run_copy, cli, args, needle):
     code, _, err = cli("generate", "--checkpoint", run_copy / "ckpt", "--prompt", "t1", *args)
@@ -227,3 +239,24 @@ def test_missing_preprocess_input(run_copy, cli, tmp_path):
     )
     _no_traceback(code, err)
     assert "no such file" in err
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        (f"training.seed={2**64}", "training.seed must be an integer in [0, 2**64 - 1]"),
+        ("training.seed=-1", "training.seed must be an integer in [0, 2**64 - 1]"),
+        (
+            f"train_dataset.dataloader.config.seed={2**32}",
+            "train_dataset.dataloader.config.seed must be <= 4294967295",
+        ),
+    ],
+    ids=["seed-past-torch", "seed-negative", "data-seed-past-numpy"],
+)
+def test_seeds_outside_the_generators_range_are_refused_by_check(cli, override, needle):
+    # Before: check passed them, and train died after building the model with a traceback from
+    # torch.manual_seed (overflow), numpy's default_rng (a negative seed: the text loader's shuffle) or
+    # numpy's RandomState (the Megatron sample order past 2**32 - 1).
+    code, _, err = cli("check", "--config", "configs/demo.yaml", "--set", override)
+    _no_traceback(code, err)
+    assert needle in err, err
