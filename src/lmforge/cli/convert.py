@@ -122,7 +122,7 @@ def _refuse_flags_of_the_other_direction(args: argparse.Namespace, importing: bo
         given = [flag for attr, flag in _EXPORT_ONLY.items() if getattr(args, attr)]
         if given:
             raise ConfigError(
-                f"lmforge convert {', '.join(given)} only applies to an export (--to-hf DIR --from CKPT_DIR); an "
+                f"lmforge convert {', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to an export (--to-hf DIR --from CKPT_DIR); an "
                 "import (--from-hf DIR --to CKPT_DIR) takes the model, the tokenizer and the chat template from "
                 "the Hugging Face directory. Drop it, or export instead."
             )
