@@ -197,7 +197,7 @@ def preprocess(
     try:
         with _signals_stop_cleanly():
             documents, tokens, skipped, pool = _tokenize_into(
-                prefix, dtype, batches, workers, tokenizer_path, eod
+                prefix, dtype, batches, workers, tokenizer_path, eod, input_path, json_key
             )
     finally:
         if pool is not None:
@@ -214,6 +214,8 @@ def _tokenize_into(
     workers: int,
     tokenizer_path: str,
     eod: int | None,
+    input_path: str = "the input",
+    json_key: str = "text",
 ) -> tuple[int, int, int, Any]:
     """(documents, tokens, empty documents skipped, the worker pool to end) after writing the pair."""
     documents = tokens = skipped = 0
@@ -241,6 +243,12 @@ def _tokenize_into(
                     writer.add_document(ids)
                     documents += 1
                     tokens += ids.size
+            if documents == 0:  # raised inside the writer: nothing is published
+                raise DataError(
+                    f"--input {input_path} holds no document to write ({skipped:,} empty {json_key!r} text(s) "
+                    "skipped, as Megatron does): an empty .bin/.idx pair would only fail later, when training "
+                    "finds no sequences. Check --input and --json-key."
+                )
     except BaseException:
         if pool is not None:
             pool.terminate()

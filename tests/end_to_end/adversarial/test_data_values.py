@@ -236,3 +236,24 @@ def test_the_text_loader_names_the_line_of_an_invalid_utf8_byte(tmp_path):
     tok = write_tokenizer(tmp_path / "tok")
     with pytest.raises(DataError, match=rf"{path}:2 is not valid UTF-8"):
         _batches(_section(str(path), tok), 2)
+
+
+@pytest.mark.parametrize(
+    "content, skipped",
+    [("", 0), ('{"text": ""}\n{"text": ""}\n', 2)],
+    ids=["zero-length", "only-empty-texts"],
+)
+def test_preprocess_refuses_an_input_without_documents(tmp_path, cli, content, skipped):
+    # Before: exit 0, "wrote ...: 0 documents", and an empty .bin/.idx that training refused later.
+    src = tmp_path / "in.jsonl"
+    src.write_text(content)
+    tok = write_tokenizer(tmp_path / "tok")
+    out = tmp_path / "out" / "corpus"
+    code, _, err = cli(
+        "data", "preprocess", "--input", src, "--tokenizer", tok, "--output-prefix", out, "--no-progress"
+    )
+    assert code == 2 and "Traceback" not in err, err
+    assert f"--input {src} holds no document to write ({skipped} empty 'text' text(s) skipped" in err, err
+    assert (
+        not list((tmp_path / "out").glob("*")) if (tmp_path / "out").exists() else True
+    )  # nothing published
