@@ -64,6 +64,9 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week, longer than any start-up; far larger values overflow timedelta
+
+
 def rank_view() -> dict[str, Any]:
     """This process's view, without touching the process group."""
     import torch
@@ -164,6 +167,17 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    import math
+
+    from lmforge.errors import ConfigError
+
+    # Checked on every rank and world size, so that a value that would fail under torchrun (timedelta of
+    # NaN is a ValueError; 0 or less gives up at once) fails the same way on one process.
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
+        raise ConfigError(
+            f"--timeout {args.timeout:g}: expected the seconds to wait for every rank to join, a number in "
+            f"(0, {MAX_TIMEOUT_S:g}] (default 300)."
+        )
     view = rank_view()
     distributed = view["world_size"] > 1 and not args.no_collective
     views = gather_views(view, args.timeout) if distributed else [view]

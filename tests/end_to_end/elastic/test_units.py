@@ -137,6 +137,17 @@ def test_env_prints_one_process_view(capsys):
     assert summary["world_size"] == 1 and summary["ranks"][0]["backend"] in ("gloo", "nccl")
 
 
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan", "inf", "1e300"])
+def test_env_refuses_a_timeout_that_cannot_be_waited(capsys, timeout):
+    # Before: accepted on one process (unused there), while under torchrun timedelta(seconds=) raised
+    # on NaN (ValueError) and inf / 1e300 (OverflowError), and 0 or a negative wait is no wait at all.
+    assert main(["env", "--timeout", timeout]) == 2
+    err = capsys.readouterr().err
+    assert f"--timeout {float(timeout):g}: expected the seconds to wait" in err and "Traceback" not in err, (
+        err
+    )
+
+
 @pytest.mark.slow
 def test_a_rank_missing_at_start_up_is_reported_within_the_timeout():
     from datetime import timedelta
