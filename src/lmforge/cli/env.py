@@ -64,9 +64,6 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week, longer than any start-up; far larger values overflow timedelta
-
-
 def rank_view() -> dict[str, Any]:
     """This process's view, without touching the process group."""
     import torch
@@ -169,6 +166,7 @@ def format_table(summary: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     import math
 
+    from lmforge.config.sections_parallel import MAX_WAIT_S as MAX_TIMEOUT_S
     from lmforge.errors import ConfigError
 
     # Checked on every rank and world size, so that a value that would fail under torchrun (timedelta of

@@ -83,8 +83,14 @@ def test_auto_resume_modes(tmp_path, monkeypatch):
         ("checkpoint.auto_resume=sometimes", "checkpoint.auto_resume"),
         (
             "parallelism.process_group_timeout=0",
-            "parallelism.process_group_timeout must be a positive number",
+            "parallelism.process_group_timeout must be a positive, finite number",
         ),
+        # accepted before, then an OverflowError traceback from timedelta at a torchrun start-up
+        (
+            "parallelism.process_group_timeout=.inf",
+            "parallelism.process_group_timeout must be a positive, finite number",
+        ),
+        ("parallelism.process_group_timeout=1e300", "at most 604800: a week"),
     ],
 )
 def test_new_keys_refuse_bad_values(base_config, override, needle):
