@@ -219,3 +219,29 @@ def test_tasks_refuse_a_device_and_a_set_they_cannot_use(tmp_path, capsys):
     assert main([*args, "--device", "cpu", "--set", "training.steps=4"]) == 2
     err = capsys.readouterr().err
     assert "--set:" in err and "is not a full train config" in err and "--config" in err, err
+
+
+@pytest.mark.slow
+def test_tasks_with_another_models_tokenizer(tmp_path, capsys):
+    # Before: "IndexError: index out of range in self" from the embedding lookup inside the harness.
+    pytest.importorskip("lm_eval")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from lmforge.utils.logging import setup_logging
+
+    setup_logging()
+    ckpt = _model_only_checkpoint(tmp_path)
+    vocab = {**{f"w{i}": i for i in range(100)}, "<|endoftext|>": 100}  # past the model's 64 ids
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "t.jsonl").write_text(
+        json.dumps({"context": "w1 w80", "choices": ["w3", "w9"], "answer": 0}) + "\n"
+    )
+    args = ["eval", "--checkpoint", str(ckpt), "--tasks", str(tmp_path / "t.jsonl"), "--device", "cpu"]
+    assert (
+        main([*args, "--tokenizer", str(tmp_path / "tokenizer.json"), "--output", str(tmp_path / "r.json")])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "to token id 80, but the model has 64 token ids" in err and "Traceback" not in err, err

@@ -212,6 +212,14 @@ def run(args: argparse.Namespace) -> int:
         stops = [tokenizer.encode(marker, add_special_tokens=False).ids] if marker else []
     if not prompt_ids:
         raise ConfigError("the prompt encodes to no tokens; give some text.")
+    vocab = getattr(model.config, "vocab_size", None)
+    if vocab is not None and max(prompt_ids) >= vocab:
+        # An embedding lookup past the table was an IndexError traceback from inside the model.
+        raise DataError(
+            f"the prompt encodes to token id {max(prompt_ids)}, but the model has {vocab} token ids "
+            f"(model.vocab_size): the tokenizer {tokenizer_path} is not this model's. Give the model's own "
+            "tokenizer with --tokenizer PATH."
+        )
     new = sample_tokens(
         model,
         prompt_ids,

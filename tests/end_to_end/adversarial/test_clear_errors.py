@@ -260,3 +260,24 @@ def test_seeds_outside_the_generators_range_are_refused_by_check(cli, override, 
     code, _, err = cli("check", "--config", "configs/demo.yaml", "--set", override)
     _no_traceback(code, err)
     assert needle in err, err
+
+
+def _tokenizer_past_the_model(path):
+    """A word-level tokenizer whose ids run past the tiny model's 64: "w80" is id 80."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(100)}
+    vocab["<|endoftext|>"] = 100
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def test_generate_with_another_models_tokenizer(run_copy, cli, tmp_path):
+    # Before: "IndexError: index out of range in self" from the embedding lookup.
+    tok = _tokenizer_past_the_model(tmp_path / "tokenizer.json")
+    argv = ["generate", "--checkpoint", run_copy / "ckpt", "--tokenizer", tok, "--device", "cpu"]
+    code, _, err = cli(*argv, "--prompt", "w1 w80")
+    _no_traceback(code, err)
+    assert "the prompt encodes to token id 80, but the model has 64 token ids" in err and str(tok) in err

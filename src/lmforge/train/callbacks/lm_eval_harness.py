@@ -220,13 +220,22 @@ def _lm_class() -> type:
             self.model, self._tok, self._eot = model, tokenizer, int(eot_id)
             self.max_length, self.batch_size = int(max_length), max(1, int(batch_size))
             self._device = next(model.parameters()).device
+            self._vocab = getattr(getattr(model, "config", None), "vocab_size", None)
 
         @property
         def eot_token_id(self) -> int:
             return self._eot
 
         def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-            return list(self._tok.encode(string, add_special_tokens=bool(add_special_tokens)).ids)
+            ids = list(self._tok.encode(string, add_special_tokens=bool(add_special_tokens)).ids)
+            if self._vocab is not None and ids and max(ids) >= self._vocab:
+                # An embedding lookup past the table was an IndexError traceback from inside the model.
+                raise DataError(
+                    f"the tokenizer encodes task text ({string[:40]!r}) to token id {max(ids)}, but the model "
+                    f"has {self._vocab} token ids (model.vocab_size): it is not this model's tokenizer. Give the "
+                    "model's own tokenizer (--tokenizer PATH)."
+                )
+            return ids
 
         def tok_decode(self, ids: list[int], **kwargs: Any) -> str:
             return self._tok.decode(list(ids))
