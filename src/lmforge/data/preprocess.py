@@ -181,7 +181,11 @@ def preprocess(
     prefix = output_prefix if exact_prefix else output_prefix_for(output_prefix, json_key)
     check_output_file(f"{prefix}.bin", "--output-prefix")
     tokenizer = load_tokenizer(tokenizer_path)
-    eod = find_eod_id(tokenizer, tokenizer_path, eod_token) if append_eod else None
+    eod = (
+        find_eod_id(tokenizer, tokenizer_path, eod_token, hint="name it with --eod-token")
+        if append_eod
+        else None
+    )
     dtype = optimal_token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
     prefix = output_prefix if exact_prefix else output_prefix_for(output_prefix, json_key)
     bar = None
