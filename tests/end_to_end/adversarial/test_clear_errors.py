@@ -195,6 +195,15 @@ def test_bad_lr_outputs(run_copy, cli, tmp_path, args, needle):
     assert needle in err and (tmp_path / "f").read_text() == "a file"
 
 
+def test_lr_outputs_in_directories_still_to_create(run_copy, cli, tmp_path):
+    # Before: both passed the output checks ("a path to create"), then failed with "no such file or
+    # directory (.../.lr.png.tmp-PID)", naming a temporary file.
+    plot, table = tmp_path / "new" / "plots" / "lr.png", tmp_path / "other" / "lr.csv"
+    code, out, err = cli("lr", "--config", run_copy / "train.yaml", "-o", plot, "--csv", table)
+    assert code == 0, err
+    assert plot.is_file() and table.read_text().startswith("step,lr")
+
+
 @pytest.mark.parametrize(
     ("env", "needle"),
     [
