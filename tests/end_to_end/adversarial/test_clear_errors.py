@@ -290,3 +290,14 @@ def test_generate_with_another_models_tokenizer(run_copy, cli, tmp_path):
     code, _, err = cli(*argv, "--prompt", "w1 w80")
     _no_traceback(code, err)
     assert "the prompt encodes to token id 80, but the model has 64 token ids" in err and str(tok) in err
+
+
+def test_a_config_path_that_is_a_dangling_link_or_a_loop_says_so(cli, tmp_path):
+    # Before: "(does not exist)" for a path that `ls` shows.
+    (tmp_path / "a.yaml").symlink_to(tmp_path / "b.yaml")
+    (tmp_path / "b.yaml").symlink_to(tmp_path / "a.yaml")
+    (tmp_path / "dangling.yaml").symlink_to(tmp_path / "gone.yaml")
+    for name in ("a.yaml", "dangling.yaml"):
+        code, _, err = cli("check", "--config", tmp_path / name)
+        _no_traceback(code, err)
+        assert "is a symbolic link to nothing" in err and str(tmp_path / name) in err, err
