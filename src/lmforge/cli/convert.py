@@ -251,7 +251,7 @@ def model_section_for(ckpt: Path, config: str | None, key: str = "model") -> dic
         if not isinstance(section, dict):
             raise ConfigError(f"{config} has no model section.")
         return section
-    header = resolve_checkpoint(ckpt)
+    header = resolve_checkpoint(ckpt, "--from")
     if header is None or header.kind != "dcp":
         raise CheckpointError(
             f"{ckpt} is not an lmforge checkpoint (expected a save_path or iteration directory)."
@@ -405,7 +405,7 @@ def _run_chat_template(src: Path, config: str | None) -> str | None:
     from lmforge.train.checkpoint import CONFIG_FILE, resolve_checkpoint
 
     if config is None:
-        header = resolve_checkpoint(src)
+        header = resolve_checkpoint(src, "--from")
         saved = header.path / CONFIG_FILE if header is not None and header.kind == "dcp" else None
         if saved is None or not saved.is_file():
             return None
@@ -427,7 +427,7 @@ def _tokenizer_for(src: Path, args: argparse.Namespace) -> Path:
         return Path(args.tokenizer)
     from lmforge.train.checkpoint import CONFIG_FILE, resolve_checkpoint
 
-    header = None if (src / "tokenizer.json").is_file() else resolve_checkpoint(src)
+    header = None if (src / "tokenizer.json").is_file() else resolve_checkpoint(src, "--from")
     where = header.path if header is not None else src
     if (where / "tokenizer.json").is_file():
         return where

@@ -165,7 +165,7 @@ def _run_config(checkpoint: Path, config: str | None, overrides: Any) -> Any:
     from lmforge.utils.atomic import recover_dir
 
     recover_dir(checkpoint)
-    header = resolve_checkpoint(checkpoint)
+    header = resolve_checkpoint(checkpoint, "--checkpoint")
     if header is None:
         raise CheckpointError(f"No checkpoint found at {checkpoint}: the directory is missing or empty.")
     saved = header.path / CONFIG_FILE
@@ -289,7 +289,7 @@ def _run_tasks(args: argparse.Namespace) -> int:
 
     # The same check as the validation-loss path: a device this machine lacks is named, not a torch error.
     device = torch.device(parse_device(args.device) or ("cuda" if torch.cuda.is_available() else "cpu"))
-    header = resolve_checkpoint(args.checkpoint)
+    header = resolve_checkpoint(args.checkpoint, "--checkpoint")
     if header is None:
         raise CheckpointError(
             f"--checkpoint {args.checkpoint}: no checkpoint there (missing or empty directory)."

@@ -129,7 +129,7 @@ def _load(args: argparse.Namespace, device: torch.device) -> tuple[Any, Path | N
     from lmforge.utils.atomic import recover_dir
 
     recover_dir(Path(args.checkpoint))  # an export killed while publishing left it as .NAME.old
-    header = resolve_checkpoint(args.checkpoint)
+    header = resolve_checkpoint(args.checkpoint, "--checkpoint")
     if header is None:
         raise CheckpointError(
             f"--checkpoint {args.checkpoint}: no checkpoint there (missing or empty directory)."

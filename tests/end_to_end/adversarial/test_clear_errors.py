@@ -301,3 +301,23 @@ def test_a_config_path_that_is_a_dangling_link_or_a_loop_says_so(cli, tmp_path):
         code, _, err = cli("check", "--config", tmp_path / name)
         _no_traceback(code, err)
         assert "is a symbolic link to nothing" in err and str(tmp_path / name) in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (["generate", "--checkpoint", "{d}", "--prompt", "t1"], "--checkpoint"),
+        (["eval", "--checkpoint", "{d}"], "--checkpoint"),
+        (["convert", "--to-hf", "{out}", "--from", "{d}"], "--from"),
+        (["checkpoint", "inspect", "{d}"], "DIR"),
+    ],
+    ids=["generate", "eval", "convert", "inspect"],
+)
+def test_a_directory_that_is_no_checkpoint_is_named_by_the_option_given(cli, tmp_path, argv, name):
+    # Before: every command said "checkpoint.load_path '...' is not a checkpoint", a YAML key they do not read.
+    d = tmp_path / "not_a_checkpoint"
+    d.mkdir()
+    (d / "notes.txt").write_text("hello")
+    code, _, err = cli(*[a.format(d=d, out=tmp_path / "out") for a in argv])
+    _no_traceback(code, err)
+    assert f"{name} '{d}' is not a checkpoint" in err and "checkpoint.load_path" not in err, err
