@@ -165,3 +165,83 @@ def test_eval_tasks_on_a_lora_checkpoint_loads_its_adapters(tmp_path, capsys):
     assert main([*args, "--tokenizer", str(tmp_path / "tok"), "--json"]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0.0 <= record["results"]["lmforge_task"]["acc,none"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--limit", "5"], "--limit only applies to downstream tasks"),
+        (
+            ["--tokenizer", "tok.json", "--output", "r.json"],
+            "--tokenizer, --output only apply to downstream tasks",
+        ),
+        (["--batch-size", "4"], "--batch-size only applies"),
+        (["--num-fewshot", "2"], "--num-fewshot only applies"),
+        (
+            ["--tasks", "t.jsonl", "--eval-steps", "3"],
+            "with --tasks, limit the items per task with --limit N",
+        ),
+    ],
+)
+def test_a_flag_of_the_other_mode_is_refused_not_ignored(tmp_path, capsys, flags, needle):
+    # Before: the harness flags were silently ignored by the validation-loss mode (exit 0, a loss printed)
+    # and --eval-steps by --tasks.
+    assert main(["eval", "--checkpoint", str(tmp_path / "ckpt"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err, err
+
+
+def _model_only_checkpoint(tmp_path):
+    """A checkpoint whose config.yaml holds only the model section (as `convert --from-hf` writes)."""
+    manager = CheckpointManager(tmp_path / "ckpt", no_save_optim=True)
+    manager.save(
+        Checkpointable(build_model(validate_section("model", MODEL)), state=TrainState(max_steps=1)), 1
+    )
+    manager.close()
+    iteration = next((tmp_path / "ckpt").glob("iteration_*"))
+    (iteration / "config.yaml").write_text(yaml.safe_dump({"model": MODEL}))
+    return tmp_path / "ckpt"
+
+
+def test_tasks_refuse_a_device_and_a_set_they_cannot_use(tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    from lmforge.utils.logging import setup_logging
+
+    setup_logging()  # log to this test's capture, not to a stream an earlier test closed
+    ckpt = _model_only_checkpoint(tmp_path)
+    (tmp_path / "t.jsonl").write_text(json.dumps({"context": "a", "choices": ["b", "c"], "answer": 0}) + "\n")
+    args = ["eval", "--checkpoint", str(ckpt), "--tasks", str(tmp_path / "t.jsonl")]
+    # Before: torch's RuntimeError traceback listing its device types.
+    assert main([*args, "--device", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--device 'tpu' is not a device lmforge runs on" in err and "Traceback" not in err, err
+    # Before: the --set was dropped without a word (the config.yaml read as model-only, exit 0).
+    assert main([*args, "--device", "cpu", "--set", "training.steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert "--set:" in err and "is not a full train config" in err and "--config" in err, err
+
+
+@pytest.mark.slow
+def test_tasks_with_another_models_tokenizer(tmp_path, capsys):
+    # Before: "IndexError: index out of range in self" from the embedding lookup inside the harness.
+    pytest.importorskip("lm_eval")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from lmforge.utils.logging import setup_logging
+
+    setup_logging()
+    ckpt = _model_only_checkpoint(tmp_path)
+    vocab = {**{f"w{i}": i for i in range(100)}, "<|endoftext|>": 100}  # past the model's 64 ids
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "t.jsonl").write_text(
+        json.dumps({"context": "w1 w80", "choices": ["w3", "w9"], "answer": 0}) + "\n"
+    )
+    args = ["eval", "--checkpoint", str(ckpt), "--tasks", str(tmp_path / "t.jsonl"), "--device", "cpu"]
+    assert (
+        main([*args, "--tokenizer", str(tmp_path / "tokenizer.json"), "--output", str(tmp_path / "r.json")])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "to token id 80, but the model has 64 token ids" in err and "Traceback" not in err, err

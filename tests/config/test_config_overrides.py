@@ -63,6 +63,10 @@ def test_override_is_validated_like_the_file(base_config: dict[str, Any]) -> Non
         ("training.steps.x=3", r"training\.steps is not a mapping"),
         ("callbacks[3].type=A", r"callbacks\[3\] does not exist"),
         ("training.steps=[1", r"YAML parse error in the value of --set training\.steps"),
+        # these used to set training.steps silently (a typo taken for a key)
+        ("training..steps=3", r"the key 'training\.\.steps' has an empty part"),
+        (".training.steps=3", r"has an empty part"),
+        ("training.=3", r"has an empty part"),
     ],
 )
 def test_malformed_overrides(base_config: dict[str, Any], item: str, pattern: str) -> None:

@@ -98,10 +98,12 @@ def test_missing_sources_are_named_by_the_key_the_file_wrote(tmp_path) -> None:
     from lmforge.data.files import missing_data_files
 
     (tmp_path / "here.jsonl").write_text("{}\n")
+    (tmp_path / "tok.json").write_text("{}")  # present: a missing tokenizer is a message of its own
     here, absent = str(tmp_path / "here.jsonl"), str(tmp_path / "absent.jsonl")
-    text = {"type": "TextDataLoader", "data_path": [here, absent], "tokenizer": "t"}
-    hf_files = {"type": "HFDataLoader", "path": "json", "data_files": [here, absent], "tokenizer": "t"}
-    hf_glob = {"type": "HFDataLoader", "path": str(tmp_path / "*.jsonl"), "tokenizer": "t"}
+    t = str(tmp_path / "tok.json")
+    text = {"type": "TextDataLoader", "data_path": [here, absent], "tokenizer": t}
+    hf_files = {"type": "HFDataLoader", "path": "json", "data_files": [here, absent], "tokenizer": t}
+    hf_glob = {"type": "HFDataLoader", "path": str(tmp_path / "*.jsonl"), "tokenizer": t}
     for loader, key in [(text, "data_path"), (hf_files, "data_files")]:
         section = validate_section("train_dataset", {"dataloader": loader})
         assert missing_data_files(section) == [

@@ -113,6 +113,25 @@ def test_conversation_without_template_is_a_clear_error(tmp_path):
         _first_row(_section(path, tok))
 
 
+@pytest.mark.parametrize(
+    "messages, roles",
+    [([{"role": "user", "content": "hi"}], "'user'"), ([], "none")],
+    ids=["user-only", "empty"],
+)
+def test_a_conversation_without_an_assistant_turn_is_refused_with_file_and_line(tmp_path, messages, roles):
+    # Before: such rows carry no loss; a data set of them trained at loss 0.000000 and grad_norm 0 to the
+    # end (exit 0), and an empty list was "a data source yields only empty documents" naming no file.
+    from lmforge.errors import DataError
+
+    tok = write_tokenizer(tmp_path / "tok")
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}, {"messages": messages}])
+    with pytest.raises(DataError) as info:
+        loader = build_dataloader(typed(_section(path, tok, chat_template="chatml")), local_batch_size=1)
+        for _ in range(4):
+            next(loader)
+    assert f"{path}:2: 'messages' has no assistant turn (roles: {roles})" in str(info.value)
+
+
 def _hf_section(tmp_path, **extra):
     tok_dir = tmp_path / "tok"
     write_tokenizer(tok_dir)

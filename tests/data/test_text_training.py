@@ -122,3 +122,18 @@ def test_sft_recipe_under_two_data_parallel_ranks(tmp_path):
     )
     steps = [r["step"] for r in read_metrics(tmp_path / "dp2" / "metrics.jsonl")]
     assert steps == [1, 2, 3]
+
+
+def test_a_missing_tokenizer_is_a_check_warning_and_refused_by_train_before_building(tmp_path, capsys):
+    # Before: `check` said nothing (exit 0, no warning) and `train` refused it only after building the model.
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "w1"}]}])
+    sets = ["--set", f"train_dataset.dataloader.data_path=['{tmp_path / 'chat.jsonl'}']"]
+    sets += ["--set", f"train_dataset.dataloader.tokenizer={tmp_path / 'nope.json'}"]
+    sets += ["--set", f"output_dir={tmp_path / 'run'}", "--set", f"checkpoint.save_path={tmp_path / 'ck'}"]
+    needle = f"train_dataset.dataloader.tokenizer: '{tmp_path / 'nope.json'}' not found"
+    assert main(["check", "--config", str(RECIPE), *sets]) == 0
+    assert needle in capsys.readouterr().out
+    assert main(["train", "--config", str(RECIPE), *sets]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Nothing was built" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()

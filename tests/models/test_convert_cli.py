@@ -83,3 +83,54 @@ def test_model_section_from_the_config_loader():
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
     assert build_model_config(cfg.model).model_type == cfg.model.to_dict()["model_type"]
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--config", "train.yaml"], "--config only applies to an export"),
+        (["--max-shard-size", "1GB"], "--max-shard-size only applies to an export"),
+        (["--tokenizer", "tok.json"], "--tokenizer only applies to an export"),
+        (["--no-tokenizer"], "--no-tokenizer only applies to an export"),
+        (["--chat-template", "t.jinja"], "--chat-template only applies to an export"),
+    ],
+)
+def test_an_export_flag_given_with_an_import_is_refused_not_ignored(tmp_path, capsys, extra, needle):
+    # Before: each of these was silently ignored by --from-hf DIR --to CKPT_DIR (exit 0).
+    argv = ["convert", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "c"), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err, err
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--format", "safetensors"], "--format chooses the lmforge checkpoint written by an import"),
+        (["--tokenizer", "tok.json", "--no-tokenizer"], "give one of them"),
+    ],
+)
+def test_a_flag_an_export_would_ignore_is_refused(tmp_path, capsys, extra, needle):
+    argv = ["convert", "--to-hf", str(tmp_path / "out"), "--from", str(tmp_path / "ckpt"), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"\xdd\xff{{ messages }}", "cannot read it ('utf-8' codec"),  # was a UnicodeDecodeError traceback
+        (b"{% for m in %}", "is not a valid Jinja template"),  # was written into the export unchecked
+    ],
+)
+def test_a_bad_chat_template_file_is_refused_before_loading(tmp_path, capsys, content, needle):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "t.jinja").write_bytes(content)
+    argv = ["convert", "--to-hf", str(tmp_path / "out"), "--from", str(tmp_path / "ckpt")]
+    assert main([*argv, "--chat-template", str(tmp_path / "t.jinja")]) == 2
+    err = capsys.readouterr().err
+    assert f"--chat-template {tmp_path / 't.jinja'}" in err and needle in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()

@@ -95,3 +95,36 @@ def test_nothing_fits_and_bad_memory(capsys):
     assert "no layout fits 1.00 GiB per GPU" in capsys.readouterr().out
     assert main(["plan", "--config", RECIPE, "--gpus", "8", "--gpu-memory", "lots"]) == 2
     assert "expected a size such as 80GiB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--efficiency", "0"], "--efficiency 0: expected a number in (0, 1]"),
+        (["--efficiency", "5"], "--efficiency 5: expected a number in (0, 1]"),
+        (["--gpu-tflops", "0"], "--gpu-tflops 0: expected a number > 0"),
+        (["--gpu-tflops", "nan"], "--gpu-tflops nan: expected a number > 0"),
+        (["--intra-node-gbps", "0"], "--intra-node-gbps 0: expected a number > 0"),
+        (["--inter-node-gbps", "-25"], "--inter-node-gbps -25: expected a number > 0"),
+        (["--latency-us", "-5"], "--latency-us -5: expected a number >= 0"),
+        (["--top", "0"], "--top 0: expected the number of layouts to list"),
+        (["--nodes", "0"], "--nodes must be a positive integer"),
+    ],
+)
+def test_bad_hardware_flags_are_refused_by_name(capsys, flags, needle):
+    # Before: 0 rates were a ZeroDivisionError traceback from the step-time model, negative or NaN ones
+    # ranked the layouts by nonsense (negative step times), --nodes 0 silently became --gpus / 8.
+    argv = ["plan", "--config", RECIPE, "--gpus", "8", "--gpu-memory", "80GiB", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err, err
+
+
+def test_no_valid_layout_at_all_is_an_error_not_an_empty_table(capsys):
+    # 7 GPUs: no tp divides the heads and no dp divides the global batch, so there is no layout to list;
+    # it used to print "no layout fits 80.00 GiB per GPU" (memory was not the reason) and an empty table.
+    argv = ["plan", "--config", RECIPE, "--gpus", "7", "--gpu-memory", "80GiB"]
+    assert main([*argv, "--set", "training.global_batch_size=256"]) == 2
+    out, err = capsys.readouterr()
+    assert "no layout fits" not in out
+    assert "no parallel layout of --gpus 7" in err and "training.global_batch_size 256" in err, err

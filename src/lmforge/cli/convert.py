@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--format",
         choices=("dcp", "safetensors"),
-        default="dcp",
+        default=None,
         help="form of the lmforge checkpoint written by --to (default: dcp, the trainer's layout)",
     )
     parser.add_argument(
@@ -60,7 +60,7 @@ def register(subparsers: Any) -> None:
     export = parser.add_argument_group("export (--to-hf)")
     export.add_argument(
         "--max-shard-size",
-        default="5GB",
+        default=None,
         metavar="SIZE",
         help="largest safetensors file written (e.g. 5GB, 500MB, 2GiB; default 5GB)",
     )
@@ -96,13 +96,47 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "lmforge convert needs exactly one direction: --from-hf DIR --to CKPT_DIR, or --to-hf DIR --from CKPT_DIR."
         )
+    _refuse_flags_of_the_other_direction(args, importing)
     if importing:
-        if args.peft:
-            raise ConfigError(
-                "lmforge convert --peft goes with --to-hf DIR --from CKPT_DIR (exporting a LoRA run)."
-            )
-        return _import_hf(Path(args.from_hf), Path(args.to), args.format, args.dtype)
+        return _import_hf(Path(args.from_hf), Path(args.to), args.format or "dcp", args.dtype)
+    if args.max_shard_size is None:
+        args.max_shard_size = DEFAULT_MAX_SHARD_SIZE
     return _export_hf(Path(args.from_ckpt), Path(args.to_hf), args)
+
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+# Flags that only one direction reads, with what they do there: given with the other direction they
+# would be silently ignored, so they are refused instead.
+_EXPORT_ONLY = {
+    "max_shard_size": "--max-shard-size",
+    "tokenizer": "--tokenizer",
+    "no_tokenizer": "--no-tokenizer",
+    "chat_template": "--chat-template",
+    "peft": "--peft",
+    "config": "--config",
+}
+
+
+def _refuse_flags_of_the_other_direction(args: argparse.Namespace, importing: bool) -> None:
+    if importing:
+        given = [flag for attr, flag in _EXPORT_ONLY.items() if getattr(args, attr)]
+        if given:
+            raise ConfigError(
+                f"lmforge convert {', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to an export (--to-hf DIR --from CKPT_DIR); an "
+                "import (--from-hf DIR --to CKPT_DIR) takes the model, the tokenizer and the chat template from "
+                "the Hugging Face directory. Drop it, or export instead."
+            )
+    elif args.format is not None:
+        raise ConfigError(
+            "lmforge convert --format chooses the lmforge checkpoint written by an import (--from-hf DIR --to "
+            "CKPT_DIR); an export (--to-hf) always writes a Hugging Face directory, and --from reads either "
+            "form. Drop --format."
+        )
+    if args.no_tokenizer and args.tokenizer:
+        raise ConfigError(
+            "lmforge convert: --tokenizer names the tokenizer to export and --no-tokenizer exports none; give "
+            "one of them."
+        )
 
 
 # What a directory written by an earlier conversion of the same kind holds (fnmatch patterns); only
@@ -217,7 +251,7 @@ def model_section_for(ckpt: Path, config: str | None, key: str = "model") -> dic
         if not isinstance(section, dict):
             raise ConfigError(f"{config} has no model section.")
         return section
-    header = resolve_checkpoint(ckpt)
+    header = resolve_checkpoint(ckpt, "--from")
     if header is None or header.kind != "dcp":
         raise CheckpointError(
             f"{ckpt} is not an lmforge checkpoint (expected a save_path or iteration directory)."
@@ -253,8 +287,9 @@ def _export_hf(src: Path, dst: Path, args: argparse.Namespace) -> int:
             )
         try:
             chat_template = Path(args.chat_template).read_text(encoding="utf-8")
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"--chat-template {args.chat_template}: cannot read it ({exc}).") from None
+        _check_template(chat_template, args.chat_template)
     tokenizer = None if args.no_tokenizer else _tokenizer_for(src, args)  # found before any loading
     if chat_template is None and tokenizer is not None:
         chat_template = _run_chat_template(src, args.config)  # the template the run trained with
@@ -350,6 +385,18 @@ def _base_hf_config(checkpoint: dict | None) -> dict | None:
         return None
 
 
+def _check_template(template: str, path: str) -> None:
+    """A template that does not compile is refused here, not written into the export for transformers'
+    apply_chat_template (or ``lmforge generate``) to fail on later."""
+    from lmforge.data.text_format import compile_template
+    from lmforge.errors import DataError
+
+    try:
+        compile_template(template)
+    except DataError as exc:
+        raise ConfigError(f"--chat-template {path}: {exc}. Fix the template file.") from None
+
+
 def _run_chat_template(src: Path, config: str | None) -> str | None:
     """``train_dataset.dataloader.chat_template`` of the run (``--config``, else the checkpoint's
     config.yaml), as template text; None when the run set none (the tokenizer's own is exported)."""
@@ -358,7 +405,7 @@ def _run_chat_template(src: Path, config: str | None) -> str | None:
     from lmforge.train.checkpoint import CONFIG_FILE, resolve_checkpoint
 
     if config is None:
-        header = resolve_checkpoint(src)
+        header = resolve_checkpoint(src, "--from")
         saved = header.path / CONFIG_FILE if header is not None and header.kind == "dcp" else None
         if saved is None or not saved.is_file():
             return None
@@ -380,7 +427,7 @@ def _tokenizer_for(src: Path, args: argparse.Namespace) -> Path:
         return Path(args.tokenizer)
     from lmforge.train.checkpoint import CONFIG_FILE, resolve_checkpoint
 
-    header = None if (src / "tokenizer.json").is_file() else resolve_checkpoint(src)
+    header = None if (src / "tokenizer.json").is_file() else resolve_checkpoint(src, "--from")
     where = header.path if header is not None else src
     if (where / "tokenizer.json").is_file():
         return where

@@ -164,6 +164,18 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    import math
+
+    from lmforge.config.sections_parallel import MAX_WAIT_S as MAX_TIMEOUT_S
+    from lmforge.errors import ConfigError
+
+    # Checked on every rank and world size, so that a value that would fail under torchrun (timedelta of
+    # NaN is a ValueError; 0 or less gives up at once) fails the same way on one process.
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
+        raise ConfigError(
+            f"--timeout {args.timeout:g}: expected the seconds to wait for every rank to join, a number in "
+            f"(0, {MAX_TIMEOUT_S:g}] (default 300)."
+        )
     view = rank_view()
     distributed = view["world_size"] > 1 and not args.no_collective
     views = gather_views(view, args.timeout) if distributed else [view]

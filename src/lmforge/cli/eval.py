@@ -33,6 +33,18 @@ if TYPE_CHECKING:
     from lmforge.config import TrainConfig
 
 
+DEFAULT_BATCH_SIZE = 8
+# The harness's flags: read only with --tasks, so without it each is refused rather than ignored.
+_TASK_FLAGS = {
+    "limit": "--limit",
+    "num_fewshot": "--num-fewshot",
+    "include_path": "--include-path",
+    "tokenizer": "--tokenizer",
+    "batch_size": "--batch-size",
+    "output": "--output",
+}
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "eval",
@@ -63,7 +75,13 @@ def register(subparsers: Any) -> None:
     harness.add_argument("--num-fewshot", type=int, default=None, metavar="K", help="few-shot examples")
     harness.add_argument("--include-path", metavar="DIR", help="directory of extra harness task YAMLs")
     harness.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a directory with one")
-    harness.add_argument("--batch-size", type=int, default=8, metavar="N", help="sequences per forward")
+    harness.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"sequences per forward (default {DEFAULT_BATCH_SIZE})",
+    )
     harness.add_argument("--output", metavar="FILE", help="results file (default: in the checkpoint dir)")
     parser.set_defaults(func=run)
 
@@ -96,7 +114,18 @@ def run(args: argparse.Namespace) -> int:
     from lmforge.errors import ConfigError
 
     if args.tasks:
+        if args.eval_steps is not None:
+            raise ConfigError(
+                "--eval-steps counts batches of the validation loss; with --tasks, limit the items per task "
+                "with --limit N instead."
+            )
         return _run_tasks(args)
+    given = [flag for attr, flag in _TASK_FLAGS.items() if getattr(args, attr) is not None]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to downstream tasks (--tasks LIST); without --tasks, lmforge eval "
+            "computes the validation loss and would ignore it. Add --tasks, or drop it."
+        )
     from lmforge.train.callbacks.logging import readable_number
     from lmforge.train.callbacks.validation import build_eval_loader, eval_settings, evaluate
 
@@ -136,7 +165,7 @@ def _run_config(checkpoint: Path, config: str | None, overrides: Any) -> Any:
     from lmforge.utils.atomic import recover_dir
 
     recover_dir(checkpoint)
-    header = resolve_checkpoint(checkpoint)
+    header = resolve_checkpoint(checkpoint, "--checkpoint")
     if header is None:
         raise CheckpointError(f"No checkpoint found at {checkpoint}: the directory is missing or empty.")
     saved = header.path / CONFIG_FILE
@@ -207,6 +236,25 @@ def _hub_unreachable(tasks: list[str], include_path: str | None) -> str | None:
         return endpoint
 
 
+def _saved_config(path: Path, overrides: Any) -> Any:
+    """A training checkpoint's full config.yaml (output_dir and trackers come from it), with ``--set``;
+    None for a model-only config.yaml, as `lmforge convert --from-hf` writes. A ``--set`` that makes a full
+    config invalid, or one given for a model-only config, is an error: it is never silently dropped."""
+    from lmforge.config import load_config
+    from lmforge.errors import ConfigError
+
+    try:
+        load_config(path)
+    except ConfigError:
+        if overrides:
+            raise ConfigError(
+                f"--set: {path} is not a full train config (a model-only one, as `lmforge convert --from-hf` "
+                "writes), so there is nothing for --set to apply to; pass the run's train.yaml with --config."
+            ) from None
+        return None
+    return load_config(path, overrides)
+
+
 def _run_tasks(args: argparse.Namespace) -> int:
     import torch
 
@@ -224,6 +272,8 @@ def _run_tasks(args: argparse.Namespace) -> int:
 
     require_lm_eval()
     offline = _hub_unreachable(split_tasks(args.tasks), args.include_path)
+    if args.batch_size is None:
+        args.batch_size = DEFAULT_BATCH_SIZE
     for name, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be a positive number, got {value}.")
@@ -235,8 +285,11 @@ def _run_tasks(args: argparse.Namespace) -> int:
                 f"Hugging Face cache and {offline} cannot be reached (offline); run it once with network "
                 "access to cache it, or use a local .jsonl task (docs/guide.md)."
             )
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    header = resolve_checkpoint(args.checkpoint)
+    from lmforge.utils.device import parse_device
+
+    # The same check as the validation-loss path: a device this machine lacks is named, not a torch error.
+    device = torch.device(parse_device(args.device) or ("cuda" if torch.cuda.is_available() else "cpu"))
+    header = resolve_checkpoint(args.checkpoint, "--checkpoint")
     if header is None:
         raise CheckpointError(
             f"--checkpoint {args.checkpoint}: no checkpoint there (missing or empty directory)."
@@ -245,10 +298,7 @@ def _run_tasks(args: argparse.Namespace) -> int:
     if args.config:
         cfg = load_config(args.config, args.overrides)
     elif (header.path / CONFIG_FILE).is_file():
-        try:  # a training checkpoint's full config (output_dir and trackers come from it)
-            cfg = load_config(header.path / CONFIG_FILE, args.overrides)
-        except ConfigError:
-            cfg = None  # a model-only config.yaml, as `lmforge convert --from-hf` writes
+        cfg = _saved_config(header.path / CONFIG_FILE, args.overrides)
     model, tokenizer_path = _task_model(header, cfg, args, device)
     if tokenizer_path is None:
         raise DataError(

@@ -80,6 +80,12 @@ def _check_sampling(args: argparse.Namespace) -> None:
         raise ConfigError(f"--top-k must be >= 0 (0 disables top-k filtering), got {args.top_k}")
     if not (0 < args.top_p <= 1):
         raise ConfigError(f"--top-p must be in (0, 1] (1 disables nucleus sampling), got {args.top_p}")
+    if not 0 <= args.seed <= 2**64 - 1:  # torch.manual_seed's range (an overflow was a traceback)
+        raise ConfigError(f"--seed must be an integer in [0, 2**64 - 1], got {args.seed}")
+    if args.chat_template is not None and args.chat is None and args.messages is None:
+        raise ConfigError(
+            "--chat-template goes with chat mode (--chat or --messages); --prompt continues the text as given."
+        )
     if args.system is not None and args.chat is None:
         raise ConfigError("--system goes with --chat (with --messages, put the system turn in the file).")
 
@@ -123,7 +129,7 @@ def _load(args: argparse.Namespace, device: torch.device) -> tuple[Any, Path | N
     from lmforge.utils.atomic import recover_dir
 
     recover_dir(Path(args.checkpoint))  # an export killed while publishing left it as .NAME.old
-    header = resolve_checkpoint(args.checkpoint)
+    header = resolve_checkpoint(args.checkpoint, "--checkpoint")
     if header is None:
         raise CheckpointError(
             f"--checkpoint {args.checkpoint}: no checkpoint there (missing or empty directory)."
@@ -206,6 +212,14 @@ def run(args: argparse.Namespace) -> int:
         stops = [tokenizer.encode(marker, add_special_tokens=False).ids] if marker else []
     if not prompt_ids:
         raise ConfigError("the prompt encodes to no tokens; give some text.")
+    vocab = getattr(model.config, "vocab_size", None)
+    if vocab is not None and max(prompt_ids) >= vocab:
+        # An embedding lookup past the table was an IndexError traceback from inside the model.
+        raise DataError(
+            f"the prompt encodes to token id {max(prompt_ids)}, but the model has {vocab} token ids "
+            f"(model.vocab_size): the tokenizer {tokenizer_path} is not this model's. Give the model's own "
+            "tokenizer with --tokenizer PATH."
+        )
     new = sample_tokens(
         model,
         prompt_ids,

@@ -149,6 +149,11 @@ def run(args: argparse.Namespace) -> int:
         if note:
             print(f"note: {note}")
         print(format_key_steps(item))
+    # The checks above accept a directory still to be created (as every output of lmforge does); create
+    # it, or the aside-written file failed with a message naming its temporary name.
+    for output in (args.output, args.csv):
+        if output is not None:
+            Path(output).parent.mkdir(parents=True, exist_ok=True)
     plot(items, args.output)
     print(f"\nplot: {args.output}")
     if args.csv:

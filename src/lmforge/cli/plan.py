@@ -51,6 +51,66 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
+# flag -> (attribute, lowest value, whether the lowest is allowed, highest allowed, what it is)
+_HARDWARE_FLAGS = (
+    (
+        "--gpu-tflops",
+        "gpu_tflops",
+        0.0,
+        False,
+        None,
+        "a number > 0 (dense bf16 TFLOP/s per GPU; default 989)",
+    ),
+    (
+        "--efficiency",
+        "efficiency",
+        0.0,
+        False,
+        1.0,
+        "a number in (0, 1] (the fraction of peak FLOP/s reached; default 0.5)",
+    ),
+    (
+        "--intra-node-gbps",
+        "intra_node_gbps",
+        0.0,
+        False,
+        None,
+        "a number > 0 (GB/s per GPU inside a node; default 200)",
+    ),
+    (
+        "--inter-node-gbps",
+        "inter_node_gbps",
+        0.0,
+        False,
+        None,
+        "a number > 0 (GB/s per GPU between nodes; default 25)",
+    ),
+    (
+        "--latency-us",
+        "latency_us",
+        0.0,
+        True,
+        None,
+        "a number >= 0 (µs per critical-path collective; default 20)",
+    ),
+)
+
+
+def _check_hardware_flags(args: argparse.Namespace) -> None:
+    """The step-time model divides by the rates and adds the latency: a zero rate would divide by zero, and a
+    negative or NaN value would rank the layouts by nonsense, so each is refused naming its flag."""
+    import math
+
+    from lmforge.errors import ConfigError
+
+    for flag, attr, low, low_ok, high, what in _HARDWARE_FLAGS:
+        v = getattr(args, attr)
+        if not math.isfinite(v) or v < low or (v == low and not low_ok) or (high is not None and v > high):
+            raise ConfigError(f"{flag} {v:g}: expected {what}.")
+    if args.top < 1:
+        raise ConfigError(f"--top {args.top}: expected the number of layouts to list, >= 1 (default 10).")
+
+
 def run(args: argparse.Namespace) -> int:
     from lmforge.config import load_config
     from lmforge.errors import ConfigError
@@ -59,11 +119,16 @@ def run(args: argparse.Namespace) -> int:
 
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be a positive integer, got {args.gpus}.")
-    nodes = args.nodes or max(1, -(-args.gpus // 8))
-    if nodes < 1 or args.gpus % nodes:
+    if args.nodes is not None and args.nodes < 1:
+        raise ConfigError(
+            f"--nodes must be a positive integer (or left out for --gpus / 8), got {args.nodes}."
+        )
+    nodes = args.nodes if args.nodes is not None else max(1, -(-args.gpus // 8))
+    if args.gpus % nodes:
         raise ConfigError(
             f"--nodes {nodes} must divide --gpus {args.gpus} (the same number of GPUs on every node)."
         )
+    _check_hardware_flags(args)
     hw = Hardware(
         gpus=args.gpus,
         gpu_memory=parse_memory(args.gpu_memory),
@@ -77,6 +142,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     fits, misses, facts = plan(cfg, hw)
     gbs = int(cfg.training.global_batch_size)
+    if not fits and not misses:
+        raise ConfigError(
+            f"no parallel layout of --gpus {hw.gpus} ({hw.nodes} node(s)) can run this model at "
+            f"training.global_batch_size {gbs}: a layout needs data_parallel x local_batch_size (1, 2 or 4) "
+            f"to divide the global batch, tensor_parallel to divide the attention heads "
+            f"({facts.num_heads}) and pipeline_parallel to split the layers ({facts.num_layers}), "
+            "with cp <= 8 and tp <= 8 and the GPUs per node. Give a --gpus that factors so, or a larger "
+            "global batch (--set training.global_batch_size=N)."
+        )
     print(
         f"lmforge plan: {args.config}: {_count(facts.total_params)} parameters, {facts.num_layers} layers, "
         f"seq {facts.seq_length}, global batch {gbs}; {hw.gpus} GPUs x {format_bytes(hw.gpu_memory)} on {hw.nodes} "

@@ -200,6 +200,11 @@ def apply_overrides(
     result = copy.deepcopy(raw)
     for key, value in pairs:
         where = f"--set {key}"
+        if key.startswith(".") or key.endswith(".") or ".." in key:
+            # "training..steps" used to set training.steps silently (and check labelled it [file]).
+            raise ConfigError(
+                f"{where}: the key {key!r} has an empty part; write it as section.key, e.g. training.steps"
+            )
         parts = split_key(key, where)
         node: Any = result
         for i, part in enumerate(parts[:-1]):

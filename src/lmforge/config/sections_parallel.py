@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -15,6 +16,9 @@ from lmforge.config.layer_spec import parse_layer_specs
 
 # ZeRO-1, ZeRO-2, ZeRO-3 (docs/compatibility.md: ZeRO-1 runs as ZeRO-2, FSDP2 always shards gradients)
 SHARD_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
+# The longest wait for a collective or the start-up (parallelism.process_group_timeout, lmforge env
+# --timeout): a week, longer than any real one; .inf or 1e300 overflow timedelta.
+MAX_WAIT_S = 7 * 24 * 3600.0
 RESHARD_POLICIES = ("always", "never", "default")
 CP_METHODS = ("colossal", "ulysses", "hybrid")
 PP_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
@@ -119,10 +123,11 @@ class ParallelismConfig(Section):
                     f"{p}.ulysses_degree_in_cp ({u}) must divide context_parallel ({self.context_parallel})"
                 )
         self._check_layers_per_stage()
-        if not self.process_group_timeout > 0:
+        if not (math.isfinite(self.process_group_timeout) and 0 < self.process_group_timeout <= MAX_WAIT_S):
+            # .inf or 1e300 passed here and were an OverflowError traceback from timedelta at a torchrun start-up.
             raise ValueError(
-                f"{p}.process_group_timeout must be a positive number of seconds (default 1800), "
-                f"got {self.process_group_timeout}"
+                f"{p}.process_group_timeout must be a positive, finite number of seconds (default 1800, at most "
+                f"{MAX_WAIT_S:g}: a week), got {self.process_group_timeout}"
             )
         return self
 

@@ -88,6 +88,9 @@ class CheckpointConfig(Section):
 # training
 
 
+MAX_SEED = 2**64 - 1  # the largest seed torch.manual_seed takes
+
+
 class TrainingConfig(Section):
     steps: int = 1000
     # lmforge extension (docs/config.md "lmforge's own keys"): passes over the training split; the run
@@ -151,6 +154,10 @@ class TrainingConfig(Section):
                 f"training.local_batch_size in config must be positive, got {self.local_batch_size}"
             )
         check_positive(self.steps, "training.steps")
+        if not 0 <= self.seed <= MAX_SEED:
+            # torch.manual_seed overflows past 2**64 - 1 and numpy's generators (the text loader's
+            # shuffle) refuse a negative seed: both were tracebacks once training started.
+            raise ValueError(f"training.seed must be an integer in [0, 2**64 - 1], got {self.seed}")
         if not self.max_norm > 0:
             # The original has no switch to turn clipping off: with max_norm 0 its clip coefficient
             # max_norm / (norm + eps) is 0 and every gradient is silently zeroed (negative values flip

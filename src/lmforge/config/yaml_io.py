@@ -218,7 +218,14 @@ def read_yaml_file(path: str | Path) -> Any:
     """The parsed document of a YAML file; missing or unreadable files are ConfigError."""
     path = Path(path)
     if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        if path.is_dir():
+            what = "is a directory, not a file"
+        elif path.is_symlink():  # exists() follows the link: a dangling link or a loop reads as absent
+            what = "is a symbolic link to nothing: its target does not exist, or the links form a loop"
+        elif path.exists():
+            what = "is not a regular file (a device, FIFO or socket)"
+        else:
+            what = "does not exist"
         raise ConfigError(
             f"Config file not found: {path} ({what}). Pass the path of a train.yaml to --config."
         )

@@ -59,13 +59,15 @@ def parse_blend(value: Any, key: str) -> Blend:
     return Blend(prefixes=prefixes, weights=weights)
 
 
-def _int_at(minimum: int) -> Callable[[Any, ValidationInfo], int]:
+def _int_at(minimum: int, maximum: tuple[int, str] | None = None) -> Callable[[Any, ValidationInfo], int]:
     def check(value: Any, info: ValidationInfo) -> int:
         key = f"{CONFIG_PATH}.{info.field_name}"
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key} must be an integer; got {value!r}.")
         if value < minimum:
             raise ConfigError(f"{key} must be >= {minimum}; got {value}.")
+        if maximum is not None and value > maximum[0]:
+            raise ConfigError(f"{key} must be <= {maximum[1]}; got {value}.")
         return value
 
     return check
@@ -91,9 +93,9 @@ def _text(value: Any) -> str:
     return str(value)  # a split written as a number (split: 1) or a path is its text
 
 
-def Int(minimum: int) -> Any:  # noqa: N802 (a type, named like one)
-    """An integer >= ``minimum`` (a bool is refused)."""
-    return Annotated[int, BeforeValidator(_int_at(minimum))]
+def Int(minimum: int, maximum: tuple[int, str] | None = None) -> Any:  # noqa: N802 (a type, named like one)
+    """An integer >= ``minimum`` and, given ``(value, why)``, <= value (a bool is refused)."""
+    return Annotated[int, BeforeValidator(_int_at(minimum, maximum))]
 
 
 Bool = Annotated[bool, BeforeValidator(_bool)]
@@ -112,7 +114,10 @@ class GPTDatasetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     seq_length: Int(1)
-    seed: Int(0) = 1234
+    # The sample order's numpy RandomState (as Megatron's) takes seeds up to 2**32 - 1 only.
+    seed: Int(
+        0, (2**32 - 1, "4294967295 (2**32 - 1, the range of numpy's RandomState that orders the samples)")
+    ) = 1234
     data_path: BlendPaths | None = None
     train_data_path: BlendPaths | None = None
     valid_data_path: BlendPaths | None = None

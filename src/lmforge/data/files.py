@@ -17,6 +17,7 @@ from lmforge.config import TrainDatasetConfig
 
 from .config import CONFIG_PATH
 from .schema import MegatronLoader, TextLoader
+from .text_schema import KEY as TEXT_KEY
 
 CONFIG_KEYS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 TRAINING_KEYS = ("data_path", "train_data_path")  # what the training split reads
@@ -47,6 +48,14 @@ def missing_data_files(section: TrainDatasetConfig, keys: tuple[str, ...] = CONF
             if any(c in item for c in "*?[") and glob.glob(item):  # text loaders accept globs
                 continue
             messages.append(f"{label}: {item!r} not found (neither the path nor {item}.bin/.idx exists)")
+    typed = section.dataloader.typed
+    if isinstance(typed, TextLoader) and not os.path.exists(typed.tokenizer):
+        # The text loader tokenizes on the fly: without its tokenizer it cannot read a row. (`check`
+        # passed this, and `train` refused it only after building the model.)
+        messages.append(
+            f"{TEXT_KEY}.tokenizer: {typed.tokenizer!r} not found (a local tokenizer.json or a directory "
+            "holding one)"
+        )
     return messages
 
 

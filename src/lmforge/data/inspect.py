@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from lmforge.errors import DataError
+
 from .indexed import IndexedDataset
 
 
@@ -23,6 +25,7 @@ def length_histogram(lengths: np.ndarray, bins: int = 8) -> list[tuple[int, int,
 
 def describe(prefix: str, tokenizer_path: str | None = None, sample_tokens: int = 64, width: int = 40) -> str:
     ds = IndexedDataset(prefix)
+    largest = ds.max_token()  # one read of the .bin, for the statistics and the tokenizer's check
     doc_lengths = np.diff(
         np.concatenate([[0], np.cumsum(ds.sequence_lengths, dtype=np.int64)])[ds.document_indices]
     )
@@ -38,7 +41,7 @@ def describe(prefix: str, tokenizer_path: str | None = None, sample_tokens: int 
             f"doc length  min {int(doc_lengths.min()):,}  mean {float(doc_lengths.mean()):,.1f}  "
             f"median {int(np.median(doc_lengths)):,}  max {int(doc_lengths.max()):,}"
         )
-        lines.append(f"max token   {ds.max_token():,}")
+        lines.append(f"max token   {largest:,}")
         lines.append("length histogram (tokens per document):")
         rows = length_histogram(doc_lengths)
         peak = max(c for _, _, c in rows) or 1
@@ -49,6 +52,14 @@ def describe(prefix: str, tokenizer_path: str | None = None, sample_tokens: int 
         from lmforge.utils.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_path)
+        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        if largest >= vocab:
+            # decode() drops ids it does not know: the sample used to print as a few '<unk>'s, silently.
+            raise DataError(
+                f"{ds.prefix}.bin holds token id {largest:,}, but --tokenizer {tokenizer_path} has {vocab:,} ids "
+                f"(0 .. {vocab - 1:,}): it is not the tokenizer the data was made with. Give that one, or drop "
+                "--tokenizer to see the statistics."
+            )
         ids = ds.document(0)[:sample_tokens].tolist()
         lines.append(f"document 0, first {len(ids)} tokens: {ids}")
         lines.append("decoded: " + repr(tokenizer.decode(ids, skip_special_tokens=False)))

@@ -181,7 +181,11 @@ def preprocess(
     prefix = output_prefix if exact_prefix else output_prefix_for(output_prefix, json_key)
     check_output_file(f"{prefix}.bin", "--output-prefix")
     tokenizer = load_tokenizer(tokenizer_path)
-    eod = find_eod_id(tokenizer, tokenizer_path, eod_token) if append_eod else None
+    eod = (
+        find_eod_id(tokenizer, tokenizer_path, eod_token, hint="name it with --eod-token")
+        if append_eod
+        else None
+    )
     dtype = optimal_token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
     prefix = output_prefix if exact_prefix else output_prefix_for(output_prefix, json_key)
     bar = None
@@ -202,7 +206,9 @@ def preprocess(
         # terminate() waited for it forever.
         pool = _start_pool(workers, tokenizer_path) if workers > 1 else None
         with _signals_stop_cleanly():
-            documents, tokens, skipped = _tokenize_into(prefix, dtype, batches, pool, tokenizer_path, eod)
+            documents, tokens, skipped = _tokenize_into(
+                prefix, dtype, batches, pool, tokenizer_path, eod, input_path, json_key
+            )
     finally:
         if pool is not None:
             pool.terminate()
@@ -225,6 +231,8 @@ def _tokenize_into(
     pool: Any,
     tokenizer_path: str,
     eod: int | None,
+    input_path: str = "the input",
+    json_key: str = "text",
 ) -> tuple[int, int, int]:
     """(documents, tokens, empty documents skipped) after writing the pair; on ``pool``'s workers, or
     in this process without one."""
@@ -245,4 +253,10 @@ def _tokenize_into(
                 writer.add_document(ids)
                 documents += 1
                 tokens += ids.size
+        if documents == 0:  # raised inside the writer: nothing is published
+            raise DataError(
+                f"--input {input_path} holds no document to write ({skipped:,} empty {json_key!r} text(s) "
+                "skipped, as Megatron does): an empty .bin/.idx pair would only fail later, when training "
+                "finds no sequences. Check --input and --json-key."
+            )
     return documents, tokens, skipped

@@ -175,6 +175,15 @@ class RowFormatter:
             else:
                 pieces.append((full[len(done) :], False))
             done = full
+        if not any(m["role"] == "assistant" for m in messages):
+            # Only assistant turns carry the loss: such a row trains nothing, and a data set of them
+            # trained at loss 0 with zero gradients to the end without a word.
+            raise DataError(
+                f"{where}: '{key}' has no assistant turn (roles: "
+                f"{', '.join(repr(m['role']) for m in messages) or 'none'}), so none of its tokens would be "
+                "trained on: only the assistant turns carry the loss. Add the assistant's reply, or remove "
+                "the record."
+            )
         return pieces
 
     def pieces(self, row: dict[str, Any], where: str) -> list[tuple[str, bool]]:

@@ -40,7 +40,11 @@ def text_loader_settings(
 
     seq = typed.sequence_length(seq_length)
     tok = load_tokenizer(typed.tokenizer)
-    eod = typed.eod if typed.eod is not None else find_eod_id(tok, typed.tokenizer)
+    eod = (
+        typed.eod
+        if typed.eod is not None
+        else find_eod_id(tok, typed.tokenizer, hint=f"set {KEY}.eod to its id")
+    )
     pad = typed.pad if typed.pad is not None else eod
     vocab = vocab_size or tok.get_vocab_size(with_added_tokens=True)
     for name, value in (("eod", eod), ("pad", pad)):

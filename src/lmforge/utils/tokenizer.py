@@ -81,8 +81,15 @@ def special_token(config: dict[str, Any], name: str) -> str:
     return value
 
 
-def find_eod_id(tokenizer, path: str | os.PathLike, eod_token: str | None = None) -> int:
-    """The id appended after each document: ``eod_token``, else the config's eos, else a known name."""
+# How to name the end-of-document token where the caller has no option of its own for it.
+EOD_HINT = 'give it as "eos_token" in a tokenizer_config.json next to the tokenizer.json'
+
+
+def find_eod_id(
+    tokenizer, path: str | os.PathLike, eod_token: str | None = None, *, hint: str = EOD_HINT
+) -> int:
+    """The id appended after each document: ``eod_token``, else the config's eos, else a known name.
+    ``hint`` ends the error: how the caller's user names the token (the option or key that sets it)."""
     names: list[str] = []
     if eod_token:
         names = [eod_token]
@@ -96,6 +103,5 @@ def find_eod_id(tokenizer, path: str | os.PathLike, eod_token: str | None = None
         if token_id is not None:
             return int(token_id)
     raise DataError(
-        f"cannot find an end-of-document token in {tokenizer_file(path)} (tried {', '.join(names)}); "
-        "name it with --eod-token."
+        f"cannot find an end-of-document token in {tokenizer_file(path)} (tried {', '.join(names)}); {hint}."
     )

@@ -157,8 +157,20 @@ def test_os_error_outside_lmforge_code_is_a_message(run_copy, cli, monkeypatch, 
         (["--temperature", "-1"], "--temperature must be a finite number"),
         (["--temperature", "inf"], "--temperature must be a finite number"),
         (["--top-k", "-3"], "--top-k must be >= 0"),
+        # was "ValueError: Overflow when unpacking long long" from torch.manual_seed
+        (["--seed", str(2**70)], "--seed must be an integer in [0, 2**64 - 1]"),
+        # was silently ignored: --prompt mode applies no template
+        (["--chat-template", "t.jinja"], "--chat-template goes with chat mode"),
     ],
-    ids=["max-new-tokens", "temperature-nan", "temperature-negative", "temperature-inf", "top-k"],
+    ids=[
+        "max-new-tokens",
+        "temperature-nan",
+        "temperature-negative",
+        "temperature-inf",
+        "top-k",
+        "seed",
+        "template",
+    ],
 )
 def test_bad_generate_values(run_copy, cli, args, needle):
     code, _, err = cli("generate", "--checkpoint", run_copy / "ckpt", "--prompt", "t1", *args)
@@ -181,6 +193,15 @@ def test_bad_lr_outputs(run_copy, cli, tmp_path, args, needle):
     code, _, err = cli("lr", "--config", run_copy / "train.yaml", *[a.format(tmp=tmp_path) for a in args])
     _no_traceback(code, err)
     assert needle in err and (tmp_path / "f").read_text() == "a file"
+
+
+def test_lr_outputs_in_directories_still_to_create(run_copy, cli, tmp_path):
+    # Before: both passed the output checks ("a path to create"), then failed with "no such file or
+    # directory (.../.lr.png.tmp-PID)", naming a temporary file.
+    plot, table = tmp_path / "new" / "plots" / "lr.png", tmp_path / "other" / "lr.csv"
+    code, out, err = cli("lr", "--config", run_copy / "train.yaml", "-o", plot, "--csv", table)
+    assert code == 0, err
+    assert plot.is_file() and table.read_text().startswith("step,lr")
 
 
 @pytest.mark.parametrize(
@@ -227,3 +248,76 @@ def test_missing_preprocess_input(run_copy, cli, tmp_path):
     )
     _no_traceback(code, err)
     assert "no such file" in err
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        (f"training.seed={2**64}", "training.seed must be an integer in [0, 2**64 - 1]"),
+        ("training.seed=-1", "training.seed must be an integer in [0, 2**64 - 1]"),
+        (
+            f"train_dataset.dataloader.config.seed={2**32}",
+            "train_dataset.dataloader.config.seed must be <= 4294967295",
+        ),
+    ],
+    ids=["seed-past-torch", "seed-negative", "data-seed-past-numpy"],
+)
+def test_seeds_outside_the_generators_range_are_refused_by_check(cli, override, needle):
+    # Before: check passed them, and train died after building the model with a traceback from
+    # torch.manual_seed (overflow), numpy's default_rng (a negative seed: the text loader's shuffle) or
+    # numpy's RandomState (the Megatron sample order past 2**32 - 1).
+    code, _, err = cli("check", "--config", "configs/demo.yaml", "--set", override)
+    _no_traceback(code, err)
+    assert needle in err, err
+
+
+def _tokenizer_past_the_model(path):
+    """A word-level tokenizer whose ids run past the tiny model's 64: "w80" is id 80."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(100)}
+    vocab["<|endoftext|>"] = 100
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def test_generate_with_another_models_tokenizer(run_copy, cli, tmp_path):
+    # Before: "IndexError: index out of range in self" from the embedding lookup.
+    tok = _tokenizer_past_the_model(tmp_path / "tokenizer.json")
+    argv = ["generate", "--checkpoint", run_copy / "ckpt", "--tokenizer", tok, "--device", "cpu"]
+    code, _, err = cli(*argv, "--prompt", "w1 w80")
+    _no_traceback(code, err)
+    assert "the prompt encodes to token id 80, but the model has 64 token ids" in err and str(tok) in err
+
+
+def test_a_config_path_that_is_a_dangling_link_or_a_loop_says_so(cli, tmp_path):
+    # Before: "(does not exist)" for a path that `ls` shows.
+    (tmp_path / "a.yaml").symlink_to(tmp_path / "b.yaml")
+    (tmp_path / "b.yaml").symlink_to(tmp_path / "a.yaml")
+    (tmp_path / "dangling.yaml").symlink_to(tmp_path / "gone.yaml")
+    for name in ("a.yaml", "dangling.yaml"):
+        code, _, err = cli("check", "--config", tmp_path / name)
+        _no_traceback(code, err)
+        assert "is a symbolic link to nothing" in err and str(tmp_path / name) in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (["generate", "--checkpoint", "{d}", "--prompt", "t1"], "--checkpoint"),
+        (["eval", "--checkpoint", "{d}"], "--checkpoint"),
+        (["convert", "--to-hf", "{out}", "--from", "{d}"], "--from"),
+        (["checkpoint", "inspect", "{d}"], "DIR"),
+    ],
+    ids=["generate", "eval", "convert", "inspect"],
+)
+def test_a_directory_that_is_no_checkpoint_is_named_by_the_option_given(cli, tmp_path, argv, name):
+    # Before: every command said "checkpoint.load_path '...' is not a checkpoint", a YAML key they do not read.
+    d = tmp_path / "not_a_checkpoint"
+    d.mkdir()
+    (d / "notes.txt").write_text("hello")
+    code, _, err = cli(*[a.format(d=d, out=tmp_path / "out") for a in argv])
+    _no_traceback(code, err)
+    assert f"{name} '{d}' is not a checkpoint" in err and "checkpoint.load_path" not in err, err

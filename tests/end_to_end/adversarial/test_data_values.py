@@ -276,3 +276,40 @@ def test_the_text_loader_names_the_line_of_an_invalid_utf8_byte(tmp_path):
     tok = write_tokenizer(tmp_path / "tok")
     with pytest.raises(DataError, match=rf"{path}:2 is not valid UTF-8"):
         _batches(_section(str(path), tok), 2)
+
+
+@pytest.mark.parametrize(
+    "content, skipped",
+    [("", 0), ('{"text": ""}\n{"text": ""}\n', 2)],
+    ids=["zero-length", "only-empty-texts"],
+)
+def test_preprocess_refuses_an_input_without_documents(tmp_path, cli, content, skipped):
+    # Before: exit 0, "wrote ...: 0 documents", and an empty .bin/.idx that training refused later.
+    src = tmp_path / "in.jsonl"
+    src.write_text(content)
+    tok = write_tokenizer(tmp_path / "tok")
+    out = tmp_path / "out" / "corpus"
+    code, _, err = cli(
+        "data", "preprocess", "--input", src, "--tokenizer", tok, "--output-prefix", out, "--no-progress"
+    )
+    assert code == 2 and "Traceback" not in err, err
+    assert f"--input {src} holds no document to write ({skipped} empty 'text' text(s) skipped" in err, err
+    assert (
+        not list((tmp_path / "out").glob("*")) if (tmp_path / "out").exists() else True
+    )  # nothing published
+
+
+def test_inspect_with_a_tokenizer_the_data_was_not_made_with(tmp_path, cli):
+    # Before: the sample decoded to a few '<unk>'s (ids the tokenizer lacks are dropped), exit 0.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    with IndexedDatasetWriter(tmp_path / "docs", np.uint16) as writer:
+        writer.add_document([5, 63, 7, 0])
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "small.json"))
+    code, _, err = cli("data", "inspect", tmp_path / "docs", "--tokenizer", tmp_path / "small.json")
+    assert code == 2 and "Traceback" not in err, err
+    assert f"holds token id 63, but --tokenizer {tmp_path / 'small.json'} has 3 ids (0 .. 2)" in err, err
+    code, out, err = cli("data", "inspect", tmp_path / "docs")  # the statistics alone still work
+    assert code == 0 and "max token   63" in out, err

@@ -13,6 +13,11 @@ MLA_MOE = REPO / "configs" / "muon_deepseek_v3.yaml"  # deepseek_v3: MLA, 8 rout
 
 CASES = {
     "hidden not divisible, head_dim unset": (DENSE, ["model.hidden_size=30", "model.head_dim=null"], "model.hidden_size = 30 is not divisible by model.num_attention_heads = 4"),
+    # 0 is a value the user wrote, not "unset": it is refused, never replaced by the derived default.
+    "head_dim 0": (DENSE, ["model.head_dim=0"], "model.head_dim = 0 must be a positive integer"),
+    "num_key_value_heads 0": (DENSE, ["model.num_key_value_heads=0"], "model.num_key_value_heads = 0 must be a positive integer"),
+    "n_group 0": (MLA_MOE, ["model.n_group=0"], "model.n_group = 0 must be a positive integer"),
+    "topk_group 0": (MLA_MOE, ["model.topk_group=0"], "model.topk_group = 0 must be a positive integer"),
     "odd head_dim": (DENSE, ["model.head_dim=15"], "model.head_dim = 15 must be even"),
     "odd derived head_dim": (DENSE, ["model.hidden_size=20", "model.head_dim=null"], "model.head_dim = 5 (model.hidden_size / model.num_attention_heads) must be even"),
     "rope_theta 0": (DENSE, ["model.rope_theta=0"], "model.rope_theta = 0.0 must be a finite number > 0"),

@@ -83,8 +83,14 @@ def test_auto_resume_modes(tmp_path, monkeypatch):
         ("checkpoint.auto_resume=sometimes", "checkpoint.auto_resume"),
         (
             "parallelism.process_group_timeout=0",
-            "parallelism.process_group_timeout must be a positive number",
+            "parallelism.process_group_timeout must be a positive, finite number",
         ),
+        # accepted before, then an OverflowError traceback from timedelta at a torchrun start-up
+        (
+            "parallelism.process_group_timeout=.inf",
+            "parallelism.process_group_timeout must be a positive, finite number",
+        ),
+        ("parallelism.process_group_timeout=1e300", "at most 604800: a week"),
     ],
 )
 def test_new_keys_refuse_bad_values(base_config, override, needle):
@@ -135,6 +141,17 @@ def test_env_prints_one_process_view(capsys):
     assert main(["env", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["world_size"] == 1 and summary["ranks"][0]["backend"] in ("gloo", "nccl")
+
+
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan", "inf", "1e300"])
+def test_env_refuses_a_timeout_that_cannot_be_waited(capsys, timeout):
+    # Before: accepted on one process (unused there), while under torchrun timedelta(seconds=) raised
+    # on NaN (ValueError) and inf / 1e300 (OverflowError), and 0 or a negative wait is no wait at all.
+    assert main(["env", "--timeout", timeout]) == 2
+    err = capsys.readouterr().err
+    assert f"--timeout {float(timeout):g}: expected the seconds to wait" in err and "Traceback" not in err, (
+        err
+    )
 
 
 @pytest.mark.slow

@@ -66,14 +66,15 @@ def common_fields(values: Any, family_qk_norm: bool, family_mla: bool) -> dict[s
     hidden = positive_int(values.hidden_size, "hidden_size")
     heads = positive_int(values.num_attention_heads, "num_attention_heads")
     kv_given = values.num_key_value_heads
-    kv_heads = positive_int(kv_given, "num_key_value_heads") if kv_given else heads
+    kv_heads = positive_int(kv_given, "num_key_value_heads") if kv_given is not None else heads
     if heads % kv_heads:
         raise ConfigError(
             f"model.num_key_value_heads = {kv_heads} must divide model.num_attention_heads = {heads}."
         )
-    # MLA families have no head_dim key (their head sizes are qk_nope/qk_rope/v_head_dim).
+    # MLA families have no head_dim key (their head sizes are qk_nope/qk_rope/v_head_dim). Only an absent
+    # (null) key is derived: a 0 the user wrote is refused, not replaced.
     head_given = getattr(values, "head_dim", None)
-    head_dim = positive_int(head_given, "head_dim") if head_given else hidden // heads
+    head_dim = positive_int(head_given, "head_dim") if head_given is not None else hidden // heads
     if head_dim < 1:
         raise ConfigError(
             f"model.num_attention_heads = {heads} is larger than model.hidden_size = {hidden}: each head "

@@ -77,8 +77,8 @@ def to_transformer_config(values: FamilySection) -> TransformerConfig:
     top_k, n_group, topk_group = 1, 1, 1
     if num_experts:
         top_k = check_experts(values, "n_routed_experts", num_experts)
-        n_group = positive_int(values.n_group, "n_group") if values.n_group else 1
-        topk_group = positive_int(values.topk_group, "topk_group") if values.topk_group else 1
+        n_group = positive_int(values.n_group, "n_group") if values.n_group is not None else 1
+        topk_group = positive_int(values.topk_group, "topk_group") if values.topk_group is not None else 1
         if values.topk_method == "greedy":
             n_group, topk_group = 1, 1
         elif values.topk_method not in ("noaux_tc", "group_limited_greedy"):

@@ -101,9 +101,26 @@ def _read_facts(path: Path) -> dict[str, Any]:
     return {k: v for k, v in facts.items() if k not in bad}
 
 
+# The fields every rule takes as a step number: a record whose value is not one (a hand-edited or damaged
+# line: "step": "four", null, 1e400) is dropped and reported rather than crashing a rule's int().
+_STEP_FIELDS = ("step", "to_step")
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON-object lines of ``path``. The last line may be cut by a crash and is skipped silently;
+    any other line that is not a JSON object, or whose step fields are not whole numbers, is skipped and
+    reported (path and line numbers), never a crash."""
     records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    unreadable: list[int] = []
+    bad_steps: list[int] = []
+    for number, line in enumerate(lines, 1):
         line = line.strip()
         if not line:
             continue
@@ -111,11 +128,32 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             record = json.loads(
                 line, parse_constant=lambda c: {"NaN": math.nan, "Infinity": math.inf}.get(c, -math.inf)
             )
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-        if isinstance(record, dict):
+        except (json.JSONDecodeError, RecursionError):
+            if number < len(lines):  # the last line is the one a crash cuts
+                unreadable.append(number)
+            continue
+        if not isinstance(record, dict):
+            unreadable.append(number)
+        elif any(k in record and not _is_step(record[k]) for k in _STEP_FIELDS):
+            bad_steps.append(number)
+        else:
             records.append(record)
+    if unreadable:
+        logger.warning(
+            "%s: ignored line(s) %s: not a JSON object as lmforge writes (a damaged or hand-edited file).",
+            path,
+            _line_list(unreadable),
+        )
+    if bad_steps:
+        logger.warning(
+            "%s: ignored line(s) %s: 'step' / 'to_step' is not a whole number.", path, _line_list(bad_steps)
+        )
     return records
+
+
+def _line_list(numbers: list[int], shown: int = 10) -> str:
+    text = ", ".join(str(n) for n in numbers[:shown])
+    return text + (f" and {len(numbers) - shown} more" if len(numbers) > shown else "")
 
 
 def split_rollbacks(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

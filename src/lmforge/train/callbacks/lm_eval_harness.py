@@ -206,6 +206,19 @@ def flat_results(results: dict[str, dict[str, float]], prefix: str = "lm_eval") 
     }
 
 
+def _within_vocab(encoding: Any, lm: Any) -> list[int]:
+    """The ids of ``encoding`` when the model has an embedding for each; a tokenizer of another model (ids
+    past model.vocab_size) is refused here: the lookup was an IndexError traceback from inside the model."""
+    ids = encoding.ids
+    vocab = getattr(getattr(lm.model, "config", None), "vocab_size", None)
+    if vocab is not None and ids and max(ids) >= vocab:
+        raise DataError(
+            f"the tokenizer encodes task text to token id {max(ids)}, but the model has {vocab} token ids "
+            "(model.vocab_size): it is not this model's tokenizer. Give the model's own tokenizer (--tokenizer PATH)."
+        )
+    return list(ids)
+
+
 def _lm_class() -> type:
     from lm_eval.api.model import TemplateLM
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -226,7 +239,7 @@ def _lm_class() -> type:
             return self._eot
 
         def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-            return list(self._tok.encode(string, add_special_tokens=bool(add_special_tokens)).ids)
+            return _within_vocab(self._tok.encode(string, add_special_tokens=bool(add_special_tokens)), self)
 
         def tok_decode(self, ids: list[int], **kwargs: Any) -> str:
             return self._tok.decode(list(ids))

@@ -90,7 +90,7 @@ def inspect_checkpoint(
     first; ``progress`` gets the bytes hashed so far every ``PROGRESS_INTERVAL`` seconds of ``clock`` and a
     final line while a large checkpoint is hashed. A damaged checkpoint is described by its files only (its
     metadata cannot be trusted), with the error in ``damage``."""
-    header = resolve_checkpoint(path)
+    header = resolve_checkpoint(path, "DIR")
     if header is None:
         raise CheckpointError(f"{path}: no checkpoint here (the directory is missing or empty).")
     if header.kind == "hf":

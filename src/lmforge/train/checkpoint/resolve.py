@@ -72,20 +72,23 @@ def empty_load_path_message(load_path: str | os.PathLike, key: str = "checkpoint
     )
 
 
-def resolve_checkpoint(load_path: str | os.PathLike) -> CheckpointHeader | None:
+def resolve_checkpoint(
+    load_path: str | os.PathLike, what: str = "checkpoint.load_path"
+) -> CheckpointHeader | None:
     """Resolve a checkpoint path; None when there is nothing there (an empty path, a missing path, or a
     directory without visible entries), for the caller to refuse in its own terms: ``train`` refuses an
     explicit ``checkpoint.load_path`` that holds nothing before building anything
     (``resume.load_path_problem``; the original only warned and trained from scratch), the tools name
     their ``--checkpoint``. An HF model directory is used as is; a save directory with a tracker
     resolves to its latest iteration; otherwise the path must be an iteration directory itself.
+    ``what`` names the path in errors: the key or option the user gave it with (``--checkpoint``, ...).
     """
     path = Path(load_path)
     if not str(load_path) or holds_nothing(path):
         return None
     if not path.is_dir():
         raise CheckpointError(
-            f"checkpoint.load_path {str(path)!r} is a file; it must be a directory: a checkpoint save_path "
+            f"{what} {str(path)!r} is a file; it must be a directory: a checkpoint save_path "
             f"(with {TRACKER_FILE}), one iteration_XXXXXXXX directory, or a Hugging Face model directory."
         )
     if is_hf_model_dir(path):
@@ -99,14 +102,14 @@ def resolve_checkpoint(load_path: str | os.PathLike) -> CheckpointHeader | None:
         if not it.is_dir():
             raise CheckpointError(
                 f"{path / TRACKER_FILE} names iteration {step}, but {it} does not exist. Point "
-                f"checkpoint.load_path at an existing iteration_XXXXXXXX directory."
+                f"{what} at an existing iteration_XXXXXXXX directory."
             )
         path = it
     if not (path / ".metadata").is_file():
         found = sorted(p.name for p in path.glob("iteration_*") if p.is_dir())
         hint = f" It contains {', '.join(found[-3:])} but no {TRACKER_FILE}." if found else ""
         raise CheckpointError(
-            f"checkpoint.load_path {str(Path(load_path))!r} is not a checkpoint: expected a save_path with "
+            f"{what} {str(Path(load_path))!r} is not a checkpoint: expected a save_path with "
             f"{TRACKER_FILE}, an iteration_XXXXXXXX directory (with a DCP .metadata file), or a Hugging Face "
             f"model directory (model.safetensors or *model.safetensors.index.json).{hint}"
         )
