@@ -137,3 +137,32 @@ def test_a_missing_tokenizer_is_a_check_warning_and_refused_by_train_before_buil
     err = capsys.readouterr().err
     assert needle in err and "Nothing was built" in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("eod beyond the vocabulary", "train_dataset.dataloader.eod must be a token id in 0 .. 63; got 100"),
+        ("not a tokenizer", "is not a valid Hugging Face tokenizer.json"),
+    ],
+)
+def test_a_tokenizer_the_loader_cannot_use_is_a_check_warning_and_refused_by_train_before_building(
+    tmp_path, capsys, case, needle
+):
+    # Before: `check` passed both (exit 0, no warning) and `train` refused them after building the model.
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "w1"}]}])
+    extra = []
+    if case == "not a tokenizer":
+        (tmp_path / "tok").mkdir()
+        (tmp_path / "tok" / "tokenizer.json").write_text('{"this is": "not a tokenizer"}')
+    else:
+        write_tokenizer(tmp_path / "tok")
+        extra = ["train_dataset.dataloader.eod=100"]
+    argv = _overrides(tmp_path, "run", 1, *extra)
+    assert main(["check", "--config", str(RECIPE), *argv]) == 0
+    out = capsys.readouterr().out
+    assert needle in out and "training will refuse to start until it is fixed" in out, out
+    assert main(["train", "--config", str(RECIPE), *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Nothing was built" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()

@@ -237,7 +237,7 @@ def _start_refusals(cfg: TrainConfig) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     # lmforge.data imports torch: only when checking
-    from lmforge.data.files import cache_dir_problems, missing_data_files
+    from lmforge.data.files import cache_dir_problems, missing_data_files, text_loader_problem
     from lmforge.train.preflight import preflight
 
     world = _world_size(args)
@@ -275,6 +275,15 @@ def run(args: argparse.Namespace) -> int:
         + [
             f"{p}; training will refuse to start until it can be written"
             for p in cache_dir_problems(cfg.train_dataset, cfg.eval_dataset)
+        ]
+        + [
+            f"{p}; training will refuse to start until it is fixed"
+            for p in [
+                text_loader_problem(
+                    cfg.train_dataset, plan.model_config.seq_length, plan.model_config.vocab_size
+                )
+            ]
+            if p is not None
         ]
         + _start_refusals(cfg)
     )

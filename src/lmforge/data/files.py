@@ -91,3 +91,23 @@ def cache_dir_problems(train: TrainDatasetConfig, eval_section: TrainDatasetConf
     if eval_section is not None:
         problems.append(cache_dir_problem(eval_section, "eval_dataset"))
     return [p for p in problems if p is not None]
+
+
+def text_loader_problem(section: TrainDatasetConfig, seq_length: int, vocab_size: int) -> str | None:
+    """Why a text loader could not start with the model of ``seq_length`` / ``vocab_size``: its tokenizer
+    is not a tokenizer.json, has no end-of-document token, or gives ids (eod, pad) beyond the model's
+    vocabulary; or a source has no file of a known format. What the loader itself checks when it is built
+    (``text_loader_settings``), run before the model is; None when it can start, or when it is not a text
+    loader, or when its data or tokenizer is missing (:func:`missing_data_files` says so)."""
+    from lmforge.errors import ConfigError, DataError
+
+    from .text_settings import text_loader_settings
+
+    typed = section.dataloader.typed
+    if not isinstance(typed, TextLoader) or missing_data_files(section):
+        return None
+    try:
+        text_loader_settings(typed, seq_length=seq_length, vocab_size=vocab_size)
+    except (ConfigError, DataError) as exc:
+        return str(exc).rstrip(".")
+    return None

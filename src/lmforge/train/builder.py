@@ -233,7 +233,7 @@ def build_trainer(
 
 def _checked_plan(cfg: TrainConfig, device: str | None) -> Any:
     """The run plan, or the ConfigError / DataError naming every problem; nothing is built yet."""
-    from lmforge.data.files import TRAINING_KEYS, cache_dir_problems, missing_data_files
+    from lmforge.data.files import TRAINING_KEYS, cache_dir_problems, missing_data_files, text_loader_problem
     from lmforge.train.checkpoint.resume import load_path_problem
     from lmforge.train.preflight import preflight
     from lmforge.train.recovery.give_up import give_up_problem
@@ -244,6 +244,8 @@ def _checked_plan(cfg: TrainConfig, device: str | None) -> Any:
     plan = preflight(cfg, world_size, device)
     missing = missing_data_files(cfg.train_dataset, TRAINING_KEYS)
     problems = missing + cache_dir_problems(cfg.train_dataset, cfg.eval_dataset)  # each with its advice
+    text = text_loader_problem(cfg.train_dataset, plan.model_config.seq_length, plan.model_config.vocab_size)
+    problems += [text] if text is not None else []
     if problems:
         advice = (
             "; create the data (e.g. 'lmforge data preprocess') or point the path at it" if missing else ""
