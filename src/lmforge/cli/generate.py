@@ -54,9 +54,17 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     parser.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=50, metavar="K", help="0 disables top-k filtering")
+    # Recorded when given, so that one given with --temperature 0 (greedy: it changes nothing) is refused.
     parser.add_argument(
-        "--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1]; 1 disables it"
+        "--top-k", type=int, default=50, metavar="K", action=_Given, help="0 disables top-k filtering"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        action=_Given,
+        help="nucleus sampling mass in (0, 1]; 1 disables it",
     )
     parser.add_argument(
         "--tokenizer", default=None, metavar="PATH", help="tokenizer.json or a directory with one"
@@ -69,6 +77,16 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+class _Given(argparse.Action):
+    """Stores the value and records the option as given (``args.given``): a default is not a choice."""
+
+    def __call__(
+        self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", set()), option_string}
+
+
 def _check_sampling(args: argparse.Namespace) -> None:
     from lmforge.errors import ConfigError
 
@@ -76,6 +94,13 @@ def _check_sampling(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not (0 <= args.temperature < float("inf")):  # also refuses nan
         raise ConfigError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    given = sorted(getattr(args, "given", set()))
+    if args.temperature == 0 and given:
+        raise ConfigError(
+            f"{' and '.join(given)} filter the tokens that sampling draws from, but --temperature 0 is greedy "
+            "decoding (always the most likely token), where they change nothing. Drop them, or give a "
+            "temperature above 0 to sample."
+        )
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 disables top-k filtering), got {args.top_k}")
     if not (0 < args.top_p <= 1):

@@ -161,6 +161,9 @@ def test_os_error_outside_lmforge_code_is_a_message(run_copy, cli, monkeypatch, 
         (["--seed", str(2**70)], "--seed must be an integer in [0, 2**64 - 1]"),
         # was silently ignored: --prompt mode applies no template
         (["--chat-template", "t.jinja"], "--chat-template goes with chat mode"),
+        # were silently unused: greedy decoding takes the most likely token whatever they say
+        (["--temperature", "0", "--top-p", "0.9"], "--top-p filter the tokens"),
+        (["--temperature", "0", "--top-k", "5", "--top-p", "0.9"], "--top-k and --top-p filter the tokens"),
     ],
     ids=[
         "max-new-tokens",
@@ -170,6 +173,8 @@ def test_os_error_outside_lmforge_code_is_a_message(run_copy, cli, monkeypatch, 
         "top-k",
         "seed",
         "template",
+        "top-p-with-greedy",
+        "top-k-and-top-p-with-greedy",
     ],
 )
 def test_bad_generate_values(run_copy, cli, args, needle):
