@@ -13,6 +13,7 @@ from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.data import IndexedDataset, build_dataloader
 from lmforge.data.demo import FILES, build_demo, kjv_chapters, kjv_path
+from lmforge.errors import DataError
 from lmforge.utils.tokenizer import load_tokenizer
 
 from .paths import REPO_ROOT
@@ -163,3 +164,29 @@ def test_preprocess_errors_are_user_errors(demo_dir, tmp_path, capsys):
         == 2
     )
     assert "no tokenizer at" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ('["t1", "t2"]', "bad.jsonl:2 is a JSON array, not an object"),
+        ('"t1 t2"', "bad.jsonl:2 is a JSON string, not an object"),
+        ("null", "bad.jsonl:2 is a JSON null, not an object"),
+        ("{}", "bad.jsonl:2 has no key 'text' (it has: no keys)"),
+    ],
+)
+def test_a_line_that_is_not_an_object_with_the_key_is_named_for_what_it_is(tmp_path, line, needle):
+    from lmforge.data.preprocess import read_documents
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "t0"}\n' + line + "\n")
+    with pytest.raises(DataError) as err:
+        list(read_documents(str(bad), "text"))
+    assert needle in str(err.value)  # before, a list read "has no key 'text' (it has: list)"
+
+
+def test_a_directory_as_input_is_named_a_directory(tmp_path):
+    from lmforge.data.preprocess import read_documents
+
+    with pytest.raises(DataError, match="a directory, not a file"):  # before: "no such file"
+        list(read_documents(str(tmp_path), "text"))

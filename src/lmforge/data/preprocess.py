@@ -59,7 +59,8 @@ def read_documents(path: str, json_key: str, progress=None) -> Iterator[str]:
     """The ``json_key`` text of every line; a list of strings (sentences) is joined. Any other value is
     refused with the file and line (``data/text_values.py``)."""
     if not os.path.isfile(path):
-        raise DataError(f"--input {path}: no such file (expected JSON lines, optionally .gz).")
+        what = "a directory, not a file" if os.path.isdir(path) else "no such file"
+        raise DataError(f"--input {path}: {what} (expected one JSON lines file, optionally .gz).")
     stream, raw = _open_text(path)
     with stream, raw:
         try:
@@ -94,10 +95,16 @@ def _documents(
             raise DataError(
                 f"{path}:{number} is not valid JSON ({exc.msg}); expected one object per line."
             ) from None
-        if not isinstance(record, dict) or json_key not in record:
-            keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+        if not isinstance(record, dict):
+            kind = {list: "a JSON array", str: "a JSON string", bool: "a JSON boolean"}.get(type(record))
             raise DataError(
-                f"{path}:{number} has no key '{json_key}' (it has: {keys}); choose it with --json-key."
+                f"{path}:{number} is {kind or 'a JSON ' + ('null' if record is None else 'number')}, not an object; "
+                f"expected one object per line with the text under '{json_key}'."
+            )
+        if json_key not in record:
+            raise DataError(
+                f"{path}:{number} has no key '{json_key}' (it has: {', '.join(record) or 'no keys'}); choose it "
+                "with --json-key."
             )
         yield text_value(record[json_key], f"{path}:{number}", json_key, allow_list=True)
 
