@@ -231,3 +231,13 @@ def test_a_closed_progress_stream_does_not_pass_for_damage(ckpt, monkeypatch):
 def test_the_eta_is_the_time_left_at_the_rate_so_far(remaining, eta):
     assert inspect_mod._eta(remaining * 1000, done=1000, elapsed=1.0) == eta
     assert inspect_mod._eta(100, done=0, elapsed=0.0) == "?"
+
+
+def test_no_verify_on_a_truncated_shard_names_the_file_and_how_short_it_is(ckpt, capsys):
+    shard = _shard(ckpt)
+    shard.write_bytes(shard.read_bytes()[:64])  # the trainer state inspect reads is cut off too
+    code, _, err = _inspect(capsys, ckpt, "--no-verify")
+    # Before: "Cannot read checkpoint ...: EOFError: . A shard file is missing, truncated or corrupt".
+    assert code == 2, err
+    assert f"{shard.name}: 64 bytes, the index needs" in err and "A shard file is truncated" in err
+    assert "EOFError: ." not in err

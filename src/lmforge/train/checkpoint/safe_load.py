@@ -159,11 +159,42 @@ def load_dcp(state_dict: dict[str, Any], path: str | Path, *, no_dist: bool) -> 
         inner = first_failure(exc)
         if isinstance(inner, LmforgeError):
             raise inner from None
+        detail = str(inner).strip().splitlines()[-1] if str(inner).strip() else "no message"
+        short = short_shards(path)
+        found = (
+            f"{'; '.join(short)}. A shard file is truncated"
+            if short
+            else "A shard file is missing, truncated or corrupt"
+        )
         raise CheckpointError(
-            f"Cannot read checkpoint {path}: {type(inner).__name__}: {str(inner).strip().splitlines()[-1] if str(inner).strip() else ''}. "
-            "A shard file is missing, truncated or corrupt; use another iteration of the save_path, or "
-            "re-create the checkpoint."
+            f"Cannot read checkpoint {path}: {type(inner).__name__}: {detail}. {found}; use another iteration "
+            "of the save_path, or re-create the checkpoint."
         ) from None
+
+
+def short_shards(path: str | Path) -> list[str]:
+    """Which shard files of ``path`` end before the bytes its ``.metadata`` places in them (a truncated
+    copy: DCP then fails with a bare ``EOFError``), as ``NAME: N bytes, the index needs M``; [] when
+    none or when the metadata cannot be read (its own error is reported then)."""
+    try:
+        metadata = read_dcp_metadata(path)
+    except LmforgeError:
+        return []
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        if name:
+            needed[name] = max(needed.get(name, 0), end)
+    short = []
+    for name, end in sorted(needed.items()):
+        file = Path(path) / name
+        size = file.stat().st_size if file.is_file() else None
+        if size is None:
+            short.append(f"{name}: missing, the index needs {end:,} bytes of it")
+        elif size < end:
+            short.append(f"{name}: {size:,} bytes, the index needs {end:,}")
+    return short
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
