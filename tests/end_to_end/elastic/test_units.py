@@ -4,6 +4,8 @@ auto_resume's choice, the new config keys' errors, the watchdog's diagnosis, ``l
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -170,3 +172,20 @@ def test_a_rank_missing_at_start_up_is_reported_within_the_timeout():
     with pytest.raises(DistributedStartError, match=r"rank 1: rank 0 did not answer .*phase: rendezvous"):
         agree_generation(lone, 1, 2, 0.5)
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_exits_with_status_3_naming_its_phase():
+    # The status torchrun sees from a hung rank (docs/guide.md); the two-rank hang test cannot see it when
+    # torchrun reports the other rank, whose failure it observed at the same moment.
+    script = (
+        "import time\n"
+        "from lmforge.train.watchdog import HangWatchdog\n"
+        "dog = HangWatchdog(0.2, rank=1, world_size=2)\n"
+        "dog.on_train_begin(None, type('S', (), {'global_step': 4})())\n"
+        "dog.enter('after step 5: callbacks')\n"
+        "time.sleep(30)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert "rank 1 made no progress" in out.stderr and "after step 5: callbacks" in out.stderr
